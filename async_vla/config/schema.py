@@ -1,0 +1,85 @@
+"""The root config: one typed tree of sections plus the checks that span sections."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pydantic import Field, model_validator
+
+from async_vla.config.sections import (
+    ActorConfig,
+    BufferConfig,
+    EnvConfig,
+    LearnerConfig,
+    LoggingConfig,
+    LossConfig,
+    PolicyConfig,
+    RunConfig,
+    Section,
+    TransportConfig,
+    WeightsConfig,
+)
+
+
+class Config(Section):
+    """Everything a run needs. Defaults in code -> YAML file -> dotted CLI overrides."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity, mode, stopping and evaluation cadence."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Simulator and init-state splits."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """Model architecture, checkpoint and action tokenisation."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """Rollout actors."""
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    """Group-assembling replay buffer."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """DeepSpeed learner."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """GRPO objective."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """Weight broadcast to actors."""
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    """ZeroMQ sockets."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """TensorBoard and status output."""
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "Config":
+        # Each message names the dotted fields involved and how to fix them.
+        if self.buffer.groups_per_batch % self.learner.num_ranks:
+            raise ValueError(
+                f"buffer.groups_per_batch ({self.buffer.groups_per_batch}) must be a multiple of "
+                f"learner.num_ranks ({self.learner.num_ranks}) so every rank gets the same number of groups"
+            )
+        if self.actor.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "actor.backend=vllm but vllm is not installed: install the `gpu` extra "
+                "(pip install -e '.[gpu]') on a GPU host, or set actor.backend=torch"
+            )
+        if self.actor.backend == "vllm" and self.policy.decoding != "autoregressive":
+            raise ValueError("actor.backend=vllm needs policy.decoding=autoregressive")
+        if self.policy.arch != "tiny" and self.policy.path is None:
+            raise ValueError(f"policy.arch={self.policy.arch} needs policy.path (a local checkpoint directory)")
+        if self.policy.num_bins > self.policy.vocab_size:
+            raise ValueError("policy.num_bins must not exceed policy.vocab_size")
+        if self.policy.hidden_size % self.policy.num_heads:
+            raise ValueError(
+                f"policy.hidden_size ({self.policy.hidden_size}) must be divisible by policy.num_heads "
+                f"({self.policy.num_heads})"
+            )
+        if self.env.image_size % self.policy.patch_size:
+            raise ValueError(
+                f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
+                f"({self.policy.patch_size})"
+            )
+        if self.run.mode == "sync" and self.buffer.max_staleness != 0:
+            # Sync mode is defined by zero staleness; silently keeping eta>0 would make it async.
+            object.__setattr__(self.buffer, "max_staleness", 0)
+        return self
+
+    @property
+    def tokens_per_call(self) -> int:
+        """Action tokens produced by one policy call (chunk_size x action_dim; 56 for OpenVLA-OFT)."""
+        return self.policy.chunk_size * self.policy.action_dim

@@ -1,0 +1,358 @@
+"""Typed config sections. Every field carries a docstring (rendered into docs/CONFIG.md).
+
+Each section is a pydantic model that forbids unknown keys, so a typo such as
+``loss.eps_hgh=0.3`` fails at load time with the dotted name instead of being ignored.
+Cross-field checks that span sections live in ``schema.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Tuple
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors, field docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Run name; the run directory is ``<out_dir>/<name>``."""
+    out_dir: str = "runs"
+    """Parent directory of run directories (resolved config, logs, TensorBoard events, checkpoints)."""
+    seed: int = Field(0, ge=0)
+    """Global seed; each actor derives its own stream from (seed, actor id)."""
+    mode: Literal["async", "sync", "serial"] = "async"
+    """async: actors and learner overlap (bounded staleness). sync: actors wait for every new
+    version (staleness 0, the baseline). serial: every component in one process, one thread."""
+    max_versions: int = Field(50, ge=1)
+    """Stop after the learner has produced this many policy versions (optimizer steps)."""
+    max_wall_s: float = Field(600.0, gt=0)
+    """Stop after this many seconds of wall time, whichever comes first."""
+    eval_every: int = Field(5, ge=0)
+    """Greedy evaluation on held-out init states every this many versions (0 = only at the end)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Save a resumable checkpoint every this many versions (0 = only at the end)."""
+    target_success: Optional[float] = Field(None, gt=0, le=1)
+    """Stop early once greedy eval success reaches this value (None = never stop early)."""
+
+
+class EnvConfig(Section):
+    kind: Literal["builtin", "libero"] = "builtin"
+    """Simulator: the fast built-in tabletop task family, or real LIBERO (needs the `libero` extra)."""
+    suite: Literal["spatial", "object", "goal", "10", "90"] = "spatial"
+    """LIBERO suite (env.kind=libero only)."""
+    task_ids: Optional[list[int]] = None
+    """Task ids to train on (None = every task of the suite / built-in family)."""
+    num_train_init_states: int = Field(40, ge=1)
+    """Init states per task used for RL rollouts (the train split; LIBERO: the first n of its 50 fixed states)."""
+    num_eval_init_states: int = Field(10, ge=1)
+    """Held-out init states per task used only for greedy evaluation (never trained on; LIBERO: the last n)."""
+    max_steps: Optional[int] = Field(None, ge=1)
+    """Episode step limit (None = the suite's default)."""
+    image_size: int = Field(32, ge=8, le=512)
+    """Square camera image resolution in pixels."""
+    render_size: Optional[int] = Field(None, ge=8, le=1024)
+    """LIBERO: resolution the cameras render at, resized to image_size with Lanczos (None = image_size;
+    OpenVLA-OFT renders 256 and feeds 224)."""
+    image_orientation: Literal["rot180", "vflip"] = "rot180"
+    """LIBERO: rot180 = img[::-1, ::-1] as OpenVLA's LIBERO pipeline (and its training data) expects;
+    vflip = the true camera view (MuJoCo returns rows bottom-up)."""
+    wrist_camera: bool = False
+    """Also record the wrist camera image (LIBERO)."""
+    render_mode: Literal["full", "cheap"] = "full"
+    """LIBERO render fidelity. cheap: no shadows, reflections, skybox or multisampling (faster software
+    rendering; images differ from what published checkpoints saw, so use it for CPU/smoke runs, not to
+    evaluate or fine-tune pretrained OpenVLA models). See docs/LIBERO.md for measured speeds."""
+    mujoco_gl: Literal["auto", "egl", "osmesa"] = "auto"
+    """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
+    hard_reset: bool = False
+    """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default, ~5x slower resets). The init
+    state sets qpos/qvel fully, so a soft reset gives the same episode (checked in tests/test_libero.py)."""
+    gripper_convention: Literal["openvla", "libero"] = "openvla"
+    """LIBERO action[6]: openvla = [0, 1] with 1 open (converted to LIBERO's -1 open / +1 close);
+    libero = already in LIBERO's [-1, 1], +1 close."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """A single env step slower than this counts as a hung simulator and the env is restarted."""
+    worker: Literal["auto", "subprocess", "inline"] = "auto"
+    """Where an actor runs each env: subprocess (isolated: a crash or hang costs one env, see
+    async_vla/envs/worker.py), inline (in the actor process), auto (subprocess for libero, inline for builtin)."""
+    worker_start_timeout_s: float = Field(300.0, gt=0)
+    """Seconds an env worker may take to start and build its simulator (LIBERO: ~10-30 s on 2 CPU cores)."""
+    settle_steps: int = Field(10, ge=0)
+    """No-op steps after reset so objects settle (LIBERO evaluations use 10)."""
+    envs_per_actor: int = Field(8, ge=1)
+    """Environments stepped in lock-step inside one actor (usually the group size)."""
+
+
+class PolicyConfig(Section):
+    arch: Literal["tiny", "openvla", "openvla_oft"] = "tiny"
+    """tiny: OpenVLA-shaped random-init model for CPU. openvla/openvla_oft: load `path` via transformers."""
+    path: Optional[str] = None
+    """Directory of a saved checkpoint (ours or an OpenVLA/OFT HF directory) to start from."""
+    decoding: Literal["parallel", "autoregressive"] = "parallel"
+    """parallel: OFT-style one forward pass over all action tokens. autoregressive: OpenVLA-style."""
+    hidden_size: int = Field(128, ge=8)
+    """Decoder hidden size (tiny arch)."""
+    num_layers: int = Field(2, ge=1)
+    """Decoder layers (tiny arch)."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (tiny arch)."""
+    intermediate_size: int = Field(256, ge=8)
+    """MLP width (tiny arch)."""
+    patch_size: int = Field(8, ge=1)
+    """Vision encoder patch size in pixels (tiny arch)."""
+    vocab_size: int = Field(32000, ge=256)
+    """Language-model vocabulary; the last `num_bins` ids are the action tokens (OpenVLA: 31744..31999)."""
+    num_bins: int = Field(256, ge=2)
+    """Action discretisation bins per dimension."""
+    chunk_size: int = Field(8, ge=1)
+    """Action steps predicted per policy call."""
+    action_dim: int = Field(7, ge=1)
+    """Degrees of freedom per action step (xyz, rpy, gripper)."""
+    unnorm_key: Optional[str] = None
+    """Dataset key of the action normalisation statistics (None = the task family's own)."""
+    proprio_dim: int = Field(8, ge=1)
+    """Proprioception vector length fed to the tiny arch (builtin env and LIBERO: 8 = eef xyz, axis-angle, 2 gripper)."""
+    max_instruction_tokens: int = Field(16, ge=2)
+    """Tiny arch: instruction words (hashed, word-level) kept per prompt, padded to this length (incl. BOS)."""
+    word_buckets: int = Field(2048, ge=16)
+    """Tiny arch: rows of the hashed instruction-word embedding (each word sums two hashed rows)."""
+
+
+class ActorConfig(Section):
+    num_actors: int = Field(1, ge=1)
+    """Actor processes started by the fleet on this host."""
+    group_size: int = Field(8, ge=2)
+    """G: rollouts per group, all from the same init state."""
+    temperature: float = Field(1.6, ge=0)
+    """Rollout sampling temperature (SimpleVLA-RL: 1.6); 0 = greedy."""
+    swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
+    """When an actor swaps in new weights: between policy calls, or only between episodes."""
+    backend: Literal["torch", "vllm"] = "torch"
+    """Inference backend: torch (CPU/GPU) or vllm (GPU, `gpu` extra)."""
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads per actor (oversubscription makes steps swing 20x on 2 cores)."""
+    heartbeat_s: float = Field(1.0, gt=0)
+    """Seconds between actor heartbeats."""
+    hung_after_s: float = Field(60.0, gt=0)
+    """The fleet restarts an actor whose heartbeat is older than this."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """First restart delay; doubles on each fast crash up to 30 s."""
+    max_fast_crashes: int = Field(5, ge=1)
+    """Give up on an actor that crashed this many times in a row within `fast_crash_s` of starting."""
+    fast_crash_s: float = Field(10.0, gt=0)
+    """An actor that dies sooner than this after its start counts as a fast crash (back-off doubles)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """The fleet restarts an actor that has not written its first heartbeat this long after its start
+    (importing torch and building envs can take a while on a loaded host)."""
+    stop_timeout_s: float = Field(10.0, gt=0)
+    """On shutdown the fleet waits this long for actors to exit after SIGTERM, then kills them."""
+    stats_every_s: float = Field(5.0, gt=0)
+    """Seconds between ActorStats messages (throughput, inference and idle time, success by task)."""
+    grant_timeout_s: float = Field(5.0, gt=0)
+    """An unanswered GrantRequest is sent again after this long (the buffer may have restarted)."""
+    send_timeout_s: float = Field(0.5, gt=0)
+    """Slice of a blocked trajectory send; between slices the actor heartbeats and checks for stop
+    (a full buffer pushes back: the actor retries forever and counts the wait as idle time)."""
+
+
+class BufferConfig(Section):
+    groups_per_batch: int = Field(4, ge=1)
+    """B: groups in one learner batch (split evenly across learner ranks)."""
+    max_staleness: int = Field(2, ge=0)
+    """eta: groups whose oldest behaviour version lags the learner by more are never trained on."""
+    pacing: bool = True
+    """Grant new groups only while started-unfinished + accepted <= (eta + v + 1) * B."""
+    group_timeout_s: float = Field(120.0, gt=0)
+    """A partial group older than this expires (its actor died) and is counted."""
+    dynamic_sampling: bool = True
+    """Keep only mixed-outcome groups (0 < #success < G)."""
+    difficulty_mask: Optional[Tuple[float, float]] = None
+    """Keep groups whose success rate lies strictly inside (lo, hi), e.g. (0.1, 0.95). None = off."""
+    max_groups: int = Field(256, ge=1)
+    """Memory bound in complete groups held; above it the buffer stops reading its socket."""
+    max_bytes: int = Field(2 * 1024**3, ge=1024)
+    """Memory bound in bytes of held trajectories."""
+    reuse: int = Field(1, ge=1)
+    """Times a group may be trained on (1 = once)."""
+    order: Literal["fifo", "lifo"] = "fifo"
+    """Batch order over admitted groups."""
+    record: bool = False
+    """Append every received trajectory (wire format) to <run>/recording/."""
+    record_file_bytes: int = Field(256 * 1024**2, ge=1024)
+    """Rotate recording files at this size."""
+    record_max_files: int = Field(16, ge=1)
+    """Keep at most this many recording files (oldest deleted)."""
+    grant_retry_s: float = Field(0.5, gt=0)
+    """retry_after_s sent with an empty admission grant (pacing says "not now")."""
+    remember_closed_groups: int = Field(10000, ge=1)
+    """Closed group ids (with their trajectory ids) kept to recognise late duplicates and stragglers."""
+    check_run_id: bool = True
+    """Count trajectories whose run_id differs from this run's as malformed ("wrong_run")."""
+    expire_every_s: float = Field(1.0, gt=0)
+    """Service: seconds between sweeps that expire partial groups older than group_timeout_s."""
+    ledger_every_s: float = Field(10.0, gt=0)
+    """Service: seconds between rewrites of <run>/ledger.json (also written at exit)."""
+    control_poll_s: float = Field(1.0, gt=0)
+    """Service: seconds between checks of the file <run>/control/max_staleness (live eta changes)."""
+
+    @model_validator(mode="after")
+    def _check_mask(self) -> "BufferConfig":
+        if self.difficulty_mask is not None:
+            lo, hi = self.difficulty_mask
+            if not 0.0 <= lo < hi <= 1.0:
+                raise ValueError(f"difficulty_mask must satisfy 0 <= lo < hi <= 1, got {self.difficulty_mask}")
+        return self
+
+
+class LearnerConfig(Section):
+    num_ranks: int = Field(1, ge=1)
+    """Data-parallel learner ranks (processes)."""
+    zero_stage: int = Field(3, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    lr: float = Field(5e-6, gt=0)
+    """AdamW learning rate (SimpleVLA-RL: 5e-6)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    steps_per_batch: int = Field(1, ge=1)
+    """Optimizer steps per batch; each extra step adds one version of staleness (counted)."""
+    micro_batch_trajectories: int = Field(16, ge=1)
+    """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
+    deepspeed_config: Optional[str] = None
+    """Path to a user DeepSpeed JSON that replaces the generated one."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU."""
+    backend: Literal["deepspeed", "torch"] = "deepspeed"
+    """deepspeed: ZeRO engine. torch: plain single-process AdamW (serial mode and debugging)."""
+    zero3_persistence_threshold: int = Field(100_000, ge=0)
+    """ZeRO-3: parameters with fewer elements than this stay whole on every rank instead of being
+    partitioned (DeepSpeed stage3_param_persistence_threshold); 0 partitions every parameter."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Resumable checkpoints kept in <run>/checkpoints (older ones are deleted after a successful save)."""
+    batch_timeout_s: float = Field(1.0, gt=0)
+    """How long one BatchRequest waits at the buffer for a full batch before answering not-ready."""
+    dist_timeout_s: float = Field(1800.0, gt=0)
+    """torch.distributed timeout of the learner ranks' collectives (a rank that never arrives fails them)."""
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads per learner rank on CPU (oversubscribed threads make steps swing 20x)."""
+
+
+class LossConfig(Section):
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    """Lower clip: ratios below 1 - eps_low are clipped."""
+    eps_high: float = Field(0.28, gt=0)
+    """Upper clip ("clip-higher"): ratios above 1 + eps_high are clipped."""
+    dual_clip: Optional[float] = Field(None, gt=1)
+    """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens at c*|A|. None = off."""
+    correction: Literal["none", "tis", "mis"] = "tis"
+    """Off-policy correction: none (PPO against the sampler), tis (truncated IS), mis (masked IS)."""
+    tis_cap: float = Field(2.0, gt=0)
+    """TIS truncation C of w = pi_prox / pi_behav."""
+    mis_low: float = Field(0.5, gt=0)
+    """MIS: tokens with w < mis_low are masked."""
+    mis_high: float = Field(5.0, gt=0)
+    """MIS: tokens with w > mis_high are masked."""
+    nsr: Literal["off", "band", "noise"] = "off"
+    """Near-boundary stochastic rescue: off, band (Bernoulli p in a band past the bound), noise
+    (multiplicative uniform noise on the ratio; rescued if it lands back inside)."""
+    nsr_band: float = Field(0.1, gt=0)
+    """m: band width relative to the bound, (1+eps_high, (1+eps_high)(1+m)]."""
+    nsr_prob: float = Field(0.5, ge=0, le=1)
+    """p: rescue probability inside the band."""
+    nsr_decay: bool = False
+    """Let p fall linearly from nsr_prob at the bound to 0 at the band's far edge."""
+    nsr_noise: float = Field(0.2, gt=0, lt=1)
+    """delta of the noise mode: xi ~ U(1 - delta, 1 + delta)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """KL (k3) coefficient to a reference policy; 0 needs no reference model."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How token losses become one scalar (token_mean = DAPO)."""
+    adv_norm: Literal["group", "batch", "none"] = "group"
+    """Advantage normalisation: by group statistics, batch statistics, or none (r - mean only if std off)."""
+    adv_std: bool = True
+    """Divide by the std (False = Dr.GRPO mean-only)."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
+    reward_clip: Optional[float] = Field(None, gt=0)
+    """Clip rewards to +-reward_clip before normalisation. None = off."""
+    advantage_clip: Optional[float] = Field(None, gt=0)
+    """Clip advantages to +-advantage_clip. None = off."""
+
+    @model_validator(mode="after")
+    def _check_mis(self) -> "LossConfig":
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
+        return self
+
+
+class WeightsConfig(Section):
+    backend: Literal["auto", "gloo", "nccl", "zmq"] = "auto"
+    """Weight broadcast to actors: auto (nccl on GPU, gloo on CPU), or zmq (PUB/SUB, elastic)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Size cap of one broadcast bucket in MiB."""
+    timeout_s: float = Field(30.0, gt=0)
+    """A broadcast that takes longer (a dead or late actor) is abandoned and the group re-formed."""
+    publish_every: int = Field(1, ge=1)
+    """Broadcast weights every this many versions."""
+    join_timeout_s: float = Field(3.0, gt=0)
+    """How long the learner waits for invited actors to join a new broadcast group (epoch); an actor
+    that misses it is left out, with back-off, and catches up from the exported file."""
+    heartbeat_s: float = Field(0.5, gt=0)
+    """Actor heartbeat into the weight store; an actor silent for 5x this is left out of the next group."""
+    verify: bool = True
+    """Receivers check the checksum before acknowledging a broadcast (publish reports how many matched)."""
+    export: bool = True
+    """Also write every published version to <run>/weights/v<version>.safetensors + `latest` (the fallback
+    a restarted or late actor loads)."""
+    export_keep: int = Field(2, ge=1)
+    """Exported versions kept on disk (older ones are deleted)."""
+    export_async: bool = True
+    """Write the export in a background thread so the learner does not wait for the disk."""
+
+
+class TransportConfig(Section):
+    host: str = "127.0.0.1"
+    """Interface the buffer and learner bind to (loopback by default; 0.0.0.0 for remote actors)."""
+    connect_host: str = "127.0.0.1"
+    """Host actors and learner ranks connect to."""
+    trajectory_port: int = Field(5555, ge=0, le=65535)
+    """Buffer PULL port for trajectories (0 = pick a free port)."""
+    control_port: int = Field(5556, ge=0, le=65535)
+    """Buffer ROUTER port for grants, heartbeats, stats and learner batch requests."""
+    weights_port: int = Field(5557, ge=0, le=65535)
+    """Learner port for the weight stream (TCPStore rendezvous or ZeroMQ PUB)."""
+    use_ipc: bool = False
+    """Use ipc:// sockets in the run directory instead of tcp:// (single host only)."""
+    hwm: int = Field(64, ge=1)
+    """ZeroMQ high-water mark in messages (back-pressure on actors)."""
+    max_message_mb: float = Field(64.0, gt=0)
+    """Receiving sockets drop any message above this size before allocating it."""
+    curve: bool = False
+    """Require ZeroMQ CURVE authentication + encryption (needed for remote actors)."""
+    curve_dir: Optional[str] = None
+    """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = True
+    """Write TensorBoard events to <run>/tb."""
+    serve_tensorboard: bool = False
+    """bin/train also starts a TensorBoard server."""
+    tensorboard_host: str = "127.0.0.1"
+    """Interface of the TensorBoard server (loopback by default)."""
+    tensorboard_port: int = Field(6006, ge=0, le=65535)
+    """Port of the TensorBoard server."""
+    tensorboard_flush_s: int = Field(10, ge=1)
+    """Seconds between flushes of buffered TensorBoard events to disk."""
+    status_every_s: float = Field(5.0, gt=0)
+    """Seconds between live status lines."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""

@@ -1,0 +1,421 @@
+"""The one message schema: every message that crosses a process boundary.
+
+Wire format (ZeroMQ multipart): frame 0 is a small msgpack header
+``{"v": SCHEMA_VERSION, "k": kind, "f": {scalar fields}, "a": [[name, dtype, shape], ...]}``;
+each following frame is the raw bytes of one numpy array, in header order (zero-copy on send).
+
+Decoding trusts nothing: frame count, header size, msgpack, kind, schema version, every scalar's type,
+every array's dtype (from a fixed allow-list), rank and shape, and ``prod(shape) * itemsize == len(frame)``
+are checked *before* ``np.frombuffer``; then the message's own ``validate()`` checks cross-field facts
+(consistent N and T, finite log-probs, non-negative versions). Any failure raises ``MalformedMessage``
+with a short machine-readable ``reason`` that receivers count. Nothing is ever unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Sequence, Union
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ARRAY_RANK = 5
+ALLOWED_DTYPES = frozenset({"uint8", "bool", "int32", "int64", "float16", "float32", "float64"})
+
+
+class MalformedMessage(ValueError):
+    """A frame sequence that is not a valid message. ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# Arrays declared per message class: name -> (dtype, ndim, optional).
+ArraySpec = dict[str, tuple[str, int, bool]]
+
+
+@dataclass
+class Message:
+    """Base class. Subclasses set KIND, SCALARS (name -> allowed python types) and ARRAYS."""
+
+    KIND: ClassVar[str] = ""
+    SCALARS: ClassVar[dict[str, tuple[type, ...]]] = {}
+    ARRAYS: ClassVar[ArraySpec] = {}
+
+    def validate(self) -> None:
+        """Cross-field checks; raise MalformedMessage. Default: nothing beyond the typed fields."""
+
+
+_INT = (int,)
+_FLOAT = (float, int)
+_STR = (str,)
+_BOOL = (bool,)
+_DICT = (dict,)
+_LIST = (list,)
+_OPT_INT = (int, type(None))
+
+
+@dataclass
+class Trajectory(Message):
+    """One finished rollout: what the learner needs to recompute log-probs and build the loss."""
+
+    KIND: ClassVar[str] = "trajectory"
+    SCALARS: ClassVar[dict] = {
+        "run_id": _STR, "actor_id": _INT, "group_id": _STR, "traj_id": _STR, "task_id": _INT,
+        "init_state_id": _INT, "instruction": _STR, "behaviour_version": _INT, "success": _BOOL,
+        "reward": _FLOAT, "env_steps": _INT, "t_start": _FLOAT, "t_end": _FLOAT, "group_size": _INT,
+    }
+    ARRAYS: ClassVar[ArraySpec] = {
+        "chunk_versions": ("int64", 1, False),   # [N] policy version that produced each policy call
+        "images": ("uint8", 4, False),           # [N, H, W, 3] observation at each policy call
+        "proprio": ("float32", 2, False),        # [N, P]
+        "action_tokens": ("int64", 2, False),    # [N, T] token ids (T = chunk x dof)
+        "behav_logprobs": ("float32", 2, False), # [N, T] log-probs at the rollout temperature
+        "token_mask": ("bool", 2, False),        # [N, T] False for tokens never executed (episode ended)
+        "wrist_images": ("uint8", 4, True),      # [N, H, W, 3] or None
+    }
+
+    run_id: str
+    actor_id: int
+    group_id: str
+    traj_id: str
+    task_id: int
+    init_state_id: int
+    instruction: str
+    behaviour_version: int
+    success: bool
+    reward: float
+    env_steps: int
+    t_start: float
+    t_end: float
+    group_size: int
+    chunk_versions: np.ndarray
+    images: np.ndarray
+    proprio: np.ndarray
+    action_tokens: np.ndarray
+    behav_logprobs: np.ndarray
+    token_mask: np.ndarray
+    wrist_images: Optional[np.ndarray] = None
+
+    @property
+    def num_calls(self) -> int:
+        return int(self.action_tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.chunk_versions, self.images, self.proprio, self.action_tokens, self.behav_logprobs,
+                  self.token_mask, self.wrist_images)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def validate(self) -> None:
+        n = self.action_tokens.shape[0]
+        if n < 1:
+            raise MalformedMessage("shape", "trajectory has no policy calls")
+        for name in ("chunk_versions", "images", "proprio", "behav_logprobs", "token_mask"):
+            if getattr(self, name).shape[0] != n:
+                raise MalformedMessage("shape", f"{name} has {getattr(self, name).shape[0]} calls, tokens have {n}")
+        if self.behav_logprobs.shape != self.action_tokens.shape or self.token_mask.shape != self.action_tokens.shape:
+            raise MalformedMessage("shape", "behav_logprobs/token_mask must match action_tokens")
+        if self.images.shape[-1] != 3:
+            raise MalformedMessage("shape", f"images must be [N,H,W,3], got {self.images.shape}")
+        if self.wrist_images is not None and self.wrist_images.shape[0] != n:
+            raise MalformedMessage("shape", "wrist_images call count differs")
+        if self.group_size < 2:
+            raise MalformedMessage("value", f"group_size {self.group_size} < 2")
+        if self.behaviour_version < 0 or (self.chunk_versions < 0).any():
+            raise MalformedMessage("negative_version")
+        if int(self.chunk_versions.min()) != self.behaviour_version:
+            raise MalformedMessage("version_mismatch", "behaviour_version must be min(chunk_versions)")
+        valid = self.behav_logprobs[self.token_mask]
+        if not np.isfinite(valid).all() or (valid > 1e-4).any():
+            raise MalformedMessage("bad_logprob", "behaviour log-probs must be finite and <= 0")
+        if not self.token_mask.any():
+            raise MalformedMessage("value", "no valid action token")
+        if self.env_steps < 0 or not math.isfinite(self.reward):
+            raise MalformedMessage("value", "env_steps must be >= 0 and reward finite")
+
+
+@dataclass
+class WeightVersion(Message):
+    """Learner -> actors: a new policy version exists (and how to fetch it)."""
+
+    KIND: ClassVar[str] = "weight_version"
+    SCALARS: ClassVar[dict] = {"version": _INT, "num_params": _INT, "checksum": _FLOAT, "num_buckets": _INT,
+                               "nbytes": _INT, "t": _FLOAT, "path": _STR}
+    version: int
+    num_params: int = 0
+    checksum: float = 0.0
+    num_buckets: int = 0
+    nbytes: int = 0
+    t: float = field(default_factory=time.time)
+    path: str = ""
+    """Where a late or restarted actor can load these weights (exported checkpoint directory)."""
+
+    def validate(self) -> None:
+        if self.version < 0:
+            raise MalformedMessage("negative_version")
+
+
+@dataclass
+class GrantRequest(Message):
+    """Actor -> buffer: may I start ``want`` new groups?"""
+
+    KIND: ClassVar[str] = "grant_request"
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "want": _INT, "policy_version": _INT}
+    actor_id: int
+    want: int = 1
+    policy_version: int = 0
+
+
+@dataclass
+class AdmissionGrant(Message):
+    """Buffer -> actor: start these groups (ids issued by the buffer, so it can count them in flight)."""
+
+    KIND: ClassVar[str] = "admission_grant"
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
+                               "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR}
+    actor_id: int
+    group_ids: list = field(default_factory=list)
+    learner_version: int = 0
+    max_staleness: int = 0
+    retry_after_s: float = 0.0
+    weights_path: str = ""
+
+    def validate(self) -> None:
+        if not all(isinstance(g, str) for g in self.group_ids):
+            raise MalformedMessage("type", "group_ids must be strings")
+
+
+@dataclass
+class Heartbeat(Message):
+    """Actor -> buffer/fleet: alive, with its current policy version and state."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "pid": _INT, "policy_version": _INT, "state": _STR, "t": _FLOAT}
+    actor_id: int
+    pid: int = 0
+    policy_version: int = 0
+    state: str = "running"
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class ActorStats(Message):
+    """Actor -> buffer -> TensorBoard: throughput and success by task over the last interval."""
+
+    KIND: ClassVar[str] = "actor_stats"
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "interval_s": _FLOAT, "env_steps": _INT, "policy_calls": _INT,
+                               "inference_s": _FLOAT, "idle_s": _FLOAT, "episodes": _INT,
+                               "successes_by_task": _DICT, "episodes_by_task": _DICT, "policy_version": _INT,
+                               "env_crashes": _INT}
+    actor_id: int
+    interval_s: float = 0.0
+    env_steps: int = 0
+    policy_calls: int = 0
+    inference_s: float = 0.0
+    idle_s: float = 0.0
+    episodes: int = 0
+    successes_by_task: dict = field(default_factory=dict)
+    episodes_by_task: dict = field(default_factory=dict)
+    policy_version: int = 0
+    env_crashes: int = 0
+
+    def validate(self) -> None:
+        for d in (self.successes_by_task, self.episodes_by_task):
+            if not all(isinstance(k, str) and isinstance(v, int) for k, v in d.items()):
+                raise MalformedMessage("type", "by-task counters must map str -> int")
+
+
+@dataclass
+class BatchRequest(Message):
+    """Learner rank -> buffer: my share of the next batch, at learner version ``version``."""
+
+    KIND: ClassVar[str] = "batch_request"
+    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT}
+    rank: int
+    world: int
+    version: int
+    timeout_s: float = 1.0
+
+
+@dataclass
+class BatchHeader(Message):
+    """Buffer -> learner rank: the next ``len(group_sizes)`` groups follow as trajectories (or none yet)."""
+
+    KIND: ClassVar[str] = "batch_header"
+    SCALARS: ClassVar[dict] = {"batch_id": _INT, "group_sizes": _LIST, "version": _INT, "ready": _BOOL}
+    batch_id: int
+    group_sizes: list = field(default_factory=list)
+    version: int = 0
+    ready: bool = False
+
+
+@dataclass
+class ControlCommand(Message):
+    """Operator or learner -> buffer: change a live knob (e.g. max_staleness) or report the learner version."""
+
+    KIND: ClassVar[str] = "control"
+    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None))}
+    command: str
+    value: Any = None
+
+
+@dataclass
+class Shutdown(Message):
+    """Anyone -> anyone: stop cleanly."""
+
+    KIND: ClassVar[str] = "shutdown"
+    SCALARS: ClassVar[dict] = {"reason": _STR}
+    reason: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (Trajectory, WeightVersion, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
+                BatchHeader, ControlCommand, Shutdown)
+}
+
+Frame = Union[bytes, memoryview, Any]  # bytes, memoryview or zmq.Frame (has .buffer)
+
+
+def encode(msg: Message) -> list:
+    """Message -> [header bytes, array frames...]. Arrays are sent as contiguous buffers (no copy if possible)."""
+    scalars = {name: getattr(msg, name) for name in msg.SCALARS}
+    specs, frames = [], []
+    for name in msg.ARRAYS:
+        arr = getattr(msg, name)
+        if arr is None:
+            continue
+        arr = np.ascontiguousarray(arr)
+        specs.append([name, arr.dtype.name, list(arr.shape)])
+        frames.append(memoryview(arr).cast("B") if arr.nbytes else b"")
+    header = msgpack.packb({"v": SCHEMA_VERSION, "k": msg.KIND, "f": scalars, "a": specs}, use_bin_type=True)
+    return [header, *frames]
+
+
+def _buffer(frame: Frame) -> memoryview:
+    if hasattr(frame, "buffer"):
+        return frame.buffer  # zmq.Frame received with copy=False
+    return memoryview(frame)
+
+
+def _check_scalar(cls: type[Message], name: str, value: Any) -> Any:
+    allowed = cls.SCALARS[name]
+    # bool is an int subclass: never accept True where a count or version is expected.
+    if isinstance(value, bool) and bool not in allowed:
+        raise MalformedMessage("type", f"{name} must be {allowed}, got bool")
+    if not isinstance(value, allowed):
+        raise MalformedMessage("type", f"{name} must be {[t.__name__ for t in allowed]}, got {type(value).__name__}")
+    if isinstance(value, float) and float in allowed and not math.isfinite(value):
+        raise MalformedMessage("value", f"{name} is not finite")
+    return value
+
+
+def _decode_array(spec: Any, frame: Frame, expected: ArraySpec, max_bytes: int) -> tuple[str, np.ndarray]:
+    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)
+            and isinstance(spec[2], list)):
+        raise MalformedMessage("header", "array spec must be [name, dtype, shape]")
+    name, dtype, shape = spec
+    if name not in expected:
+        raise MalformedMessage("unknown_field", name)
+    want_dtype, want_ndim, _ = expected[name]
+    if dtype not in ALLOWED_DTYPES or dtype != want_dtype:
+        raise MalformedMessage("dtype", f"{name}: {dtype} (expected {want_dtype})")
+    if (len(shape) != want_ndim or len(shape) > MAX_ARRAY_RANK
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)):
+        raise MalformedMessage("shape", f"{name}: {shape} (expected rank {want_ndim})")
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * itemsize  # python ints: no overflow
+    buf = _buffer(frame)
+    if nbytes > max_bytes or nbytes != buf.nbytes:
+        raise MalformedMessage("size_mismatch", f"{name}: shape {shape} needs {nbytes} B, frame has {buf.nbytes}")
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes else np.zeros(shape, dtype=dtype)
+    return name, arr
+
+
+def decode(frames: Sequence[Frame], max_bytes: int = 64 * 1024**2) -> Message:
+    """[header, arrays...] -> validated Message, or raise MalformedMessage (never anything else)."""
+    if not frames:
+        raise MalformedMessage("empty")
+    try:
+        return _decode(frames, max_bytes)
+    except MalformedMessage:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any surprise in hostile input is still "malformed", never a crash
+        raise MalformedMessage("invalid", f"{type(exc).__name__}: {exc}") from None
+
+
+def _decode(frames: Sequence[Frame], max_bytes: int) -> Message:
+    head = _buffer(frames[0])
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise MalformedMessage("oversize", f"header {head.nbytes} B")
+    total = sum(_buffer(f).nbytes for f in frames)
+    if total > max_bytes:
+        raise MalformedMessage("oversize", f"{total} B > {max_bytes} B")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True,
+                                 max_array_len=4096, max_map_len=256, max_str_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
+        raise MalformedMessage("msgpack", type(exc).__name__) from None
+    if not isinstance(header, dict) or not {"v", "k", "f", "a"} <= header.keys():
+        raise MalformedMessage("header", "not a message header")
+    if header["v"] != SCHEMA_VERSION:
+        raise MalformedMessage("schema_version", f"got {header['v']!r}, speak {SCHEMA_VERSION}")
+    cls = MESSAGE_TYPES.get(header["k"]) if isinstance(header["k"], str) else None
+    if cls is None:
+        raise MalformedMessage("unknown_kind", repr(header["k"])[:64])
+    fields_in, specs = header["f"], header["a"]
+    if not isinstance(fields_in, dict) or not isinstance(specs, list):
+        raise MalformedMessage("header", "f must be a map and a a list")
+    if len(specs) != len(frames) - 1:
+        raise MalformedMessage("frame_count", f"{len(specs)} arrays declared, {len(frames) - 1} frames")
+    unknown = set(fields_in) - set(cls.SCALARS)
+    if unknown:
+        raise MalformedMessage("unknown_field", ",".join(sorted(map(str, unknown)))[:64])
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in cls.SCALARS:
+            if f.name in fields_in:
+                kwargs[f.name] = _check_scalar(cls, f.name, fields_in[f.name])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MalformedMessage("missing_field", f.name)
+    for spec, frame in zip(specs, frames[1:]):
+        name, arr = _decode_array(spec, frame, cls.ARRAYS, max_bytes)
+        if name in kwargs:
+            raise MalformedMessage("header", f"array {name} twice")
+        kwargs[name] = arr
+    for name, (_, _, optional) in cls.ARRAYS.items():
+        if name not in kwargs and not optional:
+            raise MalformedMessage("missing_field", name)
+    msg = cls(**kwargs)
+    msg.validate()
+    return msg
+
+
+def encode_bundle(header: Message, members: Sequence[Message]) -> list:
+    """A header message followed by several messages in one multipart: [n_frames...] prefix frame."""
+    parts = [encode(header)] + [encode(m) for m in members]
+    counts = msgpack.packb([len(p) for p in parts])
+    return [counts] + [f for p in parts for f in p]
+
+
+def decode_bundle(frames: Sequence[Frame], max_bytes: int = 1024**3) -> tuple[Message, list[Message]]:
+    """Inverse of encode_bundle; validates every member."""
+    try:
+        counts = msgpack.unpackb(_buffer(frames[0]), max_array_len=100_000)
+    except Exception:  # noqa: BLE001
+        raise MalformedMessage("msgpack", "bundle prefix") from None
+    if (not isinstance(counts, list) or not counts or not all(isinstance(c, int) and c >= 1 for c in counts)
+            or sum(counts) != len(frames) - 1):
+        raise MalformedMessage("frame_count", "bundle prefix does not match frames")
+    out, pos = [], 1
+    for c in counts:
+        out.append(decode(frames[pos:pos + c], max_bytes))
+        pos += c
+    return out[0], out[1:]

@@ -1,0 +1,341 @@
+"""Small ZeroMQ wrappers (and an in-process twin with the same interface) for every channel.
+
+Channels
+- trajectories: actors PUSH (connect) -> buffer PULL (bind). High-water marks on both ends give
+  back-pressure: when the buffer stops reading, actors' sends block (we poll with a timeout so a
+  stopping actor is never stuck).
+- control: buffer ROUTER (bind) <-> actors / learner ranks DEALER (connect). Requests and replies are
+  typed messages; a bundle (header + trajectories) answers a learner's batch request.
+
+Receivers never raise on bad input: they count it in ``malformed`` by reason and carry on.
+Sockets bind to 127.0.0.1 unless configured otherwise, set linger so close() never hangs, and cap
+message size with MAXMSGSIZE so oversize frames are dropped by ZeroMQ before allocation.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Deque, Optional, Sequence
+
+import zmq
+
+from async_vla.messages import MalformedMessage, Message, decode, decode_bundle, encode, encode_bundle
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 200
+
+
+@dataclass
+class CurveKeys:
+    """CURVE material: the server's key pair, the clients' key pair, and the allowed client keys dir."""
+
+    server_public: bytes
+    server_secret: Optional[bytes]
+    client_public: Optional[bytes]
+    client_secret: Optional[bytes]
+    authorized_dir: Optional[str]
+
+    @classmethod
+    def load(cls, directory: str, role: str) -> "CurveKeys":
+        """role 'server' needs server.key_secret; role 'client' needs server.key and client.key_secret."""
+        import zmq.auth
+
+        d = Path(directory)
+        if not d.is_dir():
+            raise FileNotFoundError(f"transport.curve_dir {directory!r} does not exist: run bin/keys {directory}")
+        server_public, server_secret = zmq.auth.load_certificate(
+            d / ("server.key_secret" if role == "server" else "server.key"))
+        client_public = client_secret = None
+        if role == "client":
+            client_public, client_secret = zmq.auth.load_certificate(d / "client.key_secret")
+        return cls(server_public, server_secret, client_public, client_secret, str(d / "authorized"))
+
+
+class Authenticator:
+    """ZAP handler for a context: only clients whose public key is in ``authorized_dir`` get in."""
+
+    def __init__(self, context: zmq.Context, keys: CurveKeys):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(context)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=keys.authorized_dir)
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def _secure_server(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+    if keys is not None:
+        sock.curve_secretkey = keys.server_secret
+        sock.curve_publickey = keys.server_public
+        sock.curve_server = True
+
+
+def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+    if keys is not None:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+
+
+def _socket(ctx: zmq.Context, kind: int, hwm: int, max_bytes: Optional[int]) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.linger = LINGER_MS
+    sock.sndhwm = hwm
+    sock.rcvhwm = hwm
+    if max_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+    return sock
+
+
+class MalformedCounter:
+    """Counts dropped input by reason (thread-safe enough for counters read by a metrics thread)."""
+
+    def __init__(self) -> None:
+        self.by_reason: collections.Counter = collections.Counter()
+
+    def add(self, reason: str) -> None:
+        self.by_reason[reason] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+
+class TrajectorySender:
+    """Actor side of the trajectory channel (PUSH, connects)."""
+
+    def __init__(self, endpoint: str, hwm: int = 64, ctx: Optional[zmq.Context] = None,
+                 keys: Optional[CurveKeys] = None):
+        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
+        self._sock = _socket(self._ctx, zmq.PUSH, hwm, None)
+        _secure_client(self._sock, keys)
+        self._sock.connect(endpoint)
+        self.endpoint = endpoint
+
+    def send(self, msg: Message, timeout_s: Optional[float] = None) -> bool:
+        """Send or wait for room; False if the receiver stayed full for ``timeout_s`` (None = wait forever)."""
+        return self.send_frames(encode(msg), timeout_s)
+
+    def send_frames(self, frames: Sequence, timeout_s: Optional[float] = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_ms = 100 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if self._sock.poll(min(wait_ms, 100), zmq.POLLOUT):
+                # copy=False keeps images zero-copy; encode() made fresh contiguous views, never mutated later.
+                self._sock.send_multipart(list(frames), copy=False)
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Close after giving queued trajectories up to ``flush_s`` to leave (a plain close would drop them).
+
+        Terminating our own context blocks until the queue is flushed: with zero-copy sends, exiting the
+        process while ZeroMQ's I/O thread still reads the arrays would crash it (seen: SIGSEGV at exit).
+        """
+        self._sock.close(linger=int(flush_s * 1000))
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class TrajectoryReceiver:
+    """Buffer side of the trajectory channel (PULL, binds). Bad frames are counted, never raised."""
+
+    def __init__(self, endpoint: str, hwm: int = 64, max_bytes: int = 64 * 1024**2,
+                 ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
+        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
+        self._sock = _socket(self._ctx, zmq.PULL, hwm, max_bytes)
+        _secure_server(self._sock, keys)
+        self.endpoint = bind(self._sock, endpoint)
+        self.max_bytes = max_bytes
+        self.malformed = MalformedCounter()
+        self.received = 0
+
+    def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
+        """One valid message, or None after ``timeout_s`` (malformed ones are counted and skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(remaining, zmq.POLLIN):
+                return None
+            frames = self._sock.recv_multipart(copy=False)
+            self.received += 1
+            try:
+                return decode(frames, self.max_bytes)
+            except MalformedMessage as exc:
+                self.malformed.add(exc.reason)
+            if time.monotonic() >= deadline:
+                return None
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class ControlServer:
+    """Buffer side of the control channel (ROUTER, binds): requests from many peers, replies by identity."""
+
+    def __init__(self, endpoint: str, hwm: int = 1024, max_bytes: int = 1024**2,
+                 ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
+        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
+        self._sock = _socket(self._ctx, zmq.ROUTER, hwm, max_bytes)
+        self._sock.router_mandatory = False  # a vanished peer's reply is dropped, never an error
+        _secure_server(self._sock, keys)
+        self.endpoint = bind(self._sock, endpoint)
+        self.max_bytes = max_bytes
+        self.malformed = MalformedCounter()
+
+    def recv(self, timeout_s: float = 0.0) -> Optional[tuple[bytes, Message]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(remaining, zmq.POLLIN):
+                return None
+            peer, *frames = self._sock.recv_multipart(copy=False)
+            try:
+                return bytes(peer.buffer), decode(frames, self.max_bytes)
+            except MalformedMessage as exc:
+                self.malformed.add(exc.reason)
+            if time.monotonic() >= deadline:
+                return None
+
+    def reply(self, peer: bytes, msg: Message) -> None:
+        self._sock.send_multipart([peer, *encode(msg)], copy=False)
+
+    def reply_bundle(self, peer: bytes, header: Message, members: Sequence[Message]) -> None:
+        self._sock.send_multipart([peer, *encode_bundle(header, members)], copy=False)
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class ControlClient:
+    """Actor / learner side of the control channel (DEALER, connects)."""
+
+    def __init__(self, endpoint: str, identity: Optional[bytes] = None, hwm: int = 1024,
+                 max_bytes: int = 1024**3, ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
+        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
+        self._sock = _socket(self._ctx, zmq.DEALER, hwm, max_bytes)
+        if identity is not None:
+            self._sock.identity = identity
+        _secure_client(self._sock, keys)
+        self._sock.connect(endpoint)
+        self.max_bytes = max_bytes
+        self.malformed = MalformedCounter()
+
+    def send(self, msg: Message) -> None:
+        self._sock.send_multipart(encode(msg), copy=False)
+
+    def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
+        frames = self._recv_frames(timeout_s)
+        if frames is None:
+            return None
+        try:
+            return decode(frames, self.max_bytes)
+        except MalformedMessage as exc:
+            self.malformed.add(exc.reason)
+            return None
+
+    def recv_bundle(self, timeout_s: float = 0.0) -> Optional[tuple[Message, list[Message]]]:
+        frames = self._recv_frames(timeout_s)
+        if frames is None:
+            return None
+        try:
+            return decode_bundle(frames, self.max_bytes)
+        except MalformedMessage as exc:
+            self.malformed.add(exc.reason)
+            return None
+
+    def _recv_frames(self, timeout_s: float) -> Optional[list]:
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return self._sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind; ``tcp://HOST:0`` picks a free port. Returns the endpoint actually bound."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        host = endpoint[len("tcp://"):-2]
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+    if endpoint.startswith("ipc://"):
+        Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+    sock.bind(endpoint)
+    return endpoint
+
+
+def endpoints(transport_cfg, run_directory: Optional[Path] = None, side: str = "bind") -> dict[str, str]:
+    """Endpoints of every channel from the transport config (bind side uses host, connect side connect_host)."""
+    if transport_cfg.use_ipc:
+        if run_directory is None:
+            raise ValueError("transport.use_ipc needs a run directory for the socket files")
+        base = Path(run_directory).resolve() / "sockets"
+        return {"trajectory": f"ipc://{base}/trajectory", "control": f"ipc://{base}/control"}
+    host = transport_cfg.host if side == "bind" else transport_cfg.connect_host
+    return {"trajectory": f"tcp://{host}:{transport_cfg.trajectory_port}",
+            "control": f"tcp://{host}:{transport_cfg.control_port}"}
+
+
+class LocalPipe:
+    """In-process twin of the trajectory channel (serial mode and tests): same send/recv interface.
+
+    Messages still go through encode/decode so serial mode exercises the wire schema; ``capacity``
+    plays the role of the high-water mark (send returns False when full and nobody drains it).
+    """
+
+    def __init__(self, capacity: int = 64, max_bytes: int = 64 * 1024**2):
+        self._queue: Deque[list] = collections.deque()
+        self._lock = threading.Condition()
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.malformed = MalformedCounter()
+        self.received = 0
+
+    def send(self, msg: Message, timeout_s: Optional[float] = None) -> bool:
+        return self.send_frames([bytes(f) for f in encode(msg)], timeout_s)
+
+    def send_frames(self, frames: Sequence, timeout_s: Optional[float] = None) -> bool:
+        with self._lock:
+            ok = self._lock.wait_for(lambda: len(self._queue) < self.capacity, timeout=timeout_s)
+            if not ok:
+                return False
+            self._queue.append([bytes(f) for f in frames])
+            self._lock.notify_all()
+            return True
+
+    def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if not self._queue and not self._lock.wait_for(
+                        lambda: bool(self._queue), timeout=max(0.0, deadline - time.monotonic())):
+                    return None
+                frames = self._queue.popleft()
+                self._lock.notify_all()
+                self.received += 1
+                try:
+                    return decode(frames, self.max_bytes)
+                except MalformedMessage as exc:
+                    self.malformed.add(exc.reason)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Nothing to release; present so LocalPipe and the ZeroMQ classes are interchangeable."""

@@ -1,0 +1,43 @@
+# Shared set-up for bin/quickstart and bin/test (sourced, not run).
+# Idempotent: every step records a stamp keyed by the content of what it installs, so a second run skips it.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ASYNC_VLA_VENV:-$REPO/.venv}"
+STAMPS="$VENV/.async-vla-stamps"
+PY="$VENV/bin/python"
+
+_stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
+_stamp_set() { mkdir -p "$STAMPS"; echo "$2" > "$STAMPS/$1"; }
+
+setup_venv() {
+  if [ ! -x "$PY" ]; then
+    echo "[setup] creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+  fi
+  local key
+  key="$(cat "$REPO/pyproject.toml" | sha1sum | cut -d' ' -f1)-$1"
+  if _stamp_ok core "$key"; then
+    echo "[setup] python packages up to date ($VENV)"
+    return
+  fi
+  echo "[setup] installing python packages into $VENV (extras: $1)"
+  "$PY" -m pip install -q --upgrade pip
+  if "$PY" -c "import torch" 2>/dev/null; then
+    echo "[setup] torch already installed: $("$PY" -c 'import torch; print(torch.__version__)')"
+  elif command -v nvidia-smi >/dev/null 2>&1 && [ -z "${ASYNC_VLA_CPU_TORCH:-}" ]; then
+    # GPU hosts: the default PyPI torch (CUDA build). See README "GPU install".
+    "$PY" -m pip install -q torch
+  else
+    # CPU machines: the CPU wheel (an unpinned torch would pull a multi-GB CUDA build).
+    "$PY" -m pip install -q "torch==2.13.0"
+  fi
+  "$PY" -m pip install -q -e "$REPO[$1]"
+  _stamp_set core "$key"
+}
+
+setup_libero() {
+  # Real LIBERO for the libero tests and configs (bin/install-libero is idempotent itself).
+  if [ -x "$REPO/bin/install-libero" ]; then
+    "$REPO/bin/install-libero" "$VENV"
+  fi
+}

@@ -1,0 +1,111 @@
+"""Config: defaults -> YAML -> dotted overrides, validation errors that name the field, every YAML loads."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from async_vla.config import Config, ConfigError, load_config, write_resolved
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_are_simplevla_rl_recipe():
+    cfg = load_config()
+    assert cfg.actor.temperature == 1.6 and cfg.actor.group_size == 8
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.28)
+    assert cfg.learner.lr == 5e-6 and cfg.loss.kl_beta == 0.0
+    assert cfg.tokens_per_call == 56
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"loss": {"eps_high": 0.3}, "learner": {"lr": 1e-4}}))
+    cfg = load_config(f, ["learner.lr=5e-6", "buffer.difficulty_mask=[0.1,0.95]"])
+    assert cfg.loss.eps_high == 0.3
+    assert cfg.learner.lr == 5e-6
+    assert cfg.buffer.difficulty_mask == (0.1, 0.95)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("loss.eps_hgh=0.3", "loss.eps_hgh: unknown key"),
+    ("learner.lr=fast", "learner.lr"),
+    ("loss.eps_low=1.5", "loss.eps_low"),
+    ("actor.group_size=1", "actor.group_size"),
+    ("nosuchsection.x=1", "nosuchsection: unknown key"),
+    ("loss.correction=vtrace", "loss.correction"),
+    ("loss.mis_low=6", "mis_low"),
+    ("buffer.difficulty_mask=[0.9,0.1]", "difficulty_mask"),
+])
+def test_bad_values_name_the_dotted_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value)
+
+
+def test_error_shows_value_and_allowed_range():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["loss.eps_low=1.5"])
+    assert "1.5" in str(err.value) and "less than 1" in str(err.value)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="buffer.groups_per_batch .* learner.num_ranks"):
+        load_config(None, ["learner.num_ranks=3", "buffer.groups_per_batch=4"])
+    with pytest.raises(ConfigError, match="policy.path"):
+        load_config(None, ["policy.arch=openvla_oft"])
+    with pytest.raises(ConfigError, match="env.image_size"):
+        load_config(None, ["env.image_size=30", "policy.patch_size=8"])
+
+
+def test_vllm_backend_without_vllm_fails_at_config_time():
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm installed")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match="vllm is not installed"):
+        load_config(None, ["actor.backend=vllm", "policy.decoding=autoregressive"])
+
+
+def test_override_syntax_error_is_clear():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["learner.lr"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_sync_mode_forces_zero_staleness():
+    assert load_config(None, ["run.mode=sync", "buffer.max_staleness=3"]).buffer.max_staleness == 0
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["run.name=x", f"run.out_dir={tmp_path}", "loss.nsr=band"])
+    path = write_resolved(cfg)
+    assert path == tmp_path / "x" / "config.yaml"
+    again = load_config(path)
+    assert again == cfg
+
+
+def test_every_field_has_a_docstring():
+    def walk(model, prefix=""):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{prefix}{name} has no docstring"
+            ann = info.annotation
+            if isinstance(ann, type) and issubclass(ann, Config.__mro__[1]):
+                walk(ann, f"{prefix}{name}.")
+    walk(Config)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
