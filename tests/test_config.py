@@ -109,3 +109,9 @@ def test_every_field_has_a_docstring():
 def test_every_shipped_yaml_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
+
+
+def test_config_doc_is_current():
+    from async_vla.config.docs import render_config_doc
+
+    assert (REPO / "docs" / "CONFIG.md").read_text() == render_config_doc(), "run bin/config-docs"

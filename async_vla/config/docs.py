@@ -1,0 +1,55 @@
+"""Render docs/CONFIG.md from the config schema, so the knob reference can never drift from the code."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from async_vla.config.schema import Config
+
+
+def _type_name(annotation: Any) -> str:
+    # Generic aliases (Literal[...], Optional[...]) print their arguments only through str().
+    text = str(annotation) if getattr(annotation, "__args__", None) else getattr(annotation, "__name__", str(annotation))
+    return text.replace("typing.", "").replace("NoneType", "None")
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        return ""
+    return "`" + json.dumps(value) + "`"
+
+
+def render_config_doc() -> str:
+    """Markdown: one table per section with every field, its type, default and docstring."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `async_vla/config/sections.py` by `bin/config-docs` (a test fails if this file is stale).",
+        "Layers: defaults in code -> a YAML file (`configs/*.yaml`) -> dotted CLI overrides (`loss.eps_high=0.28`).",
+        "Everything is validated at load time; the resolved config is written to `<run.out_dir>/<run.name>/config.yaml`.",
+        "",
+    ]
+    root = Config()
+    for section, info in Config.model_fields.items():
+        model = getattr(root, section)
+        lines += [f"## `{section}` — {info.description}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for name, field in type(model).model_fields.items():
+            desc = " ".join((field.description or "").split()).replace("|", "\\|")
+            typ = _type_name(field.annotation).replace("|", "\\|")
+            lines.append(f"| `{section}.{name}` | {typ} | {_default(getattr(model, name))} | {desc} |")
+        lines.append("")
+    lines += [
+        "## Cross-field checks",
+        "",
+        "- `buffer.groups_per_batch` must be a multiple of `learner.num_ranks` (equal split across ranks).",
+        "- `actor.backend=vllm` needs vLLM installed (the `gpu` extra) and `policy.decoding=autoregressive`.",
+        "- `policy.arch` other than `tiny` needs `policy.path`.",
+        "- `policy.hidden_size` divisible by `policy.num_heads`; `env.image_size` a multiple of `policy.patch_size`.",
+        "- `loss.mis_low < loss.mis_high`; `buffer.difficulty_mask` as `0 <= lo < hi <= 1`.",
+        "- `run.mode=sync` forces `buffer.max_staleness=0`.",
+        "",
+    ]
+    return "\n".join(lines)
