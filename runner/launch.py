@@ -1,0 +1,259 @@
+"""One-host launcher for ``run.mode=async`` and ``sync``: buffer + learner ranks + actor fleet (+ TensorBoard).
+
+Every child is started from the resolved ``<run>/config.yaml`` (one source of truth), with its own log file
+in ``<run>/logs/`` and its command line appended to ``<run>/commands.txt``. The launcher itself watches the
+children, evaluates every exported policy version greedily on held-out init states (``run.eval_every``),
+prints a live status line, and on completion or Ctrl-C stops everything: actors first (so nothing new is
+produced), then the learner (final checkpoint), then the buffer (final ledger). No zombies: each child is
+signalled, waited for a bounded time, then killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from async_vla.config import Config, load_config, write_resolved
+from async_vla.metrics import Monitor
+from runner.report import RunRecorder
+
+log = logging.getLogger("runner.launch")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_ports(cfg: Config) -> Config:
+    """Port 0 in the config means "pick a free one now", so several runs can share a host (tests do)."""
+    t = cfg.transport
+    overrides = {}
+    for name in ("trajectory_port", "control_port", "weights_port"):
+        if getattr(t, name) == 0:
+            overrides[name] = free_port(t.host if t.host != "0.0.0.0" else "127.0.0.1")
+    if cfg.logging.serve_tensorboard and cfg.logging.tensorboard_port == 0:
+        cfg.logging.tensorboard_port = free_port(cfg.logging.tensorboard_host)
+    for k, v in overrides.items():
+        setattr(t, k, v)
+    return cfg
+
+
+class Child:
+    """A child process with its own log file; stop() never leaves a zombie."""
+
+    def __init__(self, name: str, argv: list[str], run_dir: Path, env: Optional[dict] = None):
+        self.name, self.argv = name, argv
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"{name}.log"
+        with open(run_dir / "commands.txt", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {name}: {shlex.join(argv)}\n")
+        self._log = open(self.log_path, "ab")
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        full_env.update(env or {})
+        # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(REPO), env=full_env,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs: killing", self.name, timeout_s)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def buffer_stats(endpoint: str, timeout_s: float = 1.0) -> Optional[dict]:
+    """Ask the buffer for its ledger and metrics (None if it does not answer)."""
+    from async_vla.messages import ControlCommand
+    from async_vla.transport import ControlClient
+
+    client = ControlClient(endpoint)
+    try:
+        client.send(ControlCommand("stats"))
+        reply = client.recv(timeout_s=timeout_s)
+        if isinstance(reply, ControlCommand) and isinstance(reply.value, str):
+            return json.loads(reply.value)
+        return None
+    finally:
+        client.close()
+
+
+class Evaluator:
+    """Greedy held-out evaluation of exported weights (``<run>/weights``), in the launcher process."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        import torch
+
+        from async_vla.envs.base import make_env
+        from runner.serial import build_policy_for
+
+        torch.set_num_threads(1)
+        self.cfg, self.run_dir = cfg, run_dir
+        self.policy = build_policy_for(cfg)
+        n = min(cfg.actor.group_size, 8)
+        self.envs = [make_env(cfg, seed=10_000 + i) for i in range(n)]
+        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
+        self.version = -1
+
+    def latest_version(self) -> int:
+        """Version named by ``<run>/weights/latest`` (cheap: reads the pointer, not the tensors)."""
+        try:
+            name = (self.run_dir / "weights" / "latest").read_text().strip()
+            return int(name[1:].split(".")[0]) if name.startswith("v") else -1
+        except (OSError, ValueError):
+            return -1
+
+    def evaluate(self, use_latest: bool = True) -> tuple[int, dict]:
+        from actors.actor import load_weights, load_weights_path
+        from async_vla.sft import evaluate_greedy
+
+        if use_latest and (self.run_dir / "weights").exists():
+            version, state = load_weights_path(str(self.run_dir / "weights"), max(self.version, 0))
+            load_weights(self.policy, state)
+            self.version = version
+        else:
+            self.version = max(self.version, 0)
+        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Child]:
+    py = sys.executable
+    children = {"buffer": Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
+                                run_dir)}
+    control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
+    deadline = time.time() + 60
+    while buffer_stats(control, 0.5) is None:
+        if not children["buffer"].alive() or time.time() > deadline:
+            raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
+    learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
+    children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir)
+    connect = f"tcp://{cfg.transport.connect_host}:{cfg.transport.trajectory_port}," + control
+    children["actors"] = Child("actors", [py, str(REPO / "bin" / "actors"), str(cfg_path), "--num",
+                                          str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],
+                               run_dir)
+    if cfg.logging.serve_tensorboard:
+        lc = cfg.logging
+        children["tensorboard"] = Child("tensorboard", [py, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"),
+                                                        "--host", lc.tensorboard_host, "--port",
+                                                        str(lc.tensorboard_port)], run_dir)
+        print(f"[train] TensorBoard: http://{lc.tensorboard_host}:{lc.tensorboard_port}/", flush=True)
+    return children
+
+
+def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[str], resume: bool = False) -> Optional[dict]:
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = resolve_ports(cfg)
+    cfg_path = write_resolved(cfg, run_dir)
+    load_config(cfg_path)  # the children will parse exactly this file: fail here, not in three places
+    stop = {"flag": False}
+
+    def on_signal(signum, _frame):
+        stop["flag"] = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
+    recorder = RunRecorder(cfg, run_dir, monitor)
+    evaluator = Evaluator(cfg, run_dir)
+    children: dict[str, Child] = {}
+    control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
+    stats: Optional[dict] = None
+    failed = False
+    try:
+        _, res = evaluator.evaluate(use_latest=resume)
+        recorder.eval_result(evaluator.version, res)
+        children = start_children(cfg, run_dir, cfg_path, resume)
+        last_status = next_eval_check = time.time()
+        next_eval = (evaluator.version // max(cfg.run.eval_every, 1) + 1) * max(cfg.run.eval_every, 1)
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if not children["learner"].alive():
+                code = children["learner"].proc.returncode
+                failed = code != 0
+                if failed:
+                    print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
+                break
+            for name in ("buffer", "actors"):
+                if not children[name].alive():
+                    print(f"[train] {name} exited unexpectedly:\n{children[name].tail()}", flush=True)
+                    failed = True
+            if failed:
+                break
+            now = time.time()
+            if cfg.run.eval_every and now >= next_eval_check:
+                next_eval_check = now + 2.0
+                if evaluator.latest_version() >= next_eval:
+                    v, res = evaluator.evaluate()
+                    recorder.eval_result(v, res)
+                    next_eval = (v // cfg.run.eval_every + 1) * cfg.run.eval_every
+                    if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
+                        print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
+                        break
+            if now - last_status >= cfg.logging.status_every_s:
+                last_status = now
+                stats = buffer_stats(control) or stats
+                if stats:
+                    print(status_line(recorder, stats), flush=True)
+    finally:
+        stats = buffer_stats(control) or stats if children.get("buffer") and children["buffer"].alive() else stats
+        for name in ("actors", "learner", "tensorboard", "buffer"):
+            if name in children:
+                children[name].stop(timeout_s=60 if name == "learner" else 30)
+        for s, h in old.items():
+            signal.signal(s, h)
+    v, res = evaluator.evaluate()
+    recorder.eval_result(v, res)
+    evaluator.close()
+    ledger = _read_json(run_dir / "ledger.json") or (stats or {}).get("ledger", {})
+    summary = recorder.finish(v, ledger, extra={"mode": cfg.run.mode, "failed": failed,
+                                                "buffer_metrics": (stats or {}).get("metrics", {})})
+    monitor.close()
+    return None if failed else summary
+
+
+def status_line(recorder: RunRecorder, stats: dict) -> str:
+    m = stats.get("metrics", {})
+    led = stats.get("ledger", {})
+    best = max((p["success_rate"] for p in recorder.eval_points), default=float("nan"))
+    return (f"[{time.time() - recorder.t0:6.0f}s] learner v{stats.get('learner_version', 0)}"
+            f" | rollout success {m.get('rollout/success_rate', float('nan')):.2f} | best eval {best:.2f}"
+            f" | received {led.get('received', '?')} trained {led.get('trained', '?')}"
+            f" uniform {led.get('filtered_uniform', '?')} stale {led.get('stale', '?')}"
+            f" | lag {m.get('buffer/lag_mean', float('nan')):.2f} | env steps/s {m.get('perf/env_steps_per_s', 0):.0f}")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
