@@ -1,0 +1,449 @@
+"""One actor: a policy, G simulators, and the loop grant -> group rollout -> stream trajectories.
+
+``SerialActor`` is the socket-free core (serial mode calls ``run_one_group`` directly and feeds a
+``GroupBuffer``/``LocalPipe``); ``Actor`` wraps it with the control protocol of docs/CONTRACTS.md:
+
+    GrantRequest -> AdmissionGrant (empty = wait retry_after_s, counted idle) -> pick (task, init state)
+    deterministically from (group id, run seed) -> GroupRollout -> send every trajectory as it finishes
+    (a full buffer pushes back; the wait is idle time) -> heartbeats, stats, new weights between calls.
+
+Everything socket-related runs on the main thread (ZeroMQ sockets are not thread-safe) and is driven
+from ``tick()``, which the rollout calls before every policy call; a hung simulator therefore also
+stops the heartbeats, which is exactly what lets the fleet detect and restart it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from actors.rollout import GroupRollout, GroupSpec, RolloutStats
+from actors.status import parse_share, status_path, write_status
+from async_vla.messages import (
+    ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, Shutdown, Trajectory, encode,
+)
+
+log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[Any], Any]
+EnvFactory = Callable[[Any, int], Any]
+COUNTER_RE = re.compile(r"g(\d+)$")
+
+
+def stable_hash(*parts: Any) -> int:
+    """A 64-bit hash that is the same in every process (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def default_policy_factory(cfg: Any) -> Any:
+    """The initial policy: ``cfg.policy.path`` if set, else a tiny random one (seeded by the run seed)."""
+    from async_vla.policy import build_policy
+
+    return build_policy(cfg)
+
+
+def default_env_factory(cfg: Any, seed: int) -> Any:
+    """One env of ``cfg.env.kind``, isolated in a worker process where ``cfg.env.worker`` says so."""
+    try:
+        from async_vla.envs.worker import make_isolated_env
+    except ImportError:  # no isolation layer: in-process env
+        from async_vla.envs.base import make_env
+
+        return make_env(cfg, seed)
+    return make_isolated_env(cfg, seed)
+
+
+def load_weights(policy: torch.nn.Module, state: dict) -> None:
+    """Copy a full set of named tensors into the policy in place (between forward passes only).
+
+    Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
+    old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
+    ``named_parameters`` lists once) may be absent.
+    """
+    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    own = set(policy.state_dict().keys())
+    missing = sorted({name for name, _ in policy.named_parameters()} - state.keys())
+    unexpected = sorted(state.keys() - own)
+    if missing or unexpected:  # checked before copying anything: a refused update leaves the policy intact
+        raise ValueError(f"weights do not match the policy: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    policy.load_state_dict(state, strict=False)
+
+
+def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
+    """Weights named by a grant: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
+    ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none, so the grant's is used."""
+    from async_vla.weight_buckets import read_latest
+
+    p = Path(path)
+    if p.is_dir() and (p / "async_vla_policy.json").is_file():
+        from async_vla.policy import load_policy
+
+        return fallback_version, load_policy(p).state_dict()
+    got = read_latest(p) if p.is_dir() else None
+    if got is None and p.is_file():
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+        m = re.match(r"^v(\d+)\.safetensors$", p.name)
+        version = int(meta.get("version", m.group(1) if m else fallback_version))
+        return version, load_file(str(p))
+    if got is None:
+        raise FileNotFoundError(f"no weights at {path}")
+    return got[0], got[1]
+
+
+class SerialActor:
+    """Policy + envs + group rollouts, without sockets.
+
+    ``run_one_group(grant)`` rolls out every group of an ``AdmissionGrant`` (or one group id) and returns
+    its trajectories; ``iter_group(group_id)`` streams them. New weights come in through
+    ``set_weights`` (serial mode) or the ``weights_source`` callback, polled at the swap points of
+    ``cfg.actor.swap``.
+    """
+
+    def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *, version: int = 0,
+                 weights_source: Optional[Callable[[], Optional[tuple[int, dict]]]] = None,
+                 tick: Optional[Callable[[], None]] = None, should_stop: Optional[Callable[[], bool]] = None):
+        self.cfg, self.actor_id, self.policy, self.envs = cfg, int(actor_id), policy, list(envs)
+        self.version = int(version)
+        self.weights_source = weights_source
+        self.totals = RolloutStats()
+        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
+        self._train_ids: dict[int, list[int]] = {}
+        device = next(policy.parameters()).device if hasattr(policy, "parameters") else torch.device("cpu")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(stable_hash("actor", cfg.run.seed, actor_id) % 2**63)
+        self.rollout = GroupRollout(
+            policy, self.envs, run_id=cfg.run.name, actor_id=self.actor_id, temperature=cfg.actor.temperature,
+            version=lambda: self.version, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
+            should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps)
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def set_weights(self, version: int, state: Optional[dict] = None) -> None:
+        """Install weights ``state`` (None = the policy object was updated in place) as ``version``."""
+        if state is not None:
+            load_weights(self.policy, state)
+        if int(version) != self.version:
+            self.totals.swaps += 1
+            log.info("actor %d: policy version %d -> %d", self.actor_id, self.version, version)
+        self.version = int(version)
+
+    def maybe_swap(self) -> None:
+        """Swap point: take the newest weights the source has, if they differ from ours."""
+        if self.weights_source is None:
+            return
+        new = self.weights_source()
+        if new is not None and int(new[0]) != self.version:
+            self.set_weights(*new)
+
+    # ---- group specs --------------------------------------------------------------------------------
+    def train_init_states(self, task_id: int) -> list[int]:
+        if task_id not in self._train_ids:
+            ids = None
+            for env in self.envs:  # any live env can answer; a worker that just died must not cost the actor
+                try:
+                    ids = list(env.init_state_ids(task_id, "train"))
+                    break
+                except self.rollout.crash_types as exc:  # type: ignore[misc]
+                    log.warning("env crashed answering init-state queries: %s", exc)
+            if not ids:
+                raise ValueError(f"task {task_id} has no train init states")
+            self._train_ids[task_id] = ids
+        return self._train_ids[task_id]
+
+    def spec_for(self, group_id: str) -> GroupSpec:
+        """Task and init state of a group: a pure function of (group id, run seed).
+
+        Every actor that runs a share of the same group must pick the same init state, so nothing here
+        depends on the actor. Buffer ids end in a global counter (``<run>-g<n>``): tasks cycle with it so
+        every task gets an equal share of groups; other ids fall back to a hash.
+        """
+        gid, k, n = parse_share(group_id)
+        m = COUNTER_RE.search(gid)
+        counter = int(m.group(1)) if m else stable_hash("task", gid)
+        task_id = self.task_ids[counter % len(self.task_ids)]
+        ids = self.train_init_states(task_id)
+        init_state_id = ids[stable_hash("init", self.cfg.run.seed, gid) % len(ids)]
+        g = self.cfg.actor.group_size
+        members = None if n == 1 else [i for i in range(g) if i % n == k]
+        return GroupSpec(gid, task_id, init_state_id, g, members)
+
+    # ---- rollouts -----------------------------------------------------------------------------------
+    def iter_group(self, group_id: str) -> Iterator[Trajectory]:
+        """Stream the trajectories of this actor's members of a group as each episode ends."""
+        return self.rollout.run(self.spec_for(group_id))
+
+    def run_one_group(self, grant: Union[AdmissionGrant, str]) -> list[Trajectory]:
+        """Every trajectory of the group(s) of a grant (serial mode: no sockets)."""
+        group_ids = list(grant.group_ids) if isinstance(grant, AdmissionGrant) else [grant]
+        out: list[Trajectory] = []
+        for gid in group_ids:
+            out.extend(self.iter_group(gid))
+        return out
+
+    def close(self) -> None:
+        self.rollout.close()
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - a dead simulator must not stop the others from closing
+                log.exception("env close failed")
+
+
+class Actor:
+    """An actor process's main loop (see the module docstring). ``run()`` returns the exit code."""
+
+    def __init__(self, cfg: Any, actor_id: int, run_dir: Union[str, Path], endpoints: Optional[dict] = None,
+                 policy_factory: Optional[PolicyFactory] = None, env_factory: Optional[EnvFactory] = None, *,
+                 stop_event: Optional[threading.Event] = None, parent_pid: Optional[int] = None):
+        self.cfg, self.actor_id, self.run_dir = cfg, int(actor_id), Path(run_dir)
+        if endpoints is None:
+            from async_vla.transport import endpoints as transport_endpoints
+
+            endpoints = transport_endpoints(cfg.transport, self.run_dir, side="connect")
+        self.endpoints = endpoints
+        self.policy_factory = policy_factory or default_policy_factory
+        self.env_factory = env_factory or default_env_factory
+        self.stop_event = stop_event or threading.Event()
+        self.parent_pid = parent_pid
+        self.stop_reason = ""
+        self.state = "starting"
+        self.learner_version = 0
+        self.pending: collections.deque[str] = collections.deque()
+        self.idle_s = 0.0
+        self.idle_total_s = 0.0
+        self.groups_granted = 0
+        self.send_failures = 0
+        self.core: Optional[SerialActor] = None
+        self._grant_sent_at: Optional[float] = None
+        self._retry_at = 0.0
+        self._path_weights: Optional[tuple[int, str]] = None
+        self._path_loaded: Optional[tuple] = None
+        self._subscriber: Any = None
+        self._next_hb = self._next_stats = 0.0
+        self._stats_mark = RolloutStats()
+        self._stats_t = time.monotonic()
+        self._status_file = status_path(self.run_dir, self.actor_id)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Thread/signal-safe: the loop finishes its current policy call, abandons the group and exits."""
+        self.stop_reason = self.stop_reason or reason
+        self.stop_event.set()
+
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def run(self) -> int:
+        torch.set_num_threads(self.cfg.actor.torch_threads)
+        self._connect()
+        try:
+            self._write_status()  # first sign of life for the fleet (before the slow model/env build)
+            self._build()
+            self.state = "idle"
+            while not self.stopping():
+                group_id = self._next_group()
+                if group_id is None:
+                    continue
+                self.state = "rollout"
+                for traj in self.core.iter_group(group_id):
+                    self._send(traj)
+                self.state = "idle"
+            log.info("actor %d stopping: %s", self.actor_id, self.stop_reason)
+            return 0
+        finally:
+            self._shutdown()
+
+    def _connect(self) -> None:
+        import zmq
+
+        from async_vla.transport import ControlClient, CurveKeys, TrajectorySender
+
+        keys = CurveKeys.load(self.cfg.transport.curve_dir, "client") if self.cfg.transport.curve else None
+        self._ctx = zmq.Context()
+        self.sender = TrajectorySender(self.endpoints["trajectory"], hwm=self.cfg.transport.hwm, ctx=self._ctx,
+                                       keys=keys)
+        # The pid in the identity makes a restarted actor a new peer: a ROUTER ignores a second connection
+        # that reuses the identity of one it still thinks is alive.
+        self.control = ControlClient(self.endpoints["control"], identity=f"actor-{self.actor_id}-{os.getpid()}".encode(),
+                                     ctx=self._ctx, keys=keys)
+
+    def _build(self) -> None:
+        """Policy (latest published weights if any, else the initial checkpoint) and the envs."""
+        policy = self.policy_factory(self.cfg)
+        version = 0
+        try:
+            from async_vla.weights import WeightSubscriber
+        except ImportError:
+            log.info("async_vla.weights not available: weights only from grants' weights_path")
+        else:
+            self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
+            latest = self._subscriber.fetch_latest()
+            if latest is not None:
+                load_weights(policy, latest[1])
+                version = int(latest[0])
+        policy.eval()
+        n_envs = min(self.cfg.env.envs_per_actor, self.cfg.actor.group_size)
+        seeds = [stable_hash("env", self.cfg.run.seed, self.actor_id, j) % 2**31 for j in range(n_envs)]
+        # Built concurrently: isolated simulators start in their own processes (LIBERO: 10-30 s each).
+        with ThreadPoolExecutor(n_envs) as pool:
+            envs = list(pool.map(lambda seed: self.env_factory(self.cfg, seed), seeds))
+        self.core = SerialActor(self.cfg, self.actor_id, policy, envs, version=version,
+                                weights_source=self._poll_weights, tick=self.tick, should_stop=self.stopping)
+        log.info("actor %d ready: version %d, %d envs, tasks %s, swap %s", self.actor_id, version, n_envs,
+                 self.core.task_ids, self.cfg.actor.swap)
+
+    def _shutdown(self) -> None:
+        self.state = "stopped"
+        try:
+            if self.core is not None:
+                self._send_stats()
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._version(), "stopped"))
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            log.exception("final heartbeat failed")
+        self._write_status()
+        if self._subscriber is not None and hasattr(self._subscriber, "close"):
+            self._subscriber.close()
+        if self.core is not None:
+            self.core.close()
+        # Sockets have a short linger: queued trajectories get that long to flush, then close never hangs.
+        self.sender.close()
+        self.control.close()
+        self._ctx.term()
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def _version(self) -> int:
+        return self.core.version if self.core is not None else 0
+
+    def _poll_weights(self) -> Optional[tuple[int, dict]]:
+        """Newest weights: the learner's broadcast first, else an exported directory named by a grant."""
+        if self._subscriber is not None:
+            new = self._subscriber.poll()
+            if new is not None:
+                return new
+        if self._path_weights is not None:
+            version, path = self._path_weights
+            self._path_weights = None
+            try:
+                sig = (path, Path(path).stat().st_mtime_ns)
+            except OSError:
+                sig = None
+            if version > self._version() and sig is not None and sig != self._path_loaded:
+                self._path_loaded = sig  # an export that lags the learner is read once, not on every grant
+                got = load_weights_path(path, version)
+                if got[0] != self._version():
+                    return got
+        return None
+
+    # ---- control channel ----------------------------------------------------------------------------
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, AdmissionGrant):
+            self._grant_sent_at = None
+            self.learner_version = max(self.learner_version, msg.learner_version)
+            self.pending.extend(msg.group_ids)
+            self.groups_granted += len(msg.group_ids)
+            if not msg.group_ids:
+                self._retry_at = time.monotonic() + min(max(msg.retry_after_s, 0.01), 5.0)
+            if msg.weights_path and msg.learner_version > self._version():
+                self._path_weights = (msg.learner_version, msg.weights_path)
+        elif isinstance(msg, Shutdown):
+            self.request_stop(f"shutdown from buffer: {msg.reason}")
+        else:
+            log.debug("ignoring %s on the control channel", type(msg).__name__)
+
+    def _pump(self, timeout_s: float = 0.0) -> None:
+        """Handle every control message that is waiting (blocking at most ``timeout_s`` for the first)."""
+        msg = self.control.recv(timeout_s)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.control.recv(0.0)
+
+    def tick(self) -> None:
+        """Housekeeping between policy calls: control messages, parent check, heartbeat, stats."""
+        self._pump(0.0)
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.request_stop("parent fleet process is gone")
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._next_hb = now + self.cfg.actor.heartbeat_s
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._version(), self.state))
+            self._write_status()
+        if now >= self._next_stats and self.core is not None:
+            self._next_stats = now + self.cfg.actor.stats_every_s
+            self._send_stats()
+
+    def _idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+        self.idle_total_s += seconds
+
+    def _next_group(self) -> Optional[str]:
+        """A granted group id, or None after waiting a short while (the caller loops)."""
+        if self.pending:
+            return self.pending.popleft()
+        t0 = time.monotonic()
+        self.core.maybe_swap()  # no episode is running: any swap mode may take new weights now
+        wait = min(0.1, self.cfg.actor.heartbeat_s)
+        if t0 >= self._retry_at:
+            stale = self._grant_sent_at is not None and t0 - self._grant_sent_at > self.cfg.actor.grant_timeout_s
+            if self._grant_sent_at is None or stale:
+                if stale:
+                    log.warning("actor %d: no grant reply in %.1f s; asking again", self.actor_id,
+                                self.cfg.actor.grant_timeout_s)
+                self.control.send(GrantRequest(self.actor_id, 1, self._version()))
+                self._grant_sent_at = t0
+        else:
+            wait = min(wait, self._retry_at - t0)
+        self._pump(max(wait, 0.0))
+        self.tick()
+        self._idle(time.monotonic() - t0)
+        return self.pending.popleft() if self.pending else None
+
+    def _send(self, traj: Trajectory) -> None:
+        """Stream one trajectory; while the buffer pushes back, keep heartbeating (the wait is idle time)."""
+        frames = encode(traj)
+        while True:
+            t0 = time.monotonic()
+            if self.sender.send_frames(frames, timeout_s=self.cfg.actor.send_timeout_s):
+                return
+            self._idle(time.monotonic() - t0)
+            self.send_failures += 1
+            self.tick()
+            if self.stopping():
+                log.warning("actor %d: dropping trajectory %s (stopping while the buffer is full)",
+                            self.actor_id, traj.traj_id)
+                return
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        d = self.core.totals.since(self._stats_mark)
+        self.control.send(ActorStats(
+            actor_id=self.actor_id, interval_s=now - self._stats_t, env_steps=d.env_steps,
+            policy_calls=d.policy_calls, inference_s=d.inference_s, idle_s=self.idle_s, episodes=d.episodes,
+            successes_by_task={k: int(v) for k, v in d.successes_by_task.items()},
+            episodes_by_task={k: int(v) for k, v in d.episodes_by_task.items()},
+            policy_version=self._version(), env_crashes=d.env_crashes))
+        self._stats_mark, self._stats_t, self.idle_s = self.core.totals.copy(), now, 0.0
+
+    def _write_status(self) -> None:
+        t = self.core.totals if self.core is not None else RolloutStats()
+        write_status(self._status_file, {
+            "actor_id": self.actor_id, "pid": os.getpid(), "t": time.time(), "state": self.state,
+            "version": self._version(), "learner_version": self.learner_version, "env_steps": t.env_steps,
+            "policy_calls": t.policy_calls, "episodes": t.episodes, "successes": t.successes,
+            "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
+            "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
+            "groups_granted": self.groups_granted, "swaps": t.swaps})

@@ -1,0 +1,323 @@
+"""Group rollouts: G environments stepped in lock-step with one batched policy call per action chunk.
+
+``GroupRollout.run(spec)`` resets every env of a wave to the group's init state, then repeats
+``policy.act`` (one forward pass for all live envs) -> ``policy.decode_actions`` -> execute the chunk
+step by step in every live env. An env that finishes mid-chunk stops at once; the action tokens of the
+steps it never executed keep ``token_mask`` False so the learner never trains on them. Each finished
+trajectory is yielded the moment its episode ends (the caller streams it to the buffer while the other
+envs keep going), with the policy version of every call it consumed; its behaviour version (what the
+staleness bound uses) is the oldest of those.
+
+Weight swaps happen only through the ``maybe_swap`` callback, which the rollout calls between policy
+calls (``between_chunks``) or only before a wave of episodes starts (``between_episodes``); never while
+a forward pass is running.
+
+A group may be run by several actors ("spread" mode): ``GroupSpec.members`` selects the member indices
+this actor runs; every member carries the group id and the full group size G, so the buffer assembles
+the group from whichever actors produced it. With fewer envs than members, members run in waves.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from async_vla.messages import Trajectory
+
+log = logging.getLogger(__name__)
+
+SWAP_MODES = ("between_chunks", "between_episodes")
+
+
+def env_crash_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "this simulator died" (the env worker restarts itself; the episode is lost).
+
+    Only the isolated-worker error counts: an exception from an in-process env is a bug or a broken
+    simulator and takes the actor down (the fleet restarts it), which is the isolation the design wants.
+    """
+    try:
+        from async_vla.envs.worker import EnvCrashed
+    except ImportError:  # the isolated env worker is optional (built-in envs run in-process)
+        return ()
+    return (EnvCrashed,)
+
+
+def _is_isolated(env: Any) -> bool:
+    try:
+        from async_vla.envs.worker import SubprocessEnv
+    except ImportError:
+        return False
+    return isinstance(env, SubprocessEnv)
+
+
+@dataclass
+class GroupSpec:
+    """What to roll out: a group id issued by the buffer, its task and init state, and which members."""
+
+    group_id: str
+    task_id: int
+    init_state_id: int
+    group_size: int
+    members: Optional[Sequence[int]] = None
+    """Member indices (0..G-1) this actor runs; None = all G."""
+
+    def member_ids(self) -> list[int]:
+        ids = list(range(self.group_size)) if self.members is None else [int(m) for m in self.members]
+        if not ids or any(not 0 <= m < self.group_size for m in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"group {self.group_id}: members {self.members} must be distinct in [0, {self.group_size})")
+        return ids
+
+
+@dataclass
+class RolloutStats:
+    """Cumulative counters of rollouts; per-interval figures are ``now.since(copy taken earlier)``."""
+
+    env_steps: int = 0
+    policy_calls: int = 0
+    inference_s: float = 0.0
+    env_s: float = 0.0
+    episodes: int = 0
+    successes: int = 0
+    env_crashes: int = 0
+    trajectories: int = 0
+    groups: int = 0
+    swaps: int = 0
+    episodes_by_task: collections.Counter = field(default_factory=collections.Counter)
+    successes_by_task: collections.Counter = field(default_factory=collections.Counter)
+
+    def copy(self) -> "RolloutStats":
+        out = RolloutStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+        out.episodes_by_task = collections.Counter(self.episodes_by_task)
+        out.successes_by_task = collections.Counter(self.successes_by_task)
+        return out
+
+    def since(self, earlier: "RolloutStats") -> "RolloutStats":
+        """Counters accumulated after ``earlier`` (a copy taken at the start of a stats interval)."""
+        out = RolloutStats()
+        for f in self.__dataclass_fields__:
+            setattr(out, f, getattr(self, f) - getattr(earlier, f))
+        return out
+
+
+class _Episode:
+    """Per-env record of one episode: one row per policy call."""
+
+    __slots__ = ("member", "env", "obs", "active", "crashed", "success", "steps", "t_start", "images",
+                 "wrist", "proprio", "tokens", "logprobs", "masks", "versions")
+
+    def __init__(self, member: int, env: Any, t_start: float):
+        self.member, self.env, self.t_start = member, env, t_start
+        self.obs = None
+        self.active, self.crashed, self.success, self.steps = True, False, False, 0
+        self.images: list = []
+        self.wrist: list = []
+        self.proprio: list = []
+        self.tokens: list = []
+        self.logprobs: list = []
+        self.masks: list = []
+        self.versions: list = []
+
+
+class GroupRollout:
+    """Runs groups of episodes with batched inference; yields ``messages.Trajectory`` as episodes end.
+
+    Args:
+        policy: a VLAPolicy (``act`` and ``decode_actions``).
+        envs: Env instances (or isolated env workers with the same interface); all are reset to the
+            same init state, so one group of G needs G envs to run in one wave.
+        run_id, actor_id: copied into every trajectory.
+        temperature: rollout sampling temperature.
+        version: returns the version of the weights currently loaded (read right before each call).
+        swap: ``between_chunks`` or ``between_episodes`` (when ``maybe_swap`` is called).
+        maybe_swap: loads newer weights if any; called only between forward passes.
+        tick: called before every policy call (heartbeats, stats, control messages).
+        should_stop: polled before every policy call; True abandons the group (nothing more is yielded).
+        generator: torch.Generator for sampling (reproducible per actor).
+        stats: counters to accumulate into (shared with the owning actor).
+        crash_types: exceptions meaning a simulator crash (default: EnvCrashed when the worker exists).
+        max_steps: episode step limit (None = the env's ``max_steps(task)``).
+        parallel: step envs concurrently from threads (None = when every env is an isolated worker).
+    """
+
+    def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
+                 version: Callable[[], int], swap: str = "between_chunks",
+                 maybe_swap: Optional[Callable[[], None]] = None, tick: Optional[Callable[[], None]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None, generator: Any = None,
+                 stats: Optional[RolloutStats] = None,
+                 crash_types: Optional[tuple[type[BaseException], ...]] = None,
+                 max_steps: Optional[int] = None, parallel: Optional[bool] = None):
+        if swap not in SWAP_MODES:
+            raise ValueError(f"actor.swap must be one of {SWAP_MODES}, got {swap!r}")
+        if not envs:
+            raise ValueError("GroupRollout needs at least one env")
+        self.policy, self.envs = policy, list(envs)
+        self.run_id, self.actor_id, self.temperature = run_id, int(actor_id), float(temperature)
+        self.version, self.swap = version, swap
+        self.maybe_swap = maybe_swap or (lambda: None)
+        self.tick = tick or (lambda: None)
+        self.should_stop = should_stop or (lambda: False)
+        self.generator = generator
+        self.stats = stats if stats is not None else RolloutStats()
+        self.crash_types = env_crash_types() if crash_types is None else crash_types
+        self.max_steps_override = max_steps
+        if parallel is None:
+            parallel = len(self.envs) > 1 and all(_is_isolated(e) for e in self.envs)
+        # Isolated envs step in their own processes: issuing the G calls at once overlaps them (threads wait
+        # on pipes, GIL released). In-process numpy envs are faster called one after another.
+        self._pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env") if parallel else None
+        self._tasks: dict[int, tuple[str, int]] = {}
+        self.stopped = False
+        """True once a group was abandoned because ``should_stop`` said so."""
+
+    # ------------------------------------------------------------------------------------------------
+    def run(self, spec: GroupSpec) -> Iterator[Trajectory]:
+        """Roll out this actor's members of ``spec``; yield each trajectory as soon as its episode ends.
+
+        Crashed episodes are counted and dropped (the buffer expires the incomplete group); if
+        ``should_stop`` turns True the group is abandoned and ``self.stopped`` is set.
+        """
+        members = spec.member_ids()
+        instruction, limit = self._task_info(spec.task_id)
+        self.stopped = False
+        for start in range(0, len(members), len(self.envs)):
+            if self.swap == "between_episodes":
+                self.maybe_swap()  # the only swap point in this mode: before any episode of the wave starts
+            wave = members[start:start + len(self.envs)]
+            yield from self._run_wave(spec, wave, instruction, limit)
+            if self.stopped:
+                return
+        self.stats.groups += 1
+
+    def _task_info(self, task_id: int) -> tuple[str, int]:
+        """(instruction, step limit) of a task, cached: static facts, and asking a worker that just died
+        would turn one simulator crash into a lost group (any live env can answer)."""
+        if task_id not in self._tasks:
+            for env in self.envs:
+                try:
+                    self._tasks[task_id] = (env.instruction(task_id),
+                                            self.max_steps_override or env.max_steps(task_id))
+                    break
+                except self.crash_types as exc:  # type: ignore[misc]
+                    log.warning("env crashed answering task %d queries: %s", task_id, exc)
+            else:
+                raise RuntimeError(f"no env could describe task {task_id}")
+        return self._tasks[task_id]
+
+    # ------------------------------------------------------------------------------------------------
+    def _run_wave(self, spec: GroupSpec, members: list[int], instruction: str, limit: int) -> Iterator[Trajectory]:
+        episodes = [_Episode(m, env, time.time()) for m, env in zip(members, self.envs)]
+        for ep, (ok, res) in zip(episodes, self._map(lambda ep: ep.env.reset(spec.task_id, spec.init_state_id),
+                                                     [(ep,) for ep in episodes])):
+            if ok:
+                ep.obs = res
+            else:
+                self._crashed(ep, res)
+        while True:
+            live = [ep for ep in episodes if ep.active]
+            if not live:
+                return
+            self.tick()
+            if self.should_stop():
+                self.stopped = True
+                return
+            if self.swap == "between_chunks":
+                self.maybe_swap()
+            actions = self._call_policy(live, instruction)
+            chunk, dof = actions.shape[1], actions.shape[2]
+            for s in range(chunk):
+                stepping = [(b, ep) for b, ep in enumerate(live) if ep.active]
+                if not stepping:
+                    break
+                t0 = time.perf_counter()
+                results = self._map(lambda ep, a: ep.env.step(a), [(ep, actions[b, s]) for b, ep in stepping])
+                self.stats.env_s += time.perf_counter() - t0
+                for (b, ep), (ok, res) in zip(stepping, results):
+                    if not ok:
+                        self._crashed(ep, res)
+                        continue
+                    obs, done, success = res
+                    ep.masks[-1][s * dof:(s + 1) * dof] = True  # tokens of the step that was executed
+                    ep.obs, ep.steps = obs, ep.steps + 1
+                    self.stats.env_steps += 1
+                    if done or success or ep.steps >= limit:
+                        ep.active, ep.success = False, bool(success)
+                        yield self._finish(spec, ep, instruction)
+
+    def _map(self, fn: Callable[..., Any], calls: list[tuple]) -> list[tuple[bool, Any]]:
+        """Run env calls (concurrently for isolated env workers); a simulator crash is returned as
+        ``(False, exc)`` so it costs only that episode. Any other exception propagates (a bug)."""
+        def guarded(*args: Any) -> tuple[bool, Any]:
+            try:
+                return True, fn(*args)
+            except self.crash_types as exc:  # type: ignore[misc]
+                return False, exc
+
+        if self._pool is None or len(calls) < 2:
+            return [guarded(*c) for c in calls]
+        return [f.result() for f in [self._pool.submit(guarded, *c) for c in calls]]
+
+    def _crashed(self, ep: _Episode, exc: BaseException) -> None:
+        ep.active, ep.crashed = False, True
+        self.stats.env_crashes += 1
+        log.warning("env crashed (member %d): %s; episode abandoned", ep.member, exc)
+
+    def close(self) -> None:
+        """Stop the env-call threads (the envs themselves belong to the caller)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _call_policy(self, live: list[_Episode], instruction: str) -> np.ndarray:
+        """One batched forward pass for every live env; records inputs, outputs and the version used."""
+        version = int(self.version())  # read right before the forward: the weights this call really uses
+        images = np.stack([ep.obs.image for ep in live])
+        proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
+        t0 = time.perf_counter()
+        tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
+                                           generator=self.generator)
+        actions = self.policy.decode_actions(tokens)
+        self.stats.inference_s += time.perf_counter() - t0
+        self.stats.policy_calls += 1
+        tokens = np.asarray(tokens, dtype=np.int64)
+        logprobs = np.asarray(logprobs, dtype=np.float32)
+        actions = np.asarray(actions)
+        if actions.ndim != 3 or actions.shape[0] != len(live) or tokens.shape[1] != actions.shape[1] * actions.shape[2]:
+            raise ValueError(f"policy returned tokens {tokens.shape} / actions {actions.shape} for {len(live)} envs")
+        for b, ep in enumerate(live):
+            ep.images.append(images[b])
+            ep.wrist.append(ep.obs.wrist_image)
+            ep.proprio.append(proprio[b])
+            ep.tokens.append(tokens[b])
+            ep.logprobs.append(logprobs[b])
+            ep.masks.append(np.zeros(tokens.shape[1], dtype=bool))
+            ep.versions.append(version)
+        return actions
+
+    def _finish(self, spec: GroupSpec, ep: _Episode, instruction: str) -> Trajectory:
+        versions = np.asarray(ep.versions, dtype=np.int64)
+        wrist = None
+        if all(w is not None for w in ep.wrist):
+            wrist = np.stack(ep.wrist).astype(np.uint8, copy=False)
+        self.stats.episodes += 1
+        self.stats.trajectories += 1
+        self.stats.successes += int(ep.success)
+        self.stats.episodes_by_task[str(spec.task_id)] += 1
+        self.stats.successes_by_task[str(spec.task_id)] += int(ep.success)
+        return Trajectory(
+            run_id=self.run_id, actor_id=self.actor_id, group_id=spec.group_id,
+            # member index makes the id unique within the group whichever actor runs it, and lets the
+            # buffer reject a member that was (wrongly) produced twice.
+            traj_id=f"{spec.group_id}/m{ep.member}", task_id=int(spec.task_id),
+            init_state_id=int(spec.init_state_id), instruction=instruction,
+            behaviour_version=int(versions.min()), success=ep.success, reward=1.0 if ep.success else 0.0,
+            env_steps=ep.steps, t_start=ep.t_start, t_end=time.time(), group_size=int(spec.group_size),
+            chunk_versions=versions, images=np.stack(ep.images).astype(np.uint8, copy=False),
+            proprio=np.stack(ep.proprio).astype(np.float32, copy=False),
+            action_tokens=np.stack(ep.tokens), behav_logprobs=np.stack(ep.logprobs),
+            token_mask=np.stack(ep.masks), wrist_images=wrist)

@@ -1,0 +1,84 @@
+"""Small helpers shared by an actor process and the fleet that supervises it (no torch imports here).
+
+An actor writes ``<run>/actors/actor_<i>.json`` (atomically) on every heartbeat: its pid, wall time,
+state, policy version and cumulative counters. The fleet reads these files to detect hung actors
+(stale ``t``) and to print its live status line; files are the channel because they work with no
+extra socket and survive the fleet being restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+
+def status_path(run_dir: os.PathLike | str, actor_id: int) -> Path:
+    """Where actor ``actor_id`` writes its heartbeat status."""
+    return Path(run_dir) / "actors" / f"actor_{actor_id}.json"
+
+
+def log_path(run_dir: os.PathLike | str, actor_id: int) -> Path:
+    """The one log file of actor ``actor_id`` (appended to across restarts)."""
+    return Path(run_dir) / "logs" / f"actor_{actor_id}.log"
+
+
+def write_status(path: Path, data: dict) -> None:
+    """Write atomically (tmp + rename) so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_status(path: Path) -> Optional[dict]:
+    """The last status an actor wrote, or None if there is none (yet) or it is unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def parse_connect(connect: str) -> dict[str, str]:
+    """``--connect`` value -> {"trajectory": ep, "control": ep}.
+
+    Forms: ``tcp://HOST:PORT`` (PORT is the buffer's trajectory port and PORT+1 its control port, the
+    pairing of the defaults 5555/5556), ``TRAJ_EP,CONTROL_EP`` (both explicit), or ``ipc://DIR``
+    (the socket files ``DIR/trajectory`` and ``DIR/control``, as ``transport.endpoints`` lays them out).
+    """
+    parts = [p.strip() for p in connect.split(",") if p.strip()]
+    if len(parts) == 2:
+        return {"trajectory": parts[0], "control": parts[1]}
+    if len(parts) != 1:
+        raise ValueError(f"--connect {connect!r}: expected tcp://HOST:PORT or TRAJ_ENDPOINT,CONTROL_ENDPOINT")
+    ep = parts[0]
+    if ep.startswith("ipc://"):
+        base = ep[len("ipc://"):].rstrip("/")
+        return {"trajectory": f"ipc://{base}/trajectory", "control": f"ipc://{base}/control"}
+    url = urlparse(ep)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"--connect {connect!r}: expected tcp://HOST:PORT (PORT = trajectory port, PORT+1 = control)")
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    return {"trajectory": f"tcp://{host}:{url.port}", "control": f"tcp://{host}:{url.port + 1}"}
+
+
+SHARE_RE = re.compile(r"^(?P<gid>.+)#(?P<k>\d+)/(?P<n>\d+)$")
+
+
+def parse_share(group_id: str) -> tuple[str, int, int]:
+    """``"<gid>#k/S"`` (run share k of S of group gid: members m with m % S == k) -> (gid, k, S).
+
+    A plain group id is share 0 of 1 (the whole group). This is how a buffer spreads one group's G
+    members over several actors: it grants the same group id with different shares.
+    """
+    m = SHARE_RE.match(group_id)
+    if m is None:
+        return group_id, 0, 1
+    k, n = int(m["k"]), int(m["n"])
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"group id {group_id!r}: share {k}/{n} is not k in [0, S)")
+    return m["gid"], k, n

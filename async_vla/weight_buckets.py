@@ -1,0 +1,531 @@
+"""Data plane of the weight broadcast: bucket layout, packing, checksums, exported files, and the
+process-group wrapper the buckets travel through (the control plane - membership, epochs, publisher and
+subscriber - is ``async_vla.weights``).
+
+A *manifest* is the ordered list of (name, dtype, shape) of the tensors a learner publishes. From the
+manifest and a size cap both sides derive the same *layout* with one deterministic greedy rule, so only
+the manifest (a few KB of JSON) ever crosses the wire, never offsets:
+
+- tensors are grouped by dtype (buckets are flat typed tensors, sent as raw bytes);
+- within a dtype, tensors go in manifest order into the open bucket at 64-byte aligned offsets (aligned so
+  receivers can take word views for the checksum and copies stay vectorised) until the next one would
+  exceed the cap, which closes the bucket;
+- a tensor larger than the cap gets a bucket of its own (the open bucket stays open);
+- bucket order is dtype by first appearance, then creation order within the dtype.
+
+The packer applies the same rule while tensors stream in, so a ZeRO-3 learner can gather layer by layer
+and copy each full tensor into its bucket before the next layer is gathered.
+
+Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
+bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float (the
+``WeightVersion.checksum`` field). Integer sums are order-independent, hence identical across processes,
+thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
+its rounding depends on the reduction order). It catches stale versions, missing or zeroed buckets and
+layout mix-ups; it does not catch a permutation of 8-byte words inside one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import BroadcastOptions
+
+ALIGN = 64
+MANIFEST_SCHEMA = 1
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_RANK = 8
+_MOD = 1 << 52
+_U64 = (1 << 64) - 1
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_SAFETENSORS_CODES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+_EXPORT_RE = re.compile(r"^v(\d+)\.safetensors$")
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _NAMES:
+        raise TypeError(f"weights of dtype {dtype} cannot be broadcast (allowed: {sorted(DTYPES)})")
+    return _NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lives: bucket index and element offset inside that (typed) bucket."""
+
+    spec: TensorSpec
+    bucket: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    dtype: str
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+class _Planner:
+    """The one greedy rule (module docstring). ``add`` places a tensor; ``finish`` orders the buckets."""
+
+    def __init__(self, cap_bytes: int):
+        self.cap = int(cap_bytes)
+        self.order: list[str] = []                      # dtypes by first appearance
+        self.used: dict[str, list[int]] = {}            # per dtype: bytes used by each bucket
+        self.open: dict[str, int] = {}                  # per dtype: index of the open bucket
+        self.placed: list[tuple[TensorSpec, int, int]] = []   # (spec, local bucket, byte offset)
+
+    def add(self, spec: TensorSpec) -> tuple[int, int, bool]:
+        """Returns (local bucket index within the dtype, byte offset, bucket is the tensor's own)."""
+        if spec.dtype not in self.used:
+            self.order.append(spec.dtype)
+            self.used[spec.dtype] = []
+        used, nbytes = self.used[spec.dtype], spec.nbytes
+        if nbytes > self.cap:
+            used.append(nbytes)
+            place = (len(used) - 1, 0, True)
+        else:
+            idx = self.open.get(spec.dtype)
+            off = -(-used[idx] // ALIGN) * ALIGN if idx is not None else 0
+            if idx is None or off + nbytes > self.cap:
+                used.append(0)
+                idx, off = len(used) - 1, 0
+                self.open[spec.dtype] = idx
+            used[idx] = off + nbytes
+            place = (idx, off, False)
+        self.placed.append((spec, place[0], place[1]))
+        return place
+
+    def base(self) -> dict[str, int]:
+        """Global index of each dtype's first bucket."""
+        out, n = {}, 0
+        for d in self.order:
+            out[d], n = n, n + len(self.used[d])
+        return out
+
+    def finish(self, cap_bytes: int) -> "Layout":
+        base = self.base()
+        entries = tuple(Entry(s, base[s.dtype] + b, off // DTYPES[s.dtype].itemsize) for s, b, off in self.placed)
+        buckets = tuple(BucketSpec(d, u // DTYPES[d].itemsize) for d in self.order for u in self.used[d])
+        return Layout(tuple(s for s, _, _ in self.placed), cap_bytes, entries, buckets)
+
+
+@dataclass(frozen=True)
+class Layout:
+    specs: tuple[TensorSpec, ...]
+    cap_bytes: int
+    entries: tuple[Entry, ...]
+    buckets: tuple[BucketSpec, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def manifest_bytes(self) -> bytes:
+        doc = {"schema": MANIFEST_SCHEMA, "cap": self.cap_bytes, "align": ALIGN,
+               "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.specs]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> int:
+        """63-bit id of the manifest (fits an int64 header slot)."""
+        return int.from_bytes(hashlib.sha256(self.manifest_bytes()).digest()[:8], "little") & ((1 << 63) - 1)
+
+    @classmethod
+    def from_manifest_bytes(cls, raw: bytes) -> "Layout":
+        """Parse and validate a received manifest (trusts nothing), then plan the same layout."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError("manifest too large")
+        doc = json.loads(raw.decode())
+        if not isinstance(doc, dict) or doc.get("schema") != MANIFEST_SCHEMA or doc.get("align") != ALIGN:
+            raise ValueError("manifest schema/alignment mismatch")
+        cap, items = doc.get("cap"), doc.get("tensors")
+        if not isinstance(cap, int) or cap < 1 or not isinstance(items, list):
+            raise ValueError("manifest cap/tensors malformed")
+        specs, seen = [], set()
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[1] in DTYPES
+                    and isinstance(item[2], list) and len(item[2]) <= MAX_RANK
+                    and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in item[2])):
+                raise ValueError(f"manifest entry malformed: {str(item)[:80]}")
+            if item[0] in seen:
+                raise ValueError(f"duplicate tensor name {item[0]!r}")
+            seen.add(item[0])
+            specs.append(TensorSpec(item[0], item[1], tuple(item[2])))
+        return plan(specs, cap)
+
+
+def plan(specs: Sequence[TensorSpec], cap_bytes: int) -> Layout:
+    planner = _Planner(cap_bytes)
+    for s in specs:
+        planner.add(s)
+    return planner.finish(cap_bytes)
+
+
+def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
+
+
+def _storage_free(t: torch.Tensor) -> bool:
+    """True when nothing but ``t`` itself references its storage (no view handed out is still alive)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:   # private API gone: never reuse, always allocate (correct, just slower)
+        return False
+    return use_count(t.untyped_storage()._cdata) <= 2   # t + the temporary storage object
+
+
+class BufferPool:
+    """Reuses bucket buffers between versions. Fresh large allocations are mmapped and page-faulted on
+    first touch, which cost as much as the copy itself (a 40 MB receive ran ~3x slower). A buffer is
+    reused only once every view handed out of it (to the export thread, to an actor's ``poll()`` caller)
+    is gone, checked with the storage use count, so reuse never overwrites weights someone still reads.
+    ``get`` returns an alias, so a buffer counts as busy while its caller holds it."""
+
+    def __init__(self):
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
+        device = torch.device(device)
+        for b in self._bufs:
+            if b.numel() == numel and b.dtype == dtype and b.device == device and _storage_free(b):
+                return b[:]
+        b = torch.empty(numel, dtype=dtype, device=device)
+        self._bufs.append(b)
+        return b[:]
+
+    def trim(self, max_bytes: int) -> None:
+        """Drop free buffers, oldest first, until the pool holds at most ``max_bytes``."""
+        total = sum(b.numel() * b.element_size() for b in self._bufs)
+        keep = []
+        for b in self._bufs:
+            if total > max_bytes and _storage_free(b):
+                total -= b.numel() * b.element_size()
+            else:
+                keep.append(b)
+        self._bufs = keep
+
+
+class BucketPacker:
+    """Streams (name, tensor) into buckets following the layout rule; ``finish()`` -> (layout, buckets).
+
+    Each tensor is copied as soon as it is added, so the caller may free or re-partition it right after
+    (ZeRO-3 gathers). With ``zero_copy`` a contiguous tensor that gets its own bucket is referenced instead
+    of copied: only safe if it stays unchanged until the broadcast (and any export) is done.
+    """
+
+    def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
+                 pool: Optional[BufferPool] = None):
+        self.cap = int(cap_bytes)
+        self.device = torch.device(device)
+        self.zero_copy = zero_copy
+        self._alloc = pool.get if pool is not None else (
+            lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device))
+        self._planner = _Planner(self.cap)
+        self._store: dict[str, list[torch.Tensor]] = {}
+        self._names: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        self._names.add(name)
+        t = tensor.detach()
+        spec = spec_of(name, t)
+        local, off, own = self._planner.add(spec)
+        bufs = self._store.setdefault(spec.dtype, [])
+        dtype = DTYPES[spec.dtype]
+        if own:
+            if self.zero_copy and t.is_contiguous() and t.device == self.device:
+                bufs.append(t.reshape(-1))
+            else:
+                bufs.append(self._alloc(spec.numel, dtype, self.device))
+                bufs[-1].view(spec.shape).copy_(t)
+            return
+        if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
+            bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
+        n = spec.numel
+        bufs[local].narrow(0, off // dtype.itemsize, n).view(spec.shape).copy_(t)
+
+    def finish(self) -> tuple[Layout, list[torch.Tensor]]:
+        layout = self._planner.finish(self.cap)
+        flat = [b for d in self._planner.order for b in self._store[d]]
+        buckets = [b if b.numel() == spec.numel else b.narrow(0, 0, spec.numel)
+                   for b, spec in zip(flat, layout.buckets)]
+        return layout, buckets
+
+
+def pack(named: NamedTensors, cap_bytes: int, device: Union[str, torch.device] = "cpu",
+         zero_copy: bool = False, pool: Optional[BufferPool] = None) -> tuple[Layout, list[torch.Tensor]]:
+    packer = BucketPacker(cap_bytes, device, zero_copy, pool)
+    for name, t in _items(named):
+        packer.add(name, t)
+    return packer.finish()
+
+
+def empty_buckets(layout: Layout, device: Union[str, torch.device] = "cpu",
+                  pool: Optional[BufferPool] = None) -> list[torch.Tensor]:
+    if pool is None:
+        return [torch.empty(b.numel, dtype=DTYPES[b.dtype], device=device) for b in layout.buckets]
+    return [pool.get(b.numel, DTYPES[b.dtype], device) for b in layout.buckets]
+
+
+def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views into the buckets, by name, in manifest order (copy them into the model)."""
+    if len(buckets) != len(layout.buckets):
+        raise ValueError(f"{len(buckets)} buckets, layout has {len(layout.buckets)}")
+    for b, spec in zip(buckets, layout.buckets):
+        if b.dtype != DTYPES[spec.dtype] or b.numel() != spec.numel:
+            raise ValueError("bucket does not match layout")
+    return {e.spec.name: buckets[e.bucket].narrow(0, e.offset, e.spec.numel).view(e.spec.shape)
+            for e in layout.entries}
+
+
+def _items(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    return named.items() if isinstance(named, Mapping) else named
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensor_sum(t: torch.Tensor) -> int:
+    """Wrap-around int64 sum of the tensor's bytes as 8-byte words (+ trailing bytes), as unsigned."""
+    b = _bytes_of(t)
+    n8 = b.numel() // 8 * 8
+    total = 0
+    if n8:
+        head = b.narrow(0, 0, n8)
+        if (head.storage_offset() % 8) != 0:   # unaligned slice of a larger tensor: realign by copying
+            head = head.clone()
+        total = int(head.view(torch.int64).sum())
+    if b.numel() > n8:
+        total += int(b.narrow(0, n8, b.numel() - n8).to(torch.int64).sum())
+    return total & _U64
+
+
+def checksum(named: NamedTensors) -> float:
+    """Order-independent, exact checksum of a set of named tensors (module docstring); < 2**52."""
+    h = 0
+    for name, t in sorted(_items(named), key=lambda kv: kv[0]):
+        h = (h * 1_000_003 + tensor_sum(t) + t.numel()) % _MOD
+    return float(h)
+
+
+# ------------------------------------------------------------------------------------------ safetensors
+def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Optional[dict[str, str]] = None) -> int:
+    """Write a standard safetensors file tensor by tensor (views into shared buckets are fine here,
+    unlike ``safetensors.torch.save_file`` which refuses tensors sharing storage). Returns bytes written."""
+    items = [(n, t.detach()) for n, t in _items(named)]
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}}
+    off = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_CODES[dtype_name(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)             # the format allows space padding; keeps data 8-aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in items:
+            if t.numel():
+                f.write(_bytes_of(t.cpu()).numpy().data)
+    return 8 + len(raw) + off
+
+
+def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
+                   keep: int = 2) -> Path:
+    """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
+    older exports down to ``keep``. A reader never sees a partial file under either name."""
+    d = Path(weights_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"v{version}.safetensors"
+    tmp = d / f".v{version}.safetensors.tmp{os.getpid()}"
+    write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt"})
+    os.replace(tmp, final)
+    ptr = d / f".latest.tmp{os.getpid()}"
+    ptr.write_text(final.name + "\n")
+    os.replace(ptr, d / "latest")
+    exports = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _EXPORT_RE.match(p.name)))
+    for v, p in exports[:-max(1, keep)]:
+        if v != version:
+            p.unlink(missing_ok=True)
+    return final
+
+
+def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu"
+                ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
+    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
+    Retries when the file is pruned between reading the pointer and opening it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    d = Path(weights_dir)
+    for _ in range(5):
+        name = None
+        try:
+            name = (d / "latest").read_text().strip()
+        except FileNotFoundError:
+            pass
+        if name is None or not _EXPORT_RE.match(name):   # never follow an untrusted path
+            found = sorted((int(m.group(1)), p.name) for p in d.glob("v*.safetensors")
+                           if (m := _EXPORT_RE.match(p.name))) if d.is_dir() else []
+            if not found:
+                return None
+            name = found[-1][1]
+        path = d / name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path), device=str(device))
+        except FileNotFoundError:
+            continue
+        version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
+        return version, tensors, float(meta.get("checksum", "nan"))
+    return None
+
+
+# ------------------------------------------------------------------------------------------ wire
+MAGIC = 0x5745494748      # "WEIGH"
+ACK_TAG = 7
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "zmq":
+        raise NotImplementedError("weights.backend=zmq is not implemented yet; use auto, gloo or nccl")
+    return name
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, float(seconds)))
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+class BroadcastGroup:
+    """One epoch's process group plus what both sides remember about it."""
+
+    def __init__(self, backend: str, store, rank: int, world: int, timeout_s: float, epoch: int,
+                 members: tuple[int, ...] = ()):
+        self.backend, self.epoch, self.members, self.rank = backend, epoch, members, rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.layout: Optional[Layout] = None      # manifest this group has already seen
+        self.seq = 0
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td(timeout_s)
+            # Default error handling tears the whole process down on a timeout; we want an exception.
+            with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
+                self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        else:
+            raise ValueError(f"unknown weights backend {backend!r}")
+
+    def _finish(self, work, timeout_s: float) -> None:
+        if self.backend == "nccl":
+            work.wait(td(timeout_s))
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            work.wait()
+
+    def bcast(self, t: torch.Tensor, timeout_s: float) -> None:
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, td(timeout_s)
+        self._finish(self.pg.broadcast([t], opts), timeout_s)
+
+    def bcast_many(self, tensors: list[torch.Tensor], timeout_s: float, overlap: bool = True) -> None:
+        """Issue every broadcast, then wait (gloo's worker threads overlap consecutive ops); with
+        ``overlap=False`` wait for each before issuing the next (the naive loop, a benchmark baseline)."""
+        works = []
+        for t in tensors:
+            if t.numel():
+                opts = BroadcastOptions()
+                opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, td(timeout_s)
+                works.append(self.pg.broadcast([t.view(torch.uint8)], opts))
+                if not overlap:
+                    self._finish(works.pop(), timeout_s)
+        for w in works:
+            self._finish(w, timeout_s)
+
+    # The acknowledgement is point-to-point with rank 0 (not an allreduce) so that a stopped actor can
+    # only delay the publisher, never another actor.
+    def send_ack(self, t: torch.Tensor, timeout_s: float) -> None:
+        work = self.pg.send([t], 0, ACK_TAG)
+        work.wait(td(timeout_s))
+
+    def recv_acks(self, timeout_s_left) -> torch.Tensor:
+        """Sum of the (received, checksum ok) pairs of every member; ``timeout_s_left()`` per wait."""
+        total = torch.zeros(2, dtype=torch.int64)
+        for rank in range(1, len(self.members) + 1):
+            t = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self.pg.recv([t], rank, ACK_TAG).wait(td(timeout_s_left()))
+            total += t.cpu()
+        return total
+
+    def close(self) -> None:
+        if self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                self.pg.abort()
+        self.pg = None   # dropping the gloo context closes its sockets: peers blocked in a receive fail now
+
+
+def parse_header(t: torch.Tensor) -> dict[str, int]:
+    keys = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
+    return dict(zip(keys, (int(x) for x in t.cpu().tolist())))

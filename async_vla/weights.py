@@ -1,0 +1,514 @@
+"""Weight broadcast from learner rank 0 to actor processes (design: docs/WEIGHTS.md).
+
+Why a separate process group: DeepSpeed's world is the learner ranks and must stay fixed for ZeRO-3
+collectives; actors come and go. Rank 0 therefore hosts its own ``TCPStore`` and builds a stand-alone
+``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU, same code) over ``PrefixStore(f"w/e{n}/pg")`` with
+itself as rank 0 and the actors that are alive now. The group is never registered with
+``torch.distributed`` (``new_group`` would drag actors into the training world), so we call the backend
+directly: ``pg.broadcast([t], opts).wait()``.
+
+Membership epochs (all through the store; no clocks compared across hosts):
+- an actor registers: ``token = add("w/tokens", 1)``, ``set("w/member/<token>", info)``, then a side thread
+  bumps ``w/hb/<token>`` every ``heartbeat_s`` (process liveness);
+- at ``publish()`` the publisher re-forms the group when the live set (heartbeat moved within
+  5 x heartbeat_s, not left, not superseded by a newer token of the same actor id, not suspended) differs
+  from the group or the group broke. Re-forming: bump the epoch n, queue an ``invite`` to each live
+  actor's mailbox (a store queue), wait up to ``join_timeout_s`` for ``w/e<n>/ack/<token>``, send a
+  ``roster`` (rank, world) to those that acked, and construct the group. An actor that misses the ack is
+  suspended with back-off, so a wedged actor costs at most one ``join_timeout_s`` now and then;
+- each broadcast is announced in the members' mailboxes, so an actor enters a collective only when one is
+  coming and otherwise sleeps in a blocking queue pop (an idle actor never times out of a collective);
+- wire: header int64[8] (magic, version, buckets, manifest bytes, data bytes, checksum, manifest digest,
+  seq), the manifest JSON when the group has not seen it, the buckets as raw bytes, then each actor
+  sends (received, checksum ok) to rank 0, so ``publish`` returns when receivers really hold (and have
+  verified) the weights.
+
+Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
+actor makes the next op raise at once ("connection closed by peer"); a stopped one makes it time out. Then
+the publisher *deletes* its group (which closes the sockets, so survivors blocked in a receive fail at once
+as well - ``abort()`` does not do that for gloo), and retries once in the same ``publish`` with a new epoch
+if time is left. A late or restarted actor loads ``<run>/weights/latest`` (``fetch_latest``) and joins at
+the next publish. NCCL: the group's watchdog would kill the learner on a timeout by default, so it is
+built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) and aborted before it is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from async_vla.weight_buckets import (
+    MAGIC, BroadcastGroup, BucketPacker, BufferPool, Layout, checksum, empty_buckets, export_weights,
+    parse_header, read_latest, resolve_backend, td, unpack,
+)
+
+log = logging.getLogger(__name__)
+
+POP_TIMEOUT_S = 60.0      # a mailbox wait wakes this often with nothing to do (close() wakes it at once)
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class _Member:
+    actor_id: int
+    hb: int = -1
+    seen: float = field(default_factory=time.monotonic)
+    fails: int = 0
+    suspended_until: float = 0.0
+
+
+class WeightPublisher:
+    """Learner rank 0: hosts the store, forms groups of live actors, broadcasts and exports weights."""
+
+    def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None):
+        self.cfg = cfg.weights
+        self.timeout_s = float(world_timeout_s or cfg.weights.timeout_s)
+        self.backend = resolve_backend(cfg.weights.backend)
+        on_gpu = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.weights_dir = Path(run_dir) / "weights"
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        # Bind ourselves so the store listens on cfg.transport.host only (TCPStore alone binds every
+        # interface) and port 0 gives a free port; the store takes ownership of the fd.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.transport.host, cfg.transport.weights_port))
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        self._store = TCPStore(cfg.transport.host, self.port, None, True, td(self.timeout_s),
+                               wait_for_workers=False, master_listen_fd=sock.detach())
+        self.session = uuid.uuid4().hex
+        self._store.set("w/session", self.session)
+        self._endpoint = self.weights_dir / "endpoint.json"
+        tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
+                                   "session": self.session, "pid": os.getpid()}))
+        os.replace(tmp, self._endpoint)
+        self._members: dict[int, _Member] = {}
+        self._missing: dict[int, float] = {}
+        self._known = 0
+        self._epoch = 0
+        self._group: Optional[BroadcastGroup] = None
+        self._export: Optional[threading.Thread] = None
+        self._export_error: Optional[BaseException] = None
+        self._pool = BufferPool()
+        self.last: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ membership
+    def _live_tokens(self) -> list[int]:
+        s, now = self._store, time.monotonic()
+        stale = 5 * self.cfg.heartbeat_s
+        while self._known < s.add("w/tokens", 0):
+            tok = self._known + 1
+            if not s.check([f"w/member/{tok}"]):
+                # Registered a moment ago, info not written yet: look again next time - unless it has been
+                # missing for long (the actor died in between), which must not block later tokens.
+                first = self._missing.setdefault(tok, now)
+                if now - first < 10 * self.cfg.heartbeat_s + 1.0:
+                    break
+                self._known = tok
+                continue
+            info = json.loads(s.get(f"w/member/{tok}"))
+            self._members[tok] = _Member(int(info.get("actor_id", -tok)))
+            self._known = tok
+        newest: dict[int, int] = {}
+        for tok, m in list(self._members.items()):
+            if s.check([f"w/leave/{tok}"]):
+                del self._members[tok]
+                continue
+            hb = s.add(f"w/hb/{tok}", 0)
+            if hb != m.hb:
+                m.hb, m.seen = hb, now
+            newest[m.actor_id] = max(tok, newest.get(m.actor_id, 0))
+        # A newer registration of the same actor id (restart, reconnect) retires the older token for good;
+        # a silent token is kept (cheap) because a stopped actor that resumes heartbeats on it again.
+        for tok in [t for t, m in self._members.items() if newest[m.actor_id] != t]:
+            del self._members[tok]
+        return sorted(t for t, m in self._members.items() if now - m.seen <= stale and now >= m.suspended_until)
+
+    def live_actors(self) -> list[int]:
+        """Actor ids registered and heartbeating now (the next publish invites these)."""
+        return sorted(self._members[t].actor_id for t in self._live_tokens())
+
+    def wait_for_actors(self, n: int, timeout_s: float) -> int:
+        """Wait until at least ``n`` actors are live (sync-mode start-up, tests); returns how many are."""
+        end = time.monotonic() + timeout_s
+        while len(live := self.live_actors()) < n and time.monotonic() < end:
+            time.sleep(0.05)
+        return len(live)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def _form(self, live: list[int], deadline: float) -> None:
+        self._drop_group()
+        if not live:
+            return
+        s = self._store
+        self._epoch += 1
+        e = self._epoch
+        for tok in live:
+            s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "invite", "e": e}))
+        keys = [f"w/e{e}/ack/{tok}" for tok in live]
+        with contextlib.suppress(dist.DistStoreError):
+            s.wait(keys, td(min(self.cfg.join_timeout_s, max(0.0, deadline - time.monotonic()))))
+        acked, now = [], time.monotonic()
+        for tok, key in zip(live, keys):
+            m = self._members[tok]
+            if s.check([key]):
+                acked.append(tok)
+                m.fails = 0
+                s.delete_key(key)
+            else:   # alive by heartbeat but not answering: back off so it cannot stall every publish
+                m.fails += 1
+                m.suspended_until = now + min(60.0, self.cfg.join_timeout_s * 2 ** m.fails)
+                log.warning("weights: actor %d (token %d) did not join epoch %d", m.actor_id, tok, e)
+        if not acked:
+            return
+        world = len(acked) + 1
+        for rank, tok in enumerate(acked, 1):
+            s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": world,
+                                                      "backend": self.backend}))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left to form the group")
+        self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked))
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                zero_copy: bool = False) -> dict[str, Any]:
+        """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors.
+
+        Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
+        group), confirmed (receivers whose checksum matched), epoch, formed, failures, error, checksum,
+        export_path. ``zero_copy`` lets tensors above the bucket cap be sent without a copy (they must stay
+        unchanged until this returns; export then runs synchronously).
+        """
+        t0 = time.monotonic()
+        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, self._pool)
+        for name, t in named_tensors:
+            packer.add(name, t)
+        layout, buckets = packer.finish()
+        self._pool.trim(3 * layout.wire_bytes + 2 * packer.cap)   # one version exporting, one packing
+        csum = checksum(unpack(layout, buckets))
+        t_pack = time.monotonic()
+        deadline = t_pack + self.timeout_s
+        stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
+                                 "checksum": csum, "receivers": 0, "confirmed": 0, "epoch": self._epoch,
+                                 "formed": False, "failures": 0, "error": ""}
+        for _attempt in range(2):
+            if deadline - time.monotonic() < 0.05:
+                break
+            try:
+                live = self._live_tokens()
+                if self._group is None or set(live) != set(self._group.members):
+                    self._form(live, deadline)
+                    stats["formed"] = True
+                if self._group is None:
+                    break
+                stats["confirmed"] = self._broadcast(self._group, version, layout, buckets, csum, deadline)
+                stats["receivers"], stats["error"] = len(self._group.members), ""
+                break
+            except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
+                stats["failures"] += 1
+                stats["error"] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("weights: broadcast of v%d failed in epoch %d (%s); re-forming",
+                            version, self._epoch, stats["error"])
+                self._drop_group()
+        stats["epoch"] = self._epoch
+        stats["pack_s"] = t_pack - t0
+        stats["sync_s"] = time.monotonic() - t0
+        stats["export_path"], stats["export_error"] = "", ""
+        self.last = stats
+        if self.cfg.export:
+            stats["export_path"] = str(self.weights_dir / f"v{version}.safetensors")
+            self._start_export(version, layout, buckets, csum, sync=zero_copy or not self.cfg.export_async)
+        return stats
+
+    def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
+                   deadline: float) -> int:
+        def left() -> float:
+            r = deadline - time.monotonic()
+            if r <= 0:
+                raise TimeoutError("weight broadcast ran out of time")
+            return r
+
+        for tok in g.members:
+            self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
+        manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
+        header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
+                               layout.digest, g.seq], dtype=torch.int64, device=g.device)
+        g.seq += 1
+        g.bcast(header, left())
+        if manifest:
+            g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
+            g.layout = layout
+        g.bcast_many(buckets, left(), self.cfg.overlap)
+        return int(g.recv_acks(left)[1])
+
+    def _start_export(self, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
+                      sync: bool) -> None:
+        error = self.wait_export()
+        if error is not None:
+            self.last["export_error"] = f"v{version - 1}: {error}"   # previous export; surfaced once
+
+        def work():
+            try:
+                cpu = [b.cpu() for b in buckets]
+                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.cfg.export_keep)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
+                self._export_error = exc
+                log.error("weights: export of v%d failed: %s", version, exc)
+
+        if sync:
+            work()
+        else:
+            self._export = threading.Thread(target=work, name=f"weights-export-v{version}", daemon=True)
+            self._export.start()
+
+    def wait_export(self) -> Optional[BaseException]:
+        """Block until the previous export is on disk (``latest`` points at it); returns its error, if any."""
+        if self._export is not None:
+            self._export.join()
+            self._export = None
+        error, self._export_error = self._export_error, None
+        return error
+
+    def close(self) -> None:
+        self.wait_export()
+        self._drop_group()
+        with contextlib.suppress(OSError):
+            if json.loads(self._endpoint.read_text()).get("session") == self.session:
+                self._endpoint.unlink()
+        self._store = None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _port_open(host: str, port: int) -> bool:
+    """Plain probe first: a TCPStore client aimed at a dead port retries for its whole timeout, loudly."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+class WeightSubscriber:
+    """Actor side: a background thread joins the learner's broadcasts; ``poll()`` hands over new weights."""
+
+    def __init__(self, cfg, actor_id: int, run_dir: Union[str, Path], connect_host: Optional[str] = None,
+                 port: Optional[int] = None, device: Optional[Union[str, torch.device]] = None):
+        self.cfg = cfg.weights
+        self.actor_id = int(actor_id)
+        self.weights_dir = Path(run_dir) / "weights"
+        self.host = connect_host or cfg.transport.connect_host
+        self._port = port if port is not None else (cfg.transport.weights_port or None)
+        self.timeout_s = float(cfg.weights.timeout_s)
+        self.device = device
+        self._lock = threading.Condition()
+        self._hb_lock = threading.Lock()     # separate, so a slow store never blocks poll()
+        self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+        self._delivered = -1
+        self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
+        self._group: Optional[BroadcastGroup] = None
+        self._pool = BufferPool()
+        self._stop = threading.Event()
+        self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
+                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0}
+        self._thread = threading.Thread(target=self._run, name=f"weights-sub-{actor_id}", daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, name=f"weights-hb-{actor_id}", daemon=True)
+        self._thread.start()
+        self._beat.start()
+
+    # ------------------------------------------------------------------ public
+    def poll(self, timeout: float = 0.0) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """The newest received (version, tensors) not handed out yet, or None. Non-blocking by default."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._latest is None and timeout > 0 and not self._stop.is_set():
+                if not self._lock.wait(max(0.0, end - time.monotonic())) and time.monotonic() >= end:
+                    break
+            out, self._latest = self._latest, None
+            if out is not None:
+                self._delivered = max(self._delivered, out[0])
+            return out
+
+    def fetch_latest(self) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts)."""
+        got = read_latest(self.weights_dir)
+        if got is None:
+            return None
+        version, tensors, _ = got
+        with self._lock:
+            self._delivered = max(self._delivered, version)
+            if self._latest is not None and self._latest[0] <= version:
+                self._latest = None
+        return version, tensors
+
+    @property
+    def version(self) -> int:
+        """Newest version handed out by poll() / fetch_latest() (-1 = none yet)."""
+        return self._delivered
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        with self._hb_lock:
+            hb, self._hb = self._hb, None
+        if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
+            with contextlib.suppress(Exception):
+                hb[0].set(hb[1].replace("/hb/", "/leave/"), "1")
+                hb[0].queue_push(hb[2], json.dumps({"t": "stop"}))
+        self._thread.join(timeout)
+        self._beat.join(timeout)
+
+    # ------------------------------------------------------------------ thread
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            with self._hb_lock:
+                hb = self._hb
+                if hb is not None:
+                    with contextlib.suppress(Exception):
+                        hb[0].add(hb[1], 1)
+
+    def _resolve_port(self) -> Optional[int]:
+        if self._port:
+            return self._port
+        try:
+            return int(json.loads((self.weights_dir / "endpoint.json").read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _run(self) -> None:
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(torch.device(self.device))   # the CUDA device is per thread
+        backoff = 0.2
+        while not self._stop.is_set():
+            connects = self.stats["connects"]
+            try:
+                self._session()
+            except _Stop:
+                break
+            except Exception as exc:  # noqa: BLE001 - the publisher went away, or a bad message: reconnect
+                if not self._stop.is_set():
+                    log.info("weights: actor %d reconnecting (%s)", self.actor_id, str(exc).splitlines()[0][:160]
+                             if str(exc) else type(exc).__name__)
+            finally:
+                self._leave_group()
+                with self._hb_lock:
+                    self._hb = None
+            backoff = 0.2 if self.stats["connects"] > connects else min(backoff * 2, 5.0)
+            if self._stop.wait(backoff):
+                break
+
+    def _leave_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def _session(self) -> None:
+        port = self._resolve_port()
+        if port is None or not _port_open(self.host, port):
+            return
+        store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
+        hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
+        token = store.add("w/tokens", 1)
+        store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
+                                                   "host": socket.gethostname()}))
+        mbox = f"w/mbox/{token}"
+        with self._hb_lock:
+            if self._stop.is_set():
+                return
+            self._hb = (hb_store, f"w/hb/{token}", mbox)
+        self.stats["connects"] += 1
+        store.set_timeout(td(POP_TIMEOUT_S))
+        pending = -1
+        while True:
+            try:
+                raw = store.queue_pop(mbox, True)
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:   # idle timeout
+                if self._stop.is_set():
+                    raise _Stop()
+                continue
+            if self._stop.is_set():
+                raise _Stop()
+            msg = json.loads(raw)
+            kind, epoch = msg.get("t"), int(msg.get("e", -1))
+            if kind == "stop":
+                raise _Stop()
+            if kind == "invite":
+                self._leave_group()
+                pending = epoch
+                store.set(f"w/e{epoch}/ack/{token}", "1")
+            elif kind == "roster" and epoch == pending:
+                pending = -1
+                try:
+                    self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
+                                                 int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+                    self.stats["epochs"] += 1
+                except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
+                    self.stats["failures"] += 1
+                    log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
+            elif kind == "bcast" and self._group is not None and epoch == self._group.epoch:
+                try:
+                    self._receive(self._group)
+                except (RuntimeError, ValueError) as exc:
+                    self.stats["failures"] += 1
+                    log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
+                             str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
+                    self._leave_group()
+
+    def _receive(self, g: BroadcastGroup) -> None:
+        t0 = time.monotonic()
+        header = torch.zeros(8, dtype=torch.int64, device=g.device)
+        g.bcast(header, self.timeout_s)
+        h = parse_header(header)
+        if h["magic"] != MAGIC:
+            raise ValueError("bad weight header")
+        if h["manifest"]:
+            if not 0 < h["manifest"] <= 64 * 2**20:
+                raise ValueError("manifest size out of range")
+            raw = torch.empty(h["manifest"], dtype=torch.uint8, device=g.device)
+            g.bcast(raw, self.timeout_s)
+            g.layout = Layout.from_manifest_bytes(raw.cpu().numpy().tobytes())
+        layout = g.layout
+        if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
+                or layout.wire_bytes != h["nbytes"]):
+            raise ValueError("weight header does not match the manifest")
+        buckets = empty_buckets(layout, g.device, self._pool)
+        self._pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting in poll(), this one
+        g.bcast_many(buckets, self.timeout_s)
+        tensors = unpack(layout, buckets)
+        ok = not self.cfg.verify or int(checksum(tensors)) == h["checksum"]
+        g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), self.timeout_s)
+        if not ok:
+            self.stats["checksum_errors"] += 1
+            log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, h["version"])
+            return
+        self.stats.update(received=self.stats["received"] + 1, last_version=h["version"],
+                          last_recv_s=time.monotonic() - t0, bytes=self.stats["bytes"] + layout.total_bytes)
+        with self._lock:
+            if h["version"] > self._delivered:
+                self._latest = (h["version"], tensors)
+                self._lock.notify_all()

@@ -1,0 +1,180 @@
+"""Benchmark "weights": broadcast of ~10M / ~100M fp32 parameters to 2 actor processes, per-tensor vs bucketed.
+
+All modes run through the same ``WeightPublisher.publish`` path (gloo over loopback, the same group,
+receivers acknowledge after the last byte), differing only in the bucket cap and whether ops overlap:
+  * per-tensor naive: cap ~0, every tensor its own broadcast (sent from the tensor itself, no copy), waiting
+    for each before the next - the usual ``for p in params: broadcast(p)`` loop;
+  * per-tensor overlapped: the same, but all broadcasts issued before waiting (what our path would do
+    with a tiny cap);
+  * bucketed: cap = weights.bucket_mb (default 16 MiB), tensors copied into flat typed buckets first,
+    overlapped.
+``sync_s`` is the learner-side wall time of one publish (pack + broadcast + acknowledgements); export to
+disk is off and receivers skip checksum verification, so this is the transport alone (checksum speed is
+reported separately). The model is transformer-shaped (many small bias/norm tensors beside large matrices).
+Single-core memcpy bandwidth is measured in the same run; "of memcpy" = bytes per second delivered to
+each receiver / memcpy bytes per second. Timed publishes alternate the two modes; medians are reported.
+This benchmark starts its own receiver processes (spawn), as a benchmark must.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from async_vla.config import Config
+from async_vla.weight_buckets import checksum
+
+GOAL_SPEEDUP = 1.5
+GOAL_MEMCPY_FRAC = 0.5
+
+
+def synthetic_model(n_params: int) -> list[tuple[str, torch.Tensor]]:
+    """Embedding + L transformer layers (12 h^2 + 13 h params each) sized to ~n_params."""
+    h = 256 if n_params < 30e6 else 768
+    vocab = 8192 if h == 256 else 16384
+    layers = max(1, round((n_params - vocab * h) / (12 * h * h + 13 * h)))
+    out = [("embed.weight", torch.randn(vocab, h))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [(p + "attn.qkv.weight", torch.randn(3 * h, h)), (p + "attn.qkv.bias", torch.randn(3 * h)),
+                (p + "attn.o.weight", torch.randn(h, h)), (p + "attn.o.bias", torch.randn(h)),
+                (p + "mlp.up.weight", torch.randn(4 * h, h)), (p + "mlp.up.bias", torch.randn(4 * h)),
+                (p + "mlp.down.weight", torch.randn(h, 4 * h)), (p + "mlp.down.bias", torch.randn(h)),
+                (p + "norm1.weight", torch.ones(h)), (p + "norm2.weight", torch.ones(h))]
+    out.append(("norm.weight", torch.ones(h)))
+    return out
+
+
+def memcpy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Single-core copy bandwidth (payload bytes per second), best of ``repeats``, buffers pre-faulted."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.randn(nbytes // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+        return nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _receiver(run_dir: str, port: int, actor_id: int, ready) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from async_vla.weights import WeightSubscriber
+
+    cfg = _config()
+    sub = WeightSubscriber(cfg, actor_id, run_dir, "127.0.0.1", port)
+    ready.put(actor_id)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        sub.poll(timeout=0.5)     # take (and drop) each version, as an actor copying it into its model would
+
+
+def _config() -> Config:
+    cfg = Config()
+    cfg.transport.weights_port = 0
+    cfg.weights.export = False
+    cfg.weights.verify = False
+    cfg.weights.timeout_s = 120.0
+    cfg.weights.join_timeout_s = 10.0
+    return cfg
+
+
+def run(quick: bool = False) -> dict:
+    from async_vla.weights import WeightPublisher
+
+    sizes = [10_000_000] if quick else [10_000_000, 100_000_000]
+    repeats = {10_000_000: 3 if quick else 7, 100_000_000: 3}
+    torch.set_num_threads(1)
+    memcpy = memcpy_gbps()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    results: dict = {"memcpy_gbps": round(memcpy, 2), "receivers": 2, "transport": "gloo tcp loopback",
+                     "bucket_mb": Config().weights.bucket_mb, "load_avg_1m": os.getloadavg()[0], "sizes": {}}
+    with tempfile.TemporaryDirectory() as run_dir:
+        pub = WeightPublisher(_config(), run_dir)
+        procs = [ctx.Process(target=_receiver, args=(run_dir, pub.port, i, ready), daemon=True) for i in (1, 2)]
+        try:
+            for p in procs:
+                p.start()
+            for _ in procs:
+                ready.get(timeout=120)
+            if pub.wait_for_actors(2, 60) < 2:
+                raise RuntimeError("receivers did not register")
+            version = 0
+            for n in sizes:
+                model = synthetic_model(n)
+                nbytes = sum(t.numel() * t.element_size() for _, t in model)
+                modes = {"per_tensor_naive": (1e-6, False), "per_tensor": (1e-6, True),
+                         "bucketed": (Config().weights.bucket_mb, True)}
+                times: dict[str, list[float]] = {m: [] for m in modes}
+                bcast: dict[str, list[float]] = {m: [] for m in modes}
+                for r in range(repeats[n] + 1):              # round 0 is a warm-up (manifest, page faults)
+                    order = list(modes) if r % 2 == 0 else list(reversed(modes))
+                    for mode in order:
+                        pub.cfg.bucket_mb, pub.cfg.overlap = modes[mode]
+                        version += 1
+                        st = pub.publish(version, model, zero_copy=True)
+                        if st["confirmed"] != 2:
+                            raise RuntimeError(f"publish not confirmed by both receivers: {st}")
+                        if r:
+                            times[mode].append(st["sync_s"])
+                            bcast[mode].append(st["sync_s"] - st["pack_s"])
+                med = {m: statistics.median(v) for m, v in times.items()}
+                gbps = nbytes / med["bucketed"] / 1e9
+                t_ck = min(_timed(lambda: checksum(model)) for _ in range(2))
+                results["sizes"][f"{n // 1_000_000}M"] = {
+                    "params": sum(t.numel() for _, t in model), "tensors": len(model), "bytes": nbytes,
+                    "per_tensor_naive_s": med["per_tensor_naive"], "per_tensor_s": med["per_tensor"],
+                    "bucketed_s": med["bucketed"], "bucketed_broadcast_only_s": statistics.median(bcast["bucketed"]),
+                    "speedup_vs_naive": med["per_tensor_naive"] / med["bucketed"],
+                    "speedup": med["per_tensor"] / med["bucketed"],
+                    "bucketed_gbps_per_receiver": gbps, "bucketed_gbps_aggregate": 2 * gbps,
+                    "frac_of_memcpy": gbps / memcpy, "checksum_gbps": nbytes / t_ck / 1e9,
+                    "samples": {m: [round(x, 4) for x in v] for m, v in times.items()},
+                }
+                del model
+        finally:
+            pub.close()
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    return {"section": "weights", "results": results, "markdown": _markdown(results)}
+
+
+def _markdown(res: dict) -> str:
+    lines = [f"Broadcast to {res['receivers']} receiver processes over {res['transport']}, buckets of "
+             f"{res['bucket_mb']:g} MiB; single-core memcpy {res['memcpy_gbps']:.2f} GB/s measured in the same run "
+             f"(1-min load average {res['load_avg_1m']:.1f} at start). Goals: bucketed >= {GOAL_SPEEDUP}x "
+             f"per-tensor, >= {GOAL_MEMCPY_FRAC:.0%} of memcpy (per receiver).", "",
+             "| model | tensors | MB | per-tensor naive s | per-tensor overlapped s | bucketed s | "
+             "speedup vs naive | vs overlapped | GB/s per receiver | of memcpy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def goal(x: float, target: float) -> str:
+        return "meets" if x >= target else "misses"
+
+    for name, r in res["sizes"].items():
+        lines.append(f"| {name} ({r['params'] / 1e6:.1f}M fp32) | {r['tensors']} | {r['bytes'] / 1e6:.0f} | "
+                     f"{r['per_tensor_naive_s']:.3f} | {r['per_tensor_s']:.3f} | {r['bucketed_s']:.3f} | "
+                     f"{r['speedup_vs_naive']:.2f}x ({goal(r['speedup_vs_naive'], GOAL_SPEEDUP)} goal) | "
+                     f"{r['speedup']:.2f}x ({goal(r['speedup'], GOAL_SPEEDUP)}) | "
+                     f"{r['bucketed_gbps_per_receiver']:.2f} | {r['frac_of_memcpy']:.0%} "
+                     f"({goal(r['frac_of_memcpy'], GOAL_MEMCPY_FRAC)} goal) |")
+    lines += ["", "Checksum (int64 word sums, one core): " + ", ".join(
+        f"{k}: {r['checksum_gbps']:.1f} GB/s" for k, r in res["sizes"].items())]
+    return "\n".join(lines)

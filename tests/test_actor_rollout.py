@@ -1,0 +1,314 @@
+"""GroupRollout and SerialActor in one process: lock-step groups, versions per chunk, swap modes, crashes, spread.
+
+Stand-ins (a scripted policy and env) live here only; the real built-in env and tiny policy are used where the
+behaviour under test does not need scripted episode lengths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+# actors.actor (torch) is imported inside tests: env worker children re-import this module and stay light.
+from actors.rollout import GroupRollout, GroupSpec
+from actors.status import parse_connect, parse_share
+from async_vla.config import load_config
+from async_vla.envs.base import Observation
+from async_vla.messages import AdmissionGrant, Trajectory, decode, encode
+from async_vla.tokenizer import ActionTokenizer
+
+CHUNK, DOF = 8, 7
+
+
+class ScriptedPolicy:
+    """Uniform random action tokens with their exact log-prob; counts calls and batch sizes."""
+
+    def __init__(self):
+        self.tokenizer = ActionTokenizer(chunk_size=CHUNK, action_dim=DOF)
+        self.tokens_per_call = CHUNK * DOF
+        self.batches: list[int] = []
+
+    def act(self, images, proprio, instructions, temperature, generator=None):
+        assert images.dtype == np.uint8 and images.ndim == 4 and len(instructions) == len(images) == len(proprio)
+        self.batches.append(len(images))
+        rng = np.random.default_rng(len(self.batches))
+        idx = rng.integers(0, 256, size=(len(images), self.tokens_per_call))
+        return self.tokenizer.index_to_token(idx).astype(np.int64), np.full(idx.shape, -np.log(256), np.float32)
+
+    def decode_actions(self, tokens):
+        return self.tokenizer.decode_actions(tokens)
+
+
+class Crash(RuntimeError):
+    """Stand-in for envs.worker.EnvCrashed."""
+
+
+class ScriptedEnv:
+    """Episode ends after ``length`` steps (success if ``success``); may crash at step ``crash_at``."""
+
+    task_ids = [0, 1]
+    obs_image_size = 8
+    proprio_dim = 3
+
+    def __init__(self, length=20, success=False, crash_at=None, limit=100, die_at=None):
+        self.length, self.success, self.crash_at, self.limit = length, success, crash_at, limit
+        self.die_at = die_at
+        self.resets: list[tuple[int, int]] = []
+        self.steps = 0
+
+    def instruction(self, task_id):
+        return f"task {task_id}"
+
+    def init_state_ids(self, task_id, split):
+        return list(range(5)) if split == "train" else [100, 101]
+
+    def max_steps(self, task_id):
+        return self.limit
+
+    def _obs(self):
+        return Observation(np.full((8, 8, 3), self.steps, np.uint8), np.full(3, self.steps, np.float32))
+
+    def reset(self, task_id, init_state_id):
+        self.resets.append((task_id, init_state_id))
+        self.steps = 0
+        return self._obs()
+
+    def step(self, action):
+        assert action.shape == (DOF,)
+        if self.crash_at is not None and self.steps == self.crash_at:
+            raise Crash("simulator died")
+        if self.die_at is not None and self.steps == self.die_at:
+            os._exit(3)  # a segfaulting simulator, as seen from outside
+        self.steps += 1
+        done = self.steps >= self.length
+        return self._obs(), done, done and self.success
+
+    def close(self):
+        pass
+
+
+def make_rollout(envs, policy=None, **kw):
+    versions = kw.pop("versions", None)
+    state = {"v": 0}
+    swaps = []
+
+    def maybe_swap():
+        swaps.append(state["v"])
+        if versions is not None:
+            state["v"] = versions(len(swaps))
+
+    ro = GroupRollout(policy or ScriptedPolicy(), envs, run_id="r", actor_id=3, temperature=1.6,
+                      version=lambda: state["v"], maybe_swap=maybe_swap, crash_types=(Crash,), **kw)
+    return ro, swaps
+
+
+def roundtrip(traj: Trajectory) -> Trajectory:
+    out = decode([bytes(f) for f in encode(traj)])
+    assert isinstance(out, Trajectory)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ scripted
+def test_lockstep_mid_chunk_finish_masks_unexecuted_tokens():
+    lengths = [3, 8, 13, 20]
+    envs = [ScriptedEnv(length=n, success=(n % 2 == 1)) for n in lengths]
+    policy = ScriptedPolicy()
+    ro, _ = make_rollout(envs, policy)
+    trajs = [roundtrip(t) for t in ro.run(GroupSpec("r-g7", 1, 4, group_size=4))]
+    assert [t.env_steps for t in trajs] == lengths  # streamed in the order episodes finish
+    assert policy.batches == [4, 2, 1]  # one batched call per chunk over the envs still running
+    for t, n in zip(trajs, lengths):
+        assert t.num_calls == -(-n // CHUNK)
+        assert int(t.token_mask.sum()) == n * DOF
+        flat = t.token_mask.reshape(-1)
+        assert flat[:n * DOF].all() and not flat[n * DOF:].any()  # executed steps first, never the rest
+        assert t.success == (n % 2 == 1) and t.reward == float(t.success)
+        assert (t.group_id, t.task_id, t.init_state_id, t.group_size, t.actor_id) == ("r-g7", 1, 4, 4, 3)
+        assert t.instruction == "task 1" and t.t_end >= t.t_start
+    assert len({t.traj_id for t in trajs}) == 4
+    assert all(e.resets == [(1, 4)] for e in envs)
+    assert ro.stats.groups == 1 and ro.stats.env_steps == sum(lengths) and ro.stats.episodes == 4
+
+
+def test_swap_between_chunks_records_each_chunk_version():
+    envs = [ScriptedEnv(length=30), ScriptedEnv(length=12)]
+    ro, swaps = make_rollout(envs, versions=lambda n: 5 + n)  # every swap point brings a new version
+    trajs = list(ro.run(GroupSpec("g", 0, 0, group_size=2)))
+    by_len = {t.env_steps: t for t in trajs}
+    assert by_len[30].chunk_versions.tolist() == [6, 7, 8, 9]
+    assert by_len[12].chunk_versions.tolist() == [6, 7]
+    assert by_len[30].behaviour_version == 6  # the oldest chunk sets staleness
+    assert roundtrip(by_len[30]).chunk_versions.tolist() == [6, 7, 8, 9]
+
+
+def test_between_episodes_never_swaps_mid_episode():
+    envs = [ScriptedEnv(length=30), ScriptedEnv(length=17)]
+    ro, swaps = make_rollout(envs, versions=lambda n: n, swap="between_episodes")
+    spec = GroupSpec("g", 0, 0, group_size=4)  # 4 members on 2 envs: two waves, a swap point before each
+    trajs = list(ro.run(spec))
+    assert len(trajs) == 4 and len(swaps) == 2
+    for t in trajs:
+        assert len(set(t.chunk_versions.tolist())) == 1
+    assert sorted({int(t.behaviour_version) for t in trajs}) == [1, 2]
+    assert sorted(int(t.traj_id.rsplit("m", 1)[1]) for t in trajs) == [0, 1, 2, 3]
+
+
+def test_env_crash_abandons_only_that_episode():
+    envs = [ScriptedEnv(length=10), ScriptedEnv(length=10, crash_at=4), ScriptedEnv(length=10)]
+    ro, _ = make_rollout(envs)
+    trajs = list(ro.run(GroupSpec("g", 0, 0, group_size=3)))
+    assert sorted(t.traj_id for t in trajs) == ["g/m0", "g/m2"]
+    assert ro.stats.env_crashes == 1 and ro.stats.episodes == 2
+
+
+def test_parallel_env_calls_match_serial():
+    runs = []
+    for parallel in (False, True):
+        envs = [ScriptedEnv(length=n) for n in (5, 9, 17)]
+        ro, _ = make_rollout(envs, parallel=parallel)
+        runs.append([(t.traj_id, t.env_steps, t.token_mask.sum()) for t in ro.run(GroupSpec("g", 0, 1, 3))])
+        ro.close()
+    assert runs[0] == runs[1]
+
+
+def dying_env(cfg, seed):
+    """Env factory for the isolated worker: member 1's simulator process dies at step 6."""
+    return ScriptedEnv(length=12, die_at=6 if seed == 1 else None)
+
+
+def test_isolated_env_process_death_costs_one_episode():
+    from async_vla.envs.worker import SubprocessEnv
+
+    cfg = load_config(None, [])
+    envs = [SubprocessEnv(cfg, seed, factory=dying_env) for seed in range(3)]
+    try:
+        ro = GroupRollout(ScriptedPolicy(), envs, run_id="r", actor_id=0, temperature=1.0, version=lambda: 0)
+        assert ro._pool is not None  # isolated workers are stepped concurrently
+        trajs = list(ro.run(GroupSpec("g", 0, 0, 3)))
+        assert sorted(t.traj_id for t in trajs) == ["g/m0", "g/m2"]
+        assert ro.stats.env_crashes == 1 and envs[1].crashes == 1
+        ro.close()
+    finally:
+        for e in envs:
+            e.close()
+
+
+def test_stop_abandons_group():
+    envs = [ScriptedEnv(length=30) for _ in range(2)]
+    calls = []
+    ro, _ = make_rollout(envs, should_stop=lambda: len(calls) >= 2, tick=lambda: calls.append(1))
+    assert list(ro.run(GroupSpec("g", 0, 0, group_size=2))) == []
+    assert ro.stopped and ro.stats.groups == 0
+
+
+def test_step_limit_ends_episode_without_success():
+    ro, _ = make_rollout([ScriptedEnv(length=999, limit=10)] * 1)
+    (t,) = list(ro.run(GroupSpec("g", 0, 0, group_size=2, members=[1])))
+    assert t.env_steps == 10 and not t.success and t.traj_id == "g/m1" and t.group_size == 2
+
+
+def test_group_spec_validation():
+    with pytest.raises(ValueError):
+        GroupSpec("g", 0, 0, group_size=4, members=[0, 4]).member_ids()
+    with pytest.raises(ValueError):
+        GroupSpec("g", 0, 0, group_size=4, members=[1, 1]).member_ids()
+
+
+def test_parse_share_and_connect():
+    from actors.actor import stable_hash
+
+    assert parse_share("run-g12") == ("run-g12", 0, 1)
+    assert parse_share("run-g12#1/3") == ("run-g12", 1, 3)
+    with pytest.raises(ValueError):
+        parse_share("run-g1#3/3")
+    assert parse_connect("tcp://10.0.0.2:6000") == {"trajectory": "tcp://10.0.0.2:6000",
+                                                   "control": "tcp://10.0.0.2:6001"}
+    assert parse_connect("tcp://a:1,tcp://b:2") == {"trajectory": "tcp://a:1", "control": "tcp://b:2"}
+    with pytest.raises(ValueError):
+        parse_connect("localhost")
+    assert stable_hash("x", 1) == stable_hash("x", 1) != stable_hash("x", 2)
+
+
+# ------------------------------------------------------------------------------------------ real env + policy
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(None, ["actor.group_size=4", "env.envs_per_actor=4", "policy.hidden_size=32",
+                              "policy.intermediate_size=64", "policy.num_layers=1", "buffer.dynamic_sampling=false",
+                              "run.name=rt"])
+
+
+@pytest.fixture(scope="module")
+def policy(cfg):
+    from async_vla.policy import build_policy
+
+    return build_policy(cfg).eval()
+
+
+def builtin_envs(cfg, n):
+    from async_vla.envs.base import make_env
+
+    return [make_env(cfg, i) for i in range(n)]
+
+
+def test_real_env_and_policy_group_roundtrip(cfg, policy):
+    from actors.actor import SerialActor
+
+    envs = builtin_envs(cfg, 4)
+    actor = SerialActor(cfg, 1, policy, envs, version=2)
+    trajs = actor.run_one_group(AdmissionGrant(actor_id=1, group_ids=["rt-g5"], learner_version=2))
+    assert len(trajs) == 4
+    spec = actor.spec_for("rt-g5")
+    assert spec.task_id == actor.task_ids[5 % len(actor.task_ids)]
+    assert spec.init_state_id in envs[0].init_state_ids(spec.task_id, "train")
+    for t in map(roundtrip, trajs):
+        assert (t.group_id, t.group_size, t.run_id, t.actor_id) == ("rt-g5", 4, "rt", 1)
+        assert t.task_id == spec.task_id and t.init_state_id == spec.init_state_id
+        assert t.chunk_versions.tolist() == [2] * t.num_calls and t.behaviour_version == 2
+        assert t.images.shape[1:] == (cfg.env.image_size, cfg.env.image_size, 3)
+        assert t.action_tokens.shape[1] == cfg.tokens_per_call
+        assert int(t.token_mask.sum()) == t.env_steps * cfg.policy.action_dim
+        assert t.env_steps <= envs[0].max_steps(t.task_id)
+        assert (t.behav_logprobs <= 0).all() and np.isfinite(t.behav_logprobs).all()
+
+
+def test_real_swap_between_chunks_with_weights(cfg, policy):
+    """A new state dict arrives between chunks: later calls carry the new version, behaviour_version the oldest."""
+    from actors.actor import SerialActor
+
+    import torch
+
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    offers = iter([None, (7, state), None, None, None, None])
+    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), version=6, weights_source=lambda: next(offers, None))
+    trajs = actor.run_one_group("rt-g1")
+    for t in trajs:
+        assert t.chunk_versions[0] == 6 and (t.chunk_versions[1:] == 7).all() and t.behaviour_version == 6
+    assert actor.version == 7 and actor.totals.swaps == 1
+    with torch.no_grad():
+        assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+
+
+def test_spread_shares_assemble_in_group_buffer(cfg, policy):
+    """Two actors each run half of one group (same id, same init state); the real GroupBuffer completes it."""
+    from actors.actor import SerialActor
+
+    from async_vla.buffer import GroupBuffer
+    from async_vla.transport import LocalPipe
+
+    pipe, buf = LocalPipe(), GroupBuffer(cfg, "rt")
+    gid = buf.grant(0, 1)[0]
+    a0 = SerialActor(cfg, 0, policy, builtin_envs(cfg, 2))
+    a1 = SerialActor(cfg, 1, policy, builtin_envs(cfg, 2))
+    assert a0.spec_for(f"{gid}#0/2").init_state_id == a1.spec_for(f"{gid}#1/2").init_state_id
+    members = []
+    for actor, share in ((a0, 0), (a1, 1)):
+        for t in actor.run_one_group(f"{gid}#{share}/2"):
+            assert pipe.send(t, timeout_s=1.0)
+            members.append(t.traj_id)
+    while (msg := pipe.recv(0.0)) is not None:
+        buf.add(msg)
+    assert sorted(members) == [f"{gid}/m{i}" for i in range(4)]
+    assert buf.ready_groups == 1 and buf.ledger["pending"] == 4
+    buf.check_invariants()
