@@ -1,0 +1,278 @@
+"""Groups of trajectories -> one ``TrainBatch`` of tensors, micro-batches, and loss weights across them.
+
+Layout
+------
+Rows are trajectories (B of them); trajectory b made ``n_b`` policy calls of ``T`` action tokens each.
+
+* Per-call tensors (what the policy's ``token_logprobs`` consumes, C = sum_b n_b calls in all):
+  ``images [C,H,W,3] uint8`` (the policy converts to float), ``proprio [C,P]``, ``instructions`` (C strings),
+  ``action_tokens [C,T]``; ``call_row[c]`` / ``call_slot[c]`` say which trajectory and which of its calls.
+* Per-token tensors, ``[B, L*T]`` with ``L = max_b n_b``: call ``j`` of row ``b`` occupies columns
+  ``j*T .. (j+1)*T-1``. ``batch.layout(per_call)`` scatters any ``[C,T]`` tensor (the policy's log-probs) into
+  this layout, zero-padded and differentiable. ``mask`` = the trajectory's ``token_mask`` on real calls, False
+  on padding calls; ``behav_logprobs`` is laid out the same way (0 on padding).
+* Per-trajectory: ``advantages`` (from ``grpo.group_advantages`` over each group's rewards), rewards,
+  success, ``behaviour_version`` (= min of its chunk versions), group index, task id, env steps.
+
+Micro-batches and exact aggregation
+-----------------------------------
+``micro_batches(batch, k)`` splits the rows into consecutive micro-batches of at most ``k`` whole
+trajectories. ``grpo.aggregate`` divides a sum S by a count U (``aggregation_units``): for ``token_mean`` the
+number of loss tokens, for the ``seq_mean_*`` modes the number of trajectories with at least one loss token.
+A micro-batch m gives loss ``S_m / max(U_m, 1)`` (0 when U_m = 0, where S_m = 0 too). Weighting it by
+``U_m / U`` with ``U = sum_m U_m`` gives
+
+    sum_m (U_m / U) * S_m / max(U_m, 1) = sum_m S_m / U = S / U = full-batch loss,
+
+so the accumulated gradient equals the gradient of the full-batch loss exactly (up to float rounding).
+Across W data-parallel ranks whose gradients are AVERAGED (DeepSpeed), rank r uses ``W * U_m / U_global``
+with U_global the sum over ranks, and the average is again the loss of the global batch
+(``micro_batch_weight``). The loss mask the counts use must be the one the loss uses: valid tokens minus
+those masked by MIS (``loss_token_mask``), known before the first micro-batch because it depends only on the
+proximal and behaviour log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from async_vla import grpo
+from async_vla.config import Config, LossConfig
+from async_vla.messages import Trajectory
+
+
+@dataclass
+class TrainBatch:
+    """Tensors of one learner batch (see the module docstring for the layout)."""
+
+    # ---- per policy call (C rows)
+    images: Tensor
+    """uint8 [C, H, W, 3]."""
+    proprio: Tensor
+    """float32 [C, P]."""
+    instructions: list[str]
+    """C strings (each trajectory's instruction repeated for each of its calls)."""
+    action_tokens: Tensor
+    """int64 [C, T] token ids."""
+    call_row: Tensor
+    """int64 [C]: trajectory row of each call."""
+    call_slot: Tensor
+    """int64 [C]: index of each call within its trajectory."""
+    call_versions: Tensor
+    """int64 [C]: policy version that produced each call."""
+    wrist_images: Optional[Tensor]
+    """uint8 [C, H, W, 3] or None (None unless every trajectory has them)."""
+    # ---- per trajectory (B rows), tokens laid out as [B, L*T]
+    behav_logprobs: Tensor
+    """float32 [B, L*T]: behaviour log-probs (0 on padding)."""
+    mask: Tensor
+    """bool [B, L*T]: token_mask on real calls, False on padding calls."""
+    advantages: Tensor
+    """float32 [B]: one advantage per trajectory (broadcast to its tokens by the loss)."""
+    rewards: Tensor
+    """float32 [B]."""
+    success: Tensor
+    """bool [B]."""
+    behaviour_version: Tensor
+    """int64 [B]: oldest policy version that produced any call of the trajectory."""
+    num_calls: Tensor
+    """int64 [B]: policy calls per trajectory."""
+    env_steps: Tensor
+    """int64 [B]."""
+    task_id: Tensor
+    """int64 [B]."""
+    group_index: Tensor
+    """int64 [B]: index of the trajectory's group in the list given to ``collate``."""
+    tokens_per_call: int
+    max_calls: int
+
+    # ------------------------------------------------------------------------------------- properties
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.advantages.shape[0])
+
+    @property
+    def num_calls_total(self) -> int:
+        return int(self.action_tokens.shape[0])
+
+    @property
+    def num_valid_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask.device
+
+    # ---------------------------------------------------------------------------------------- helpers
+    def layout(self, per_call: Tensor) -> Tensor:
+        """``[C, T]`` per-call values -> ``[B, L*T]`` (zeros on padding calls); differentiable."""
+        if per_call.shape != self.action_tokens.shape:
+            raise ValueError(f"per-call tensor must be [C, T] = {tuple(self.action_tokens.shape)}, "
+                             f"got {tuple(per_call.shape)}")
+        out = per_call.new_zeros(self.num_trajectories, self.max_calls, self.tokens_per_call)
+        # Out-of-place index_put keeps the autograd graph back to per_call.
+        out = out.index_put((self.call_row, self.call_slot), per_call)
+        return out.reshape(self.num_trajectories, self.max_calls * self.tokens_per_call)
+
+    def lag(self, version: int) -> Tensor:
+        """Per-trajectory staleness ``version - behaviour_version`` (int64 [B])."""
+        return version - self.behaviour_version
+
+    def select(self, rows: Sequence[int] | slice) -> "TrainBatch":
+        """A batch of the given trajectory rows (whole trajectories, with all their calls)."""
+        idx = torch.arange(self.num_trajectories)[rows] if isinstance(rows, slice) else torch.as_tensor(rows)
+        idx = idx.to(torch.long).cpu()
+        remap = torch.full((self.num_trajectories,), -1, dtype=torch.long)
+        remap[idx] = torch.arange(len(idx))
+        call_row_cpu = self.call_row.cpu()
+        keep = remap[call_row_cpu] >= 0
+        # Order calls by new row then slot, like collate does, so layouts stay comparable.
+        call_idx = torch.nonzero(keep).squeeze(1)
+        new_rows = remap[call_row_cpu[call_idx]]
+        order = torch.argsort(new_rows * (self.max_calls + 1) + self.call_slot.cpu()[call_idx], stable=True)
+        call_idx = call_idx[order]
+        max_calls = int(self.num_calls.cpu()[idx].max()) if len(idx) else 0
+        width = max_calls * self.tokens_per_call
+        dev = self.device
+        cidx, ridx = call_idx.to(dev), idx.to(dev)
+        return replace(
+            self,
+            images=self.images[cidx], proprio=self.proprio[cidx],
+            instructions=[self.instructions[i] for i in call_idx.tolist()],
+            action_tokens=self.action_tokens[cidx], call_row=remap[call_row_cpu[call_idx]].to(dev),
+            call_slot=self.call_slot[cidx], call_versions=self.call_versions[cidx],
+            wrist_images=None if self.wrist_images is None else self.wrist_images[cidx],
+            behav_logprobs=self.behav_logprobs[ridx, :width], mask=self.mask[ridx, :width],
+            advantages=self.advantages[ridx], rewards=self.rewards[ridx], success=self.success[ridx],
+            behaviour_version=self.behaviour_version[ridx], num_calls=self.num_calls[ridx],
+            env_steps=self.env_steps[ridx], task_id=self.task_id[ridx], group_index=self.group_index[ridx],
+            max_calls=max_calls,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TrainBatch":
+        """Every tensor moved to ``device`` (instructions stay a list)."""
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+        return TrainBatch(**moved)
+
+
+# ------------------------------------------------------------------------------------------- collate
+def compute_advantages(groups: Sequence[Sequence[Trajectory]], loss_cfg: LossConfig) -> Tensor:
+    """Per-trajectory advantages [B] (groups concatenated in order) from ``grpo.group_advantages``.
+
+    Groups of one size G go through one ``[num_groups, G]`` call. Unequal sizes (not produced by the buffer,
+    but legal) are handled without padding: ``group`` normalisation per group (``[1, g]`` each), ``batch``
+    normalisation over all rewards at once (``[1, B]``; the same statistics as the whole ``[num_groups, G]``
+    tensor), ``none`` elementwise.
+    """
+    sizes = [len(g) for g in groups]
+    rewards = [float(t.reward) for g in groups for t in g]
+    if len(set(sizes)) == 1:
+        r = torch.tensor(rewards, dtype=torch.float32).reshape(len(groups), sizes[0])
+        return grpo.group_advantages(r, loss_cfg).reshape(-1)
+    if loss_cfg.adv_norm == "batch" or loss_cfg.adv_norm == "none":
+        return grpo.group_advantages(torch.tensor([rewards], dtype=torch.float32), loss_cfg).reshape(-1)
+    return torch.cat([grpo.group_advantages(torch.tensor([[float(t.reward) for t in g]], dtype=torch.float32),
+                                            loss_cfg).reshape(-1) for g in groups])
+
+
+def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config) -> TrainBatch:
+    """Groups (lists of trajectories of one init state) -> a TrainBatch on the CPU."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("collate needs at least one group and no empty group")
+    trajs = [t for g in groups for t in g]
+    T = int(trajs[0].action_tokens.shape[1])
+    for t in trajs:
+        if t.action_tokens.shape[1] != T:
+            raise ValueError(f"trajectory {t.traj_id} has {t.action_tokens.shape[1]} tokens per call, "
+                             f"others have {T}")
+    if T != cfg.tokens_per_call:
+        raise ValueError(f"trajectories have {T} tokens per call, the config says {cfg.tokens_per_call} "
+                         f"(policy.chunk_size x policy.action_dim)")
+    n_calls = np.array([t.num_calls for t in trajs], dtype=np.int64)
+    B, L = len(trajs), int(n_calls.max())
+
+    call_row = np.repeat(np.arange(B), n_calls)
+    call_slot = np.concatenate([np.arange(n) for n in n_calls])
+    behav = np.zeros((B, L, T), dtype=np.float32)
+    mask = np.zeros((B, L, T), dtype=bool)
+    for b, t in enumerate(trajs):
+        n = t.num_calls
+        # where(): a masked-out token may carry any value (even NaN from a sampler); keep padding clean.
+        behav[b, :n] = np.where(t.token_mask, t.behav_logprobs, 0.0)
+        mask[b, :n] = t.token_mask
+    has_wrist = all(t.wrist_images is not None for t in trajs)
+    group_index = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+
+    return TrainBatch(
+        images=torch.from_numpy(np.concatenate([t.images for t in trajs])),
+        proprio=torch.from_numpy(np.concatenate([t.proprio for t in trajs]).astype(np.float32, copy=False)),
+        instructions=[t.instruction for t in trajs for _ in range(t.num_calls)],
+        action_tokens=torch.from_numpy(np.concatenate([t.action_tokens for t in trajs]).astype(np.int64)),
+        call_row=torch.from_numpy(call_row), call_slot=torch.from_numpy(call_slot),
+        call_versions=torch.from_numpy(np.concatenate([t.chunk_versions for t in trajs]).astype(np.int64)),
+        wrist_images=torch.from_numpy(np.concatenate([t.wrist_images for t in trajs])) if has_wrist else None,
+        behav_logprobs=torch.from_numpy(behav.reshape(B, L * T)),
+        mask=torch.from_numpy(mask.reshape(B, L * T)),
+        advantages=compute_advantages(groups, cfg.loss).to(torch.float32),
+        rewards=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
+        success=torch.tensor([bool(t.success) for t in trajs], dtype=torch.bool),
+        behaviour_version=torch.tensor([int(t.behaviour_version) for t in trajs], dtype=torch.int64),
+        num_calls=torch.from_numpy(n_calls),
+        env_steps=torch.tensor([int(t.env_steps) for t in trajs], dtype=torch.int64),
+        task_id=torch.tensor([int(t.task_id) for t in trajs], dtype=torch.int64),
+        group_index=torch.from_numpy(group_index),
+        tokens_per_call=T,
+        max_calls=L,
+    )
+
+
+# ------------------------------------------------------------------------------------ micro-batches
+def micro_batches(batch: TrainBatch, max_trajectories: int) -> list[TrainBatch]:
+    """Consecutive micro-batches of at most ``max_trajectories`` whole trajectories (one batch if it fits)."""
+    if max_trajectories < 1:
+        raise ValueError("max_trajectories must be >= 1")
+    B = batch.num_trajectories
+    if B <= max_trajectories:
+        return [batch]
+    return [batch.select(slice(i, min(i + max_trajectories, B))) for i in range(0, B, max_trajectories)]
+
+
+def loss_token_mask(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, loss_cfg: LossConfig) -> Tensor:
+    """The tokens ``grpo.policy_loss`` will average over: valid tokens, minus MIS-masked ones.
+
+    Mirrors policy_loss: padded positions are zeroed before the importance weight is taken, and correction
+    "none" uses no weight (every valid token counts).
+    """
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    if loss_cfg.correction == "none":
+        return valid
+    zero = torch.zeros((), dtype=torch.float32, device=valid.device)
+    log_w = torch.where(valid, prox_logp.float(), zero) - torch.where(valid, behav_logp.float(), zero)
+    return grpo.importance_weight(log_w, valid, loss_cfg)[1]
+
+
+def aggregation_units(loss_mask: Tensor, aggregation: str) -> Tensor:
+    """The count ``grpo.aggregate`` divides by (before its clamp to >= 1), as a float scalar tensor:
+    loss tokens for token_mean, trajectories with >= 1 loss token for the seq_mean_* modes."""
+    if aggregation == "token_mean":
+        return loss_mask.sum().to(torch.float64)
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        return (loss_mask.sum(dim=-1) > 0).sum().to(torch.float64)
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def micro_batch_weight(units: float, total_units: float, world: int = 1) -> float:
+    """Weight of a micro-batch loss so that the weighted sum (and, with ``world`` ranks whose gradients are
+    averaged, the average over ranks) equals the full-batch loss: ``world * units / total_units``.
+    ``total_units`` is the count over the whole (global) batch; an empty batch gives weight 0."""
+    if total_units <= 0:
+        return 0.0
+    return float(world) * float(units) / float(total_units)

@@ -1,0 +1,412 @@
+"""The learner step (shared by every backend) and ``TorchLearner`` (single process, plain AdamW).
+
+One ``train_step(groups)``:
+
+1. ``collate`` the groups (advantages from ``grpo.group_advantages``) and split them into micro-batches of
+   whole trajectories (``learner.micro_batch_trajectories``).
+2. Proximal log-probs: one no-grad pass over every micro-batch with the weights as they are at batch start,
+   at the rollout temperature (``actor.temperature``; 0 = greedy -> log-probs at T = 1). Decoupled PPO:
+   pi_prox stays these batch-start weights for every optimizer step of the batch.
+3. For each of ``learner.steps_per_batch`` optimizer steps: forward + ``grpo.policy_loss`` (with
+   ``loss.correction``) + backward per micro-batch, each loss weighted by its share of the aggregation units
+   (``batching.micro_batch_weight``: the accumulated gradient is exactly the full-batch gradient, and across
+   data-parallel ranks the global-batch gradient), then one optimizer step -> ``version += 1``.
+   Steps after the first reuse the same batch one version later: each is counted as extra staleness.
+4. A non-finite loss or gradient skips the step (and the rest of the batch): no parameter or optimizer
+   state changes, ``learner/skipped_steps`` counts it, the version stays. TorchLearner checks the loss, then
+   the global gradient norm, before ``optimizer.step()``; DeepSpeedLearner: see its module.
+
+Metrics returned use the TensorBoard tag names (``loss/*``, ``offpolicy/*``, ``perf/*``, ``learner/*``); in a
+multi-rank learner they are reduced over ranks, so every rank returns the global-batch values.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from async_vla import grpo
+from async_vla.batching import (TrainBatch, aggregation_units, collate, loss_token_mask, micro_batch_weight,
+                                micro_batches)
+from async_vla.config import Config
+from async_vla.messages import Trajectory
+
+log = logging.getLogger(__name__)
+
+CKPT_FORMAT = 1
+LATEST_FILE = "latest"
+
+# policy_loss metrics by the count they average over (so micro-batches and ranks combine exactly).
+_PER_LOSS_TOKEN = ("clip_frac_low", "clip_frac_high", "nsr_rescued_frac", "dual_clip_frac", "approx_kl", "kl")
+_PER_VALID_TOKEN = ("is_weight_mean", "mis_masked_frac", "behav_kl")
+_PER_UNIT = ("policy_loss", "loss")
+_TAGS = {
+    "policy_loss": "loss/policy", "loss": "loss/total", "clip_frac_low": "loss/clip_frac_low",
+    "clip_frac_high": "loss/clip_frac_high", "nsr_rescued_frac": "loss/nsr_rescued_frac",
+    "dual_clip_frac": "loss/dual_clip_frac", "approx_kl": "loss/approx_kl", "kl": "loss/kl_ref",
+    "is_weight_mean": "offpolicy/is_weight_mean", "mis_masked_frac": "offpolicy/mis_masked_frac",
+    "behav_kl": "offpolicy/behav_kl", "is_weight_max": "offpolicy/is_weight_max",
+}
+
+
+def rollout_temperature(cfg: Config) -> float:
+    """Temperature the learner's log-probs use: the actors' sampling temperature (0 = greedy -> 1)."""
+    return 1.0 if cfg.actor.temperature == 0 else float(cfg.actor.temperature)
+
+
+# ------------------------------------------------------------------------------------------ RNG state
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU (and CUDA) generator states, for bit-identical resumes."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def tensors_digest(items: Iterator[tuple[str, Tensor]] | Sequence[tuple[str, Tensor]]) -> str:
+    """sha256 over names, dtypes, shapes and raw bytes: equal digests = bit-equal tensors."""
+    h = hashlib.sha256()
+    for name, t in items:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
+    """The optimizer's parameters (fp32 masters / partitions) and state tensors, in a stable order."""
+    out: list[tuple[str, Tensor]] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            out.append((f"g{gi}.p{pi}", p.data))
+            for key, val in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(val, Tensor):
+                    out.append((f"g{gi}.p{pi}.{key}", val))
+    return out
+
+
+def prune_checkpoints(directory: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``v<version>`` checkpoint directories (never the latest)."""
+    latest = (directory / LATEST_FILE).read_text().strip() if (directory / LATEST_FILE).is_file() else None
+    tags = sorted((p for p in directory.glob("v*") if p.is_dir() and p.name[1:].isdigit()),
+                  key=lambda p: int(p.name[1:]))
+    for p in tags[:-keep] if keep > 0 else []:
+        if p.name != latest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoint_tag(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def latest_tag(directory: Path | str) -> Optional[str]:
+    """The tag named by ``<directory>/latest`` if that checkpoint exists, else None."""
+    f = Path(directory) / LATEST_FILE
+    if not f.is_file():
+        return None
+    tag = f.read_text().strip()
+    return tag if (Path(directory) / tag).is_dir() else None
+
+
+# --------------------------------------------------------------------------------------- the learner
+class Learner(abc.ABC):
+    """Interface (docs/CONTRACTS.md) plus the GRPO step; backends implement the hooks at the bottom."""
+
+    version: int
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module, rank: int = 0, world: int = 1):
+        self.cfg = cfg
+        self.policy = policy
+        self.rank, self.world = rank, world
+        if cfg.loss.kl_beta > 0:
+            raise ValueError("loss.kl_beta > 0 needs reference-policy log-probs; the learner keeps no reference "
+                             "model yet: set loss.kl_beta=0 (the SimpleVLA-RL recipe uses no KL term)")
+        self.version = 0
+        self.skipped_steps = 0
+        self.extra_steps = 0
+        self.temperature = rollout_temperature(cfg)
+        # NSR draws come from this generator (per rank) so a resumed run repeats them exactly.
+        self.loss_generator = torch.Generator(device="cpu")
+        self.loss_generator.manual_seed(cfg.run.seed * 7919 + 1_000_003 * (rank + 1))
+        self.last_lags = np.zeros(0, dtype=np.int64)
+        """Per-trajectory lag (version at batch start - behaviour version) of this rank's last batch."""
+
+    # ---------------------------------------------------------------------------------- the step
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+        """One batch of groups -> ``steps_per_batch`` optimizer steps (fewer if one is skipped) -> metrics."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        batch = collate(groups, cfg).to(self.device)
+        start_version = self.version
+        self.last_lags = batch.lag(start_version).cpu().numpy()
+        mbs = micro_batches(batch, cfg.learner.micro_batch_trajectories)
+        mbs = self._pad_micro_batches(mbs)
+
+        with torch.no_grad():  # pi_prox: the weights at batch start, once per batch
+            prox = [mb.layout(self._logprobs(mb).float()) for mb in mbs]
+        t_prox = time.perf_counter() - t0
+        loss_masks = [loss_token_mask(p, mb.behav_logprobs, mb.mask, cfg.loss) for p, mb in zip(prox, mbs)]
+        units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
+        total_units = float(self._all_reduce(torch.tensor([sum(units)], dtype=torch.float64), "sum")[0])
+        weights = [micro_batch_weight(u, total_units, self.world) for u in units]
+
+        sums = torch.zeros(len(_PER_LOSS_TOKEN) + len(_PER_VALID_TOKEN) + len(_PER_UNIT) + 2, dtype=torch.float64)
+        w_max = torch.zeros(1, dtype=torch.float64)
+        applied, steps_run, grad_norm, has_kl = 0, 0, float("nan"), False
+        for step in range(cfg.learner.steps_per_batch):
+            nonfinite = False
+            steps_run += 1
+            for i, (mb, p, lm, w, u) in enumerate(zip(mbs, prox, loss_masks, weights, units)):
+                self._begin_micro_batch(i == len(mbs) - 1)
+                logp = mb.layout(self._logprobs(mb).float())
+                loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
+                                           generator=self.loss_generator)
+                finite = bool(torch.isfinite(loss))
+                nonfinite |= not finite
+                self._backward(loss * w, finite)
+                has_kl |= "kl" in m
+                n_loss, n_valid = float(lm.sum()), float(mb.mask.sum())
+                row = [m.get(k, 0.0) * n_loss for k in _PER_LOSS_TOKEN]
+                row += [m[k] * n_valid for k in _PER_VALID_TOKEN]
+                row += [m[k] * (u / total_units if total_units > 0 else 0.0) for k in _PER_UNIT]
+                sums += torch.tensor(row + [n_loss, n_valid], dtype=torch.float64)
+                w_max = torch.maximum(w_max, torch.tensor([m["is_weight_max"]], dtype=torch.float64))
+            ok, grad_norm = self._optimizer_step(nonfinite)
+            if not ok:
+                self.skipped_steps += 1
+                log.warning("learner: non-finite loss or gradient at version %d: step skipped (%d so far)",
+                            self.version, self.skipped_steps)
+                break
+            applied += 1
+            self.version += 1
+            self.extra_steps += step > 0
+        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version)
+        dt = time.perf_counter() - t0
+        metrics.update({
+            "perf/learner_step_s": dt, "perf/learner_prox_s": t_prox,
+            "perf/learner_tokens_per_s": metrics["learner/tokens"] / dt if dt > 0 else 0.0,
+            "learner/version": float(self.version), "learner/steps_applied": float(applied),
+            "learner/skipped_steps": float(self.skipped_steps),
+            "learner/extra_staleness_steps": float(self.extra_steps),
+            "learner/grad_norm": float(grad_norm), "learner/lr": float(self._lr()),
+            "learner/micro_batches": float(len(mbs)),
+        })
+        return metrics
+
+    def _finish_metrics(self, batch: TrainBatch, sums: Tensor, w_max: Tensor, steps: int, has_kl: bool,
+                        start_version: int) -> dict[str, float]:
+        lag = batch.lag(start_version).double()
+        batch_sums = torch.tensor([batch.num_trajectories, batch.num_valid_tokens, float(batch.env_steps.sum()),
+                                   float(batch.success.sum()), float(batch.rewards.sum()), float(lag.sum()),
+                                   float(batch.advantages.abs().sum())], dtype=torch.float64)
+        reduced = self._all_reduce(torch.cat([sums, batch_sums]), "sum")
+        maxes = self._all_reduce(torch.cat([w_max, lag.max().reshape(1).cpu()]), "max")
+        n = len(sums)
+        sums, (trajs, tokens, env_steps, succ, rew, lag_sum, adv_abs) = reduced[:n], reduced[n:].tolist()
+        n_loss, n_valid = float(sums[-2]), float(sums[-1])
+        out: dict[str, float] = {}
+        j = 0
+        for keys, count in ((_PER_LOSS_TOKEN, n_loss), (_PER_VALID_TOKEN, n_valid), (_PER_UNIT, None)):
+            for k in keys:
+                v = float(sums[j]) / (count if count else 1.0) if count is not None else float(sums[j]) / steps
+                out[_TAGS[k]] = v
+                j += 1
+        if not has_kl:
+            del out["loss/kl_ref"]
+        # loss/kl: KL to the reference policy when one is used, else the k3 estimate of KL(pi_prox || pi_theta)
+        # (how far the step moved the policy), so the tag always exists.
+        out["loss/kl"] = out.get("loss/kl_ref", out["loss/approx_kl"])
+        out["offpolicy/is_weight_max"] = float(maxes[0])
+        steps_lag = self.cfg.learner.steps_per_batch - 1
+        out.update({
+            "learner/trajectories": trajs, "learner/tokens": tokens, "learner/env_steps": env_steps,
+            "learner/success_rate": succ / max(trajs, 1.0), "learner/reward_mean": rew / max(trajs, 1.0),
+            "learner/adv_abs_mean": adv_abs / max(trajs, 1.0),
+            "learner/lag_mean": lag_sum / max(trajs, 1.0), "learner/lag_max": float(maxes[1]),
+            # Mean lag over this batch's optimizer steps: step s trains on data s versions staler.
+            "learner/effective_lag_mean": lag_sum / max(trajs, 1.0) + 0.5 * steps_lag,
+        })
+        return out
+
+    # --------------------------------------------------------------------------- backend hooks
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abc.abstractmethod
+    def _logprobs(self, mb: TrainBatch) -> Tensor:
+        """Per-call token log-probs [C, T] under the current weights at ``self.temperature``."""
+
+    @abc.abstractmethod
+    def _backward(self, loss: Tensor, finite: bool) -> None:
+        """Accumulate gradients of ``loss`` (``finite`` False: the backend must make this step be skipped)."""
+
+    @abc.abstractmethod
+    def _optimizer_step(self, nonfinite_loss: bool) -> tuple[bool, float]:
+        """Step unless a loss or gradient was non-finite; clears gradients; returns (applied, grad norm)."""
+
+    @abc.abstractmethod
+    def _lr(self) -> float: ...
+
+    def _begin_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch's forward (DeepSpeed marks the accumulation boundary)."""
+
+    def _pad_micro_batches(self, mbs: list[TrainBatch]) -> list[TrainBatch]:
+        """Multi-rank backends pad to the same number of micro-batches on every rank."""
+        return mbs
+
+    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+        """Sum / max over learner ranks (identity for one process)."""
+        return t
+
+    @abc.abstractmethod
+    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full (unpartitioned) parameters as (name, tensor clone); names as in the policy module.
+        Every rank must call and exhaust it; only rank 0 receives items unless ``all_ranks``."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: str | Path, extra: Optional[dict] = None) -> Path: ...
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: str | Path, tag: Optional[str] = None) -> dict:
+        """Restore the latest (or ``tag``) checkpoint; returns the ``extra`` dict saved with it."""
+
+    @abc.abstractmethod
+    def export_policy(self, directory: str | Path) -> Optional[Path]:
+        """Write the policy in its HF/safetensors format for evaluation (rank 0 writes; all ranks call)."""
+
+    def _learner_state(self, extra: Optional[dict]) -> dict:
+        return {"format": CKPT_FORMAT, "version": self.version, "skipped_steps": self.skipped_steps,
+                "extra_steps": self.extra_steps, "world": self.world, "extra": dict(extra or {})}
+
+    def _restore_learner_state(self, state: dict) -> dict:
+        if state.get("format") != CKPT_FORMAT:
+            raise ValueError(f"unsupported learner checkpoint format {state.get('format')}")
+        self.version = int(state["version"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.extra_steps = int(state["extra_steps"])
+        return dict(state.get("extra", {}))
+
+
+def save_policy_dir(policy: torch.nn.Module, directory: Path) -> Path:
+    """The policy's own save function (safetensors + config); HF ``save_pretrained`` for wrapped models."""
+    from async_vla.policy import save_policy
+
+    try:
+        return save_policy(policy, directory)  # type: ignore[arg-type]
+    except ValueError:
+        if hasattr(policy, "save_pretrained"):
+            policy.save_pretrained(str(directory), safe_serialization=True)
+            return directory
+        raise
+
+
+# ---------------------------------------------------------------------------------- TorchLearner
+class TorchLearner(Learner):
+    """Single-process learner with torch AdamW (serial mode, tests, debugging). fp32, or bf16 autocast on
+    a GPU when ``learner.precision`` is bf16 / auto."""
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module, device: Optional[str | torch.device] = None):
+        super().__init__(cfg, policy)
+        self._device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.policy.to(self._device)
+        # eval(): no dropout, so the learner's log-probs match the actors' at equal weights.
+        self.policy.eval()
+        lc = cfg.learner
+        self._params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=lc.lr, betas=tuple(lc.betas),
+                                           weight_decay=lc.weight_decay)
+        self._bf16 = self._device.type == "cuda" and lc.precision in ("auto", "bf16")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _logprobs(self, mb: TrainBatch) -> Tensor:
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._bf16):
+            return self.policy.token_logprobs(mb.images, mb.proprio, mb.instructions, mb.action_tokens,
+                                              self.temperature)
+
+    def _backward(self, loss: Tensor, finite: bool) -> None:
+        if finite:  # a non-finite loss skips the step anyway: no point in its gradient
+            loss.backward()
+
+    def _optimizer_step(self, nonfinite_loss: bool) -> tuple[bool, float]:
+        if nonfinite_loss:
+            self.optimizer.zero_grad(set_to_none=True)
+            return False, float("nan")
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if not torch.isfinite(norm):  # checked BEFORE step: AdamW would spread a NaN into every moment
+            self.optimizer.zero_grad(set_to_none=True)
+            return False, float(norm)
+        torch.nn.utils.clip_grads_with_norm_(self._params, self.cfg.learner.grad_clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True, float(norm)
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+        for name, p in self.policy.named_parameters():
+            yield name, p.detach().clone()
+
+    def optimizer_digest(self) -> str:
+        return tensors_digest(optimizer_tensors(self.optimizer))
+
+    def save_checkpoint(self, directory: str | Path, extra: Optional[dict] = None) -> Path:
+        """``<dir>/v<version>/learner.pt`` (+ ``<dir>/latest``), written via a temp dir then renamed."""
+        directory = Path(directory)
+        tag = checkpoint_tag(self.version)
+        final, tmp = directory / tag, directory / (tag + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"learner": self._learner_state(extra), "policy": self.policy.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "rng": capture_rng_state(),
+                    "loss_generator": self.loss_generator.get_state()}, tmp / "learner.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (directory / (LATEST_FILE + ".tmp")).write_text(tag)
+        (directory / (LATEST_FILE + ".tmp")).replace(directory / LATEST_FILE)
+        prune_checkpoints(directory, self.cfg.learner.keep_checkpoints)
+        return final
+
+    def load_checkpoint(self, directory: str | Path, tag: Optional[str] = None) -> dict:
+        directory = Path(directory)
+        tag = tag or latest_tag(directory)
+        if tag is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        state = torch.load(directory / tag / "learner.pt", map_location=self._device, weights_only=False)
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng_state(state["rng"])
+        self.loss_generator.set_state(state["loss_generator"])
+        return self._restore_learner_state(state["learner"])
+
+    def export_policy(self, directory: str | Path) -> Optional[Path]:
+        return save_policy_dir(self.policy, Path(directory))
+
+
+def finite_params(items: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]]) -> bool:
+    """True when every tensor is finite (tests and sanity checks)."""
+    return all(bool(torch.isfinite(t).all()) for _, t in items)

@@ -1,0 +1,365 @@
+"""``DeepSpeedLearner``: the learner step of ``learner.core`` on a DeepSpeed engine (ZeRO stage 0-3).
+
+Engine
+- ``deepspeed.initialize`` on a thin wrapper whose ``forward`` is ``policy.token_logprobs``: every log-prob
+  pass goes through the engine, so ZeRO-3 gathers each layer's shards for its forward/backward and discovers
+  parameters used outside their module's own forward (tied LM head rows, learned queries) by itself.
+- Optimizer: a torch ``AdamW`` client optimizer (lr, betas, weight decay from ``learner.*``): no FusedAdam /
+  CPUAdam extension build. ``gradient_clipping`` = ``learner.grad_clip``. bf16 on GPU, fp32 on CPU
+  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a ~75 s compile used only for CPU
+  inference all-reduce) is switched off before ``init_distributed``. Backend: nccl on GPU, gloo on CPU.
+- The DeepSpeed JSON is ``make_ds_config(cfg, world)`` unless ``learner.deepspeed_config`` names a file; a
+  user file replaces it, except the three batch-size keys, which we always set: the learner drives gradient
+  accumulation itself (``set_gradient_accumulation_boundary`` per micro-batch, loss weights from
+  ``async_vla.batching``) and DeepSpeed only checks them against the world size.
+
+Non-finite steps. Every rank always runs every forward and backward (ZeRO collectives must match), so a skip
+must be decided identically everywhere and before any weight moves:
+- ZeRO 1-3 and DeepSpeed's bf16 optimizer compute the global gradient norm (all-reduced) in ``step()``
+  and, when it is inf/NaN, skip the inner optimizer step, clear the gradients and count
+  ``engine.skipped_steps`` (for ZeRO 1/2 in bf16 we set ``bf16.check_grad_overflow``). A rank whose loss is
+  non-finite back-propagates ``loss * NaN`` so that the global norm is NaN on every rank even if its own
+  gradient happened to be finite. We read the skip from ``engine.skipped_steps``.
+- ZeRO-0 in fp32 hands our AdamW to the engine unwrapped, which checks nothing: there we compute the
+  (already all-reduced) gradient norm ourselves, all-reduce a non-finite flag, and on a skip clear the
+  gradients without calling ``engine.step()``.
+
+Full weights and checkpoints
+- ``full_state_items()`` gathers ZeRO-3 shards module by module with
+  ``GatheredParameters(params, modifier_rank=None)`` (every rank must call it and exhaust the iterator); rank 0
+  clones each full tensor (shape ``ds_shape``) inside the context and yields after leaving it, so a slow
+  consumer never holds a gather open.
+- ``save_checkpoint`` = ``engine.save_checkpoint(dir, tag="v<version>", client_state={...})`` (model, ZeRO
+  optimizer partitions, learner version, counters and ``extra``, e.g. the buffer ledger) plus one
+  ``rng_rank<r>.pt`` per rank (python/numpy/torch RNG and the NSR generator), written before ``latest`` so
+  a kill mid-save leaves the previous checkpoint as the latest. ``load_checkpoint`` restores all of it; the
+  world size must match the one that saved (ZeRO partitions are per rank).
+- ``export_policy(dir)`` gathers all parameters and rank 0 writes the policy's own safetensors format.
+
+The model is built normally and partitioned by ``initialize`` (the whole model fits in one host's memory
+first). For models that do not, build the policy inside ``deepspeed.zero.Init()`` before passing it in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from async_vla.batching import TrainBatch
+from async_vla.config import Config
+from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, latest_tag, prune_checkpoints,
+                          restore_rng_state, save_policy_dir, tensors_digest)
+
+log = logging.getLogger(__name__)
+
+MODULE_PREFIX = "policy."
+
+
+class LogProbModule(torch.nn.Module):
+    """``forward`` = ``policy.token_logprobs``: what DeepSpeed wraps, so its hooks see every log-prob pass."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, images: Tensor, proprio: Tensor, instructions: list[str], action_tokens: Tensor,
+                temperature: float) -> Tensor:
+        return self.policy.token_logprobs(images, proprio, instructions, action_tokens, temperature)
+
+
+def resolve_precision(cfg: Config, on_gpu: bool) -> str:
+    """``learner.precision`` -> "bf16" or "fp32" (auto: bf16 on GPU, fp32 on CPU)."""
+    p = cfg.learner.precision
+    if p == "auto":
+        return "bf16" if on_gpu else "fp32"
+    if p == "bf16" and not on_gpu:
+        log.warning("learner.precision=bf16 on CPU: DeepSpeed's CPU bf16 path is slow; consider fp32")
+    return p
+
+
+def make_ds_config(cfg: Config, world: int, on_gpu: Optional[bool] = None) -> dict:
+    """The DeepSpeed JSON generated from our config (see the module docstring)."""
+    lc = cfg.learner
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    bf16 = resolve_precision(cfg, on_gpu) == "bf16"
+    zero: dict[str, Any] = {"stage": lc.zero_stage}
+    if lc.zero_stage >= 1:
+        # overlap_comm needs side streams: GPU only. contiguous_gradients avoids fragmentation.
+        zero.update({"contiguous_gradients": True, "overlap_comm": bool(on_gpu),
+                     "reduce_bucket_size": 50_000_000})
+    if lc.zero_stage == 3:
+        zero.update({"stage3_param_persistence_threshold": lc.zero3_persistence_threshold,
+                     "stage3_prefetch_bucket_size": 50_000_000,
+                     "stage3_gather_16bit_weights_on_model_save": False})
+    return {
+        # Nominal: the learner accumulates over its own micro-batches (see batch_size_keys).
+        **batch_size_keys(cfg, world),
+        "gradient_clipping": lc.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "fp16": {"enabled": False},
+        # Our AdamW is a torch optimizer DeepSpeed has not "tested" with ZeRO; it works (and needs no build).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def batch_size_keys(cfg: Config, world: int) -> dict:
+    mb = cfg.learner.micro_batch_trajectories
+    return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1, "train_batch_size": mb * world}
+
+
+def load_ds_config(cfg: Config, world: int) -> dict:
+    """``learner.deepspeed_config`` (JSON file) with our batch-size keys, or the generated config."""
+    if cfg.learner.deepspeed_config is None:
+        return make_ds_config(cfg, world)
+    path = Path(cfg.learner.deepspeed_config)
+    try:
+        user = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"learner.deepspeed_config={path}: cannot read JSON: {exc}") from exc
+    if not isinstance(user, dict):
+        raise ValueError(f"learner.deepspeed_config={path}: the top level must be an object")
+    return {**user, **batch_size_keys(cfg, world)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(cfg: Config) -> tuple[int, int]:
+    """Join (or create) the learner's process group; returns (rank, world).
+
+    Reads the torchrun / deepspeed launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    LOCAL_RANK). Without them it is a world of one on a free local port.
+    """
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    # The shm comm op is only an inference all-reduce fast path and costs a ~75 s compile on a fresh host.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                   timeout=datetime.timedelta(seconds=cfg.learner.dist_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class DeepSpeedLearner(Learner):
+    """ZeRO stage ``learner.zero_stage`` learner over all processes of the default process group."""
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module):
+        import deepspeed
+        import torch.distributed as dist
+
+        rank, world = init_distributed(cfg)
+        super().__init__(cfg, policy, rank=rank, world=world)
+        self._dist = dist
+        self._zero_gather = deepspeed.zero.GatheredParameters
+        self.stage = cfg.learner.zero_stage
+        on_gpu = torch.cuda.is_available()
+        self.precision = resolve_precision(cfg, on_gpu)
+        self.ds_config = load_ds_config(cfg, world)
+        self.module = LogProbModule(policy)
+        self.module.eval()  # no dropout: learner and actor log-probs agree at equal weights
+        lc = cfg.learner
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        client_opt = None
+        if "optimizer" not in self.ds_config:
+            client_opt = torch.optim.AdamW(params, lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.module, optimizer=client_opt, model_parameters=params if client_opt is None else None,
+            config=self.ds_config)
+        self.stage = self.engine.zero_optimization_stage()
+        # Unwrapped (ZeRO-0 fp32): DeepSpeed hands our AdamW the gradients unchecked, so we check them.
+        self._own_skip_check = (self.engine.optimizer is getattr(self.engine, "basic_optimizer", None)
+                                or not hasattr(self.engine.optimizer, "overflow"))
+        self._dtype = next(self.module.parameters()).dtype
+        log.info("rank %d/%d: DeepSpeed ZeRO-%d %s on %s", rank, world, self.stage, self.precision,
+                 self.engine.device)
+
+    # ------------------------------------------------------------------------------------- hooks
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    def _logprobs(self, mb: TrainBatch) -> Tensor:
+        # bf16 engines hold bf16 weights; autocast lets a policy that builds float32 activations (images
+        # converted from uint8, proprio) run against them. Images stay uint8: the policy converts them.
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
+            return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
+                               self.temperature)
+
+    def _begin_micro_batch(self, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+
+    def _backward(self, loss: Tensor, finite: bool) -> None:
+        if not finite:
+            # Make the global gradient norm NaN on every rank, so DeepSpeed skips the step everywhere.
+            loss = loss * float("nan")
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self, nonfinite_loss: bool) -> tuple[bool, float]:
+        if self._own_skip_check:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+            bad = torch.tensor([float(nonfinite_loss or not bool(torch.isfinite(norm)))], device=self.device)
+            if float(self._all_reduce(bad, "max")[0]) > 0:
+                self.engine.zero_grad()
+                return False, float(norm)
+            self.engine.step()
+            return True, float(norm)
+        before = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return self.engine.skipped_steps == before, norm
+
+    def _lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def _pad_micro_batches(self, mbs: list[TrainBatch]) -> list[TrainBatch]:
+        """ZeRO-3 forwards are collective: every rank runs the same number of micro-batches. Missing ones are
+        the rank's first trajectory with an all-False mask (zero loss, zero gradient, zero weight)."""
+        if self.world == 1:
+            return mbs
+        n = int(self._all_reduce(torch.tensor([float(len(mbs))]), "max")[0])
+        if n > len(mbs):
+            pad = mbs[0].select([0])
+            pad.mask = torch.zeros_like(pad.mask)
+            mbs = mbs + [pad] * (n - len(mbs))
+        return mbs
+
+    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+        if self.world == 1:
+            return t
+        dist = self._dist
+        orig_device, orig_dtype = t.device, t.dtype
+        # nccl reduces only device tensors; gloo any. float64 is fine on both.
+        buf = t.to(self.device).clone()
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return buf.to(orig_device, orig_dtype)
+
+    # ------------------------------------------------------------------------------ full weights
+    def _module_groups(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """Parameters grouped by owning module, in registration order (one gather per layer)."""
+        groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+        owner = None
+        for name, p in self.module.named_parameters():
+            mod = name.rsplit(".", 1)[0]
+            if mod != owner or not groups:
+                groups.append([])
+                owner = mod
+            groups[-1].append((name, p))
+        return groups
+
+    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+        want = all_ranks or self.rank == 0
+        for group in self._module_groups():
+            ctx = (self._zero_gather([p for _, p in group], modifier_rank=None) if self.stage == 3
+                   else nullcontext())
+            with ctx:
+                items = []
+                if want:
+                    for name, p in group:
+                        shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+                        items.append((name[len(MODULE_PREFIX):], p.data.reshape(shape).detach().clone()))
+            yield from items  # outside the gather: a slow consumer never holds shards gathered
+
+    def local_optimizer_tensors(self) -> list[tuple[str, Tensor]]:
+        """This rank's optimizer tensors: its fp32 master partition(s) and the AdamW state of them."""
+        zero = self.engine.optimizer
+        inner = zero
+        while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        if hasattr(inner, "optimizer") and isinstance(getattr(inner, "optimizer"), torch.optim.Optimizer):
+            inner = inner.optimizer
+        out: list[tuple[str, Tensor]] = []
+        # ZeRO-3 empties the inner optimizer's param_groups between steps; the masters live on the wrapper.
+        masters = (getattr(zero, "fp32_partitioned_groups_flat", None)
+                   or getattr(zero, "single_partition_of_fp32_groups", None)
+                   or [p for g in inner.param_groups for p in g["params"]])
+        out += [(f"master{i}", t.data) for i, t in enumerate(masters)]
+        for i, (_, st) in enumerate(inner.state.items()):  # insertion order: the same on save and load
+            out += [(f"state{i}.{k}", v) for k, v in sorted(st.items()) if isinstance(v, Tensor)]
+        return out
+
+    def optimizer_digest(self) -> str:
+        return tensors_digest(self.local_optimizer_tensors())
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str | Path, extra: Optional[dict] = None) -> Path:
+        """Every rank must call. ``<dir>/v<version>/`` (DeepSpeed layout + rng_rank<r>.pt) and ``<dir>/latest``."""
+        directory = Path(directory)
+        tag = checkpoint_tag(self.version)
+        (directory / tag).mkdir(parents=True, exist_ok=True)
+        # RNG files before DeepSpeed writes `latest`, so a half-written checkpoint is never the latest.
+        torch.save({"rng": capture_rng_state(), "loss_generator": self.loss_generator.get_state()},
+                   directory / tag / f"rng_rank{self.rank:05d}.pt")
+        self._dist.barrier()
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"async_vla": self._learner_state(extra)},
+                                    save_latest=True)
+        self._dist.barrier()
+        if self.rank == 0:
+            prune_checkpoints(directory, self.cfg.learner.keep_checkpoints)
+        self._dist.barrier()
+        return directory / tag
+
+    def load_checkpoint(self, directory: str | Path, tag: Optional[str] = None) -> dict:
+        directory = Path(directory)
+        tag = tag or latest_tag(directory)
+        if tag is None:
+            raise FileNotFoundError(f"no checkpoint in {directory} (no {LATEST_FILE} file)")
+        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
+        if path is None or not client_state or "async_vla" not in client_state:
+            raise FileNotFoundError(f"{directory}/{tag} is not a complete async_vla learner checkpoint")
+        extra = self._restore_learner_state(client_state["async_vla"])
+        saved_world = client_state["async_vla"].get("world", self.world)
+        if saved_world != self.world:
+            log.warning("checkpoint was written by %d ranks, resuming with %d", saved_world, self.world)
+        rng_file = directory / tag / f"rng_rank{self.rank:05d}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=False)
+            restore_rng_state(rng["rng"])
+            self.loss_generator.set_state(rng["loss_generator"])
+        else:
+            log.warning("%s missing: RNG streams restart from their seeds", rng_file)
+        self._dist.barrier()
+        return extra
+
+    def export_policy(self, directory: str | Path) -> Optional[Path]:
+        """Every rank must call; rank 0 writes the policy (safetensors) into ``directory``."""
+        directory = Path(directory)
+        params = list(self.policy.parameters())
+        ctx = self._zero_gather(params, modifier_rank=None) if self.stage == 3 else nullcontext()
+        with ctx:
+            if self.rank == 0:
+                if self.stage == 3:
+                    # Gathered parameters are views into one flat buffer, which safetensors refuses to save
+                    # ("none is covering the entire storage"): give each its own storage. Leaving the context
+                    # frees them again (modifier_rank=None: the shards are not touched).
+                    for p in params:
+                        p.data = p.data.clone()
+                save_policy_dir(self.policy, directory)
+        self._dist.barrier()
+        return directory if self.rank == 0 else None

@@ -1,0 +1,187 @@
+"""TorchLearner (and single-rank DeepSpeed) steps: direction, non-finite skips, checkpoints."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from async_vla.batching import collate
+from learner.core import TorchLearner, finite_params, tensors_digest
+from tests.learner_helpers import StandInPolicy, make_groups, small_cfg
+
+
+def _logp_rows(policy, groups, cfg):
+    b = collate(groups, cfg)
+    with torch.no_grad():
+        lp = b.layout(policy.token_logprobs(b.images, b.proprio, b.instructions, b.action_tokens, 1.0))
+    return (lp * b.mask).sum(dim=1), b.advantages
+
+
+def test_step_raises_logprob_of_positive_advantage_trajectories():
+    cfg = small_cfg("learner.lr=0.01", "learner.micro_batch_trajectories=2")
+    policy = StandInPolicy(seed=1)
+    groups = make_groups(policy=policy)  # on-policy behaviour log-probs, rewards (1,0 | 0,1)
+    before, adv = _logp_rows(policy, groups, cfg)
+    learner = TorchLearner(cfg, policy)
+    m = learner.train_step(groups)
+    after, _ = _logp_rows(policy, groups, cfg)
+    assert learner.version == 1 and m["learner/version"] == 1 and m["learner/skipped_steps"] == 0
+    assert ((after - before) * adv > 0).all(), (before, after, adv)  # up for A > 0, down for A < 0
+    # on-policy first step: ratios 1, importance weights 1, nothing clipped
+    assert m["offpolicy/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["loss/clip_frac_low"] == 0 and m["loss/clip_frac_high"] == 0
+    for tag in ("loss/policy", "loss/kl", "loss/nsr_rescued_frac", "offpolicy/is_weight_max",
+                "offpolicy/mis_masked_frac", "offpolicy/behav_kl", "perf/learner_step_s", "learner/lag_mean"):
+        assert tag in m
+    assert m["learner/trajectories"] == 4 and m["learner/micro_batches"] == 2
+
+
+def test_steps_per_batch_counts_extra_staleness():
+    cfg = small_cfg("learner.steps_per_batch=3")
+    policy = StandInPolicy(seed=1)
+    learner = TorchLearner(cfg, policy)
+    m = learner.train_step(make_groups(policy=policy))
+    assert learner.version == 3 and m["learner/steps_applied"] == 3
+    assert m["learner/extra_staleness_steps"] == 2 and m["learner/effective_lag_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("poison", ["logp", "grad"])
+def test_non_finite_step_is_skipped_and_counted(poison):
+    cfg = small_cfg()
+    policy = StandInPolicy(seed=1)
+    groups = make_groups(policy=policy)
+    learner = TorchLearner(cfg, policy)
+    learner.train_step(groups)  # a normal step first, so optimizer state exists too
+    params, opt = tensors_digest(learner.full_state_items()), learner.optimizer_digest()
+    policy.poison = poison
+    m = learner.train_step(groups)
+    assert m["learner/skipped_steps"] == 1 and learner.skipped_steps == 1
+    assert m["learner/steps_applied"] == 0 and learner.version == 1
+    assert tensors_digest(learner.full_state_items()) == params and learner.optimizer_digest() == opt
+    assert finite_params(learner.full_state_items())
+    assert all(p.grad is None for p in policy.parameters())  # nothing left to leak into the next step
+    policy.poison = None
+    learner.train_step(groups)
+    assert learner.version == 2 and finite_params(learner.full_state_items())
+
+
+def test_checkpoint_round_trip_is_bit_equal(tmp_path):
+    cfg = small_cfg("loss.nsr=band", "loss.nsr_prob=0.5", "learner.keep_checkpoints=2")
+    batches = [make_groups(seed=s, behav_noise=0.3) for s in range(4)]
+    a = TorchLearner(cfg, StandInPolicy(seed=1))
+    for b in batches[:2]:
+        a.train_step(b)
+    path = a.save_checkpoint(tmp_path, extra={"buffer_ledger": {"trained": 8}})
+    assert path.name == "v00000002" and (tmp_path / "latest").read_text() == "v00000002"
+    b_ = TorchLearner(cfg, StandInPolicy(seed=99))  # different weights until loaded
+    assert tensors_digest(b_.full_state_items()) != tensors_digest(a.full_state_items())
+    extra = b_.load_checkpoint(tmp_path)
+    assert extra == {"buffer_ledger": {"trained": 8}} and b_.version == 2
+    assert tensors_digest(b_.full_state_items()) == tensors_digest(a.full_state_items())
+    assert b_.optimizer_digest() == a.optimizer_digest()
+    # continuing gives bit-equal results (optimizer moments, NSR generator and RNG restored)
+    a.train_step(batches[2])
+    b_.train_step(batches[2])
+    assert tensors_digest(b_.full_state_items()) == tensors_digest(a.full_state_items())
+    for k in (3, 4):  # pruning keeps the newest two
+        a.train_step(batches[3])
+        a.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000004", "v00000005"]
+
+
+def test_kl_beta_without_reference_is_refused():
+    with pytest.raises(ValueError, match="kl_beta"):
+        TorchLearner(small_cfg("loss.kl_beta=0.1"), StandInPolicy())
+
+
+# ------------------------------------------------------------------------- single-rank DeepSpeed
+@pytest.fixture(scope="module")
+def dist_env():
+    """One-process world for in-process DeepSpeed engines (the process group outlives the tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_single_rank_matches_torch_and_skips_nan(dist_env, stage, tmp_path):
+    from learner.deepspeed_engine import DeepSpeedLearner, make_ds_config
+
+    cfg = small_cfg(f"learner.zero_stage={stage}", "learner.micro_batch_trajectories=3")
+    ds_cfg = make_ds_config(cfg, 1, on_gpu=False)
+    assert ds_cfg["zero_optimization"]["stage"] == stage and not ds_cfg["bf16"]["enabled"]
+    assert ds_cfg["gradient_clipping"] == cfg.learner.grad_clip
+    ref_policy = StandInPolicy(seed=1)
+    groups = make_groups(policy=ref_policy, behav_noise=0.1)
+    ref = TorchLearner(cfg, ref_policy)
+    ds = DeepSpeedLearner(cfg, StandInPolicy(seed=1))
+    assert ds.stage == stage and ds.world == 1
+    m_ref, m_ds = ref.train_step(groups), ds.train_step(groups)
+    assert ds.version == 1 and m_ds["learner/micro_batches"] == 2
+    assert m_ds["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-5, abs=1e-7)
+    for (n1, t1), (n2, t2) in zip(ref.full_state_items(), ds.full_state_items()):
+        assert n1 == n2 and t1.shape == t2.shape
+        torch.testing.assert_close(t2, t1, rtol=1e-5, atol=1e-6)  # same AdamW step, same clipping
+    digest = tensors_digest(ds.full_state_items())
+    ds.policy.poison = "grad"
+    m = ds.train_step(groups)
+    assert m["learner/skipped_steps"] == 1 and ds.version == 1
+    assert tensors_digest(ds.full_state_items()) == digest
+    ds.policy.poison = "logp"
+    ds.train_step(groups)
+    assert ds.skipped_steps == 2 and tensors_digest(ds.full_state_items()) == digest
+    ds.policy.poison = None
+    ds.train_step(groups)
+    assert ds.version == 2 and finite_params(ds.full_state_items())
+    out = ds.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == out.name
+
+
+def test_bin_learner_rejects_bad_config_before_importing_torch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "ok.yaml").write_text("run: {name: t}\n")
+    code = ("import sys; from learner.__main__ import main; "
+            f"rc = main(['{tmp_path / 'missing.yaml'}', '--run-dir', '{tmp_path}']); "
+            f"rc2 = main(['{tmp_path / 'ok.yaml'}', 'learner.zero_stage=7', '--run-dir', '{tmp_path}']); "
+            "print(rc, rc2, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    assert out.stdout.split() == ["2", "2", "False"], out.stderr
+    assert "does not exist" in out.stderr and "learner.zero_stage" in out.stderr
+
+
+def test_real_tiny_policy_zero3_step_and_export(dist_env, tmp_path):
+    """The real tiny policy (tied LM-head rows read outside their module) under ZeRO-3, then the HF export."""
+    policy_mod = pytest.importorskip("async_vla.policy")
+    from learner.deepspeed_engine import DeepSpeedLearner
+
+    cfg = small_cfg("learner.zero_stage=3", "policy.proprio_dim=3", "env.image_size=8", "policy.patch_size=4",
+                    "policy.hidden_size=32", "policy.num_heads=2", "policy.num_layers=1",
+                    "policy.intermediate_size=64")
+    ref = TorchLearner(cfg, policy_mod.build_policy(cfg))
+    ds = DeepSpeedLearner(cfg, policy_mod.build_policy(cfg))
+    groups = make_groups(policy=ref.policy)
+    m_ref, m_ds = ref.train_step(groups), ds.train_step(groups)
+    assert ds.version == 1 and m_ds["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
+    full = dict(ds.full_state_items())
+    for name, t in ref.full_state_items():
+        torch.testing.assert_close(full[name], t, rtol=1e-4, atol=1e-5)
+    out = ds.export_policy(tmp_path / "policy")
+    loaded = policy_mod.load_policy(out)
+    assert tensors_digest(loaded.named_parameters()) == tensors_digest(full.items())
+    assert tensors_digest(ds.full_state_items()) == tensors_digest(full.items())  # shards untouched by export
+    ds.train_step(groups)
+    assert ds.version == 2 and finite_params(ds.full_state_items())
