@@ -1,0 +1,335 @@
+"""The buffer as a service: GroupBuffer behind a TrajectoryReceiver (PULL) and a ControlServer (ROUTER).
+
+``serve(stop_event)`` runs in the caller's thread (``bin/buffer``'s main thread, or a learner thread); one thread
+owns the GroupBuffer, so it needs no locks: other threads read only ``latest_metrics`` (or ask over the control
+socket, ControlCommand("stats")). Each ``step()``:
+  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant; BatchRequest -> bundle
+     or parked until a batch is ready or its timeout_s passes (then ready=False); ControlCommand; Heartbeat and
+     ActorStats are kept (latest per actor) for metrics;
+  2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
+     fill and actors' sends block (back-pressure, nothing dropped);
+  3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
+     rewrites <run>/ledger.json and reports status.
+Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import zmq
+
+from async_vla.buffer import GroupBuffer
+from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
+                                Heartbeat, Shutdown, Trajectory, encode)
+from async_vla.recording import Recorder, recording_info
+from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
+
+log = logging.getLogger(__name__)
+
+MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
+CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
+TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
+
+
+class BufferService:
+    """GroupBuffer + sockets + recording + periodic chores. Use as a context manager or call close()."""
+
+    def __init__(self, cfg, run_dir, trajectory_endpoint: str, control_endpoint: str,
+                 valid_task_ids=None, keys: Optional[CurveKeys] = None, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        bc = cfg.buffer
+        self.recorder: Optional[Recorder] = None
+        if bc.record:
+            meta = {"run_id": cfg.run.name, "max_staleness": bc.max_staleness,
+                    "valid_task_ids": None if valid_task_ids is None else sorted(int(t) for t in valid_task_ids)}
+            self.recorder = Recorder(self.run_dir / "recording", bc.record_file_bytes, bc.record_max_files, meta)
+        journal = self._journal if self.recorder is not None else None
+        self.buffer = GroupBuffer(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
+                                  gid_start=time.time_ns() // 1_000_000)
+        ctx = zmq.Context.instance()
+        self._auth = Authenticator(ctx, keys) if keys is not None else None
+        max_bytes = int(cfg.transport.max_message_mb * 1024**2)
+        self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.hwm, max_bytes=max_bytes,
+                                           ctx=ctx, keys=keys)
+        self.control = ControlServer(control_endpoint, ctx=ctx, keys=keys)
+        self.trajectory_endpoint = self.receiver.endpoint
+        self.control_endpoint = self.control.endpoint
+        self.weights_path = ""
+        self.counters: collections.Counter = collections.Counter()
+        self._parked: list[tuple[bytes, BatchRequest, float]] = []
+        self._seen_malformed: collections.Counter = collections.Counter()
+        self._actors: dict[int, dict] = {}   # actor_id -> {"t": last message, "heartbeat": ..., "stats": ...}
+        self._eta_file = self.run_dir / "control" / "max_staleness"
+        self._eta_file_sig: Optional[tuple] = None
+        self._shutdown = False
+        self._closed = False
+        self.latest_metrics: dict[str, float] = {}
+        """metrics() as of the last status tick (logging.status_every_s); the one thing other threads may read."""
+        now = clock()
+        self._due = {"expire": now, "ledger": now + bc.ledger_every_s, "file": now, "status": now}
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, stop_event, on_status: Optional[Callable[[dict], None]] = None) -> None:
+        """Serve until ``stop_event`` is set (or a Shutdown message arrives); writes the ledger at exit."""
+        log.info("buffer: trajectories on %s, control on %s", self.trajectory_endpoint, self.control_endpoint)
+        try:
+            while not stop_event.is_set() and not self._shutdown:
+                self.step(on_status=on_status)
+        finally:
+            self.write_ledger()
+
+    def step(self, wait_s: float = 0.002, on_status: Optional[Callable[[dict], None]] = None) -> int:
+        """One round of work; blocks at most ``wait_s`` when idle. Returns the number of messages handled."""
+        work = 0
+        for _ in range(CONTROL_BURST):
+            got = self.control.recv(0)
+            if got is None:
+                break
+            self._handle(*got)
+            work += 1
+        added = 0
+        for _ in range(TRAJECTORY_BURST):
+            if not self.buffer.has_room():
+                self.counters["full_steps"] += 1
+                break
+            msg = self.receiver.recv(0)
+            self._sync_malformed()
+            if msg is None:
+                break
+            self._on_trajectory(msg)
+            added += 1
+        work += added
+        now = self.clock()
+        if self._parked and (added or any(deadline <= now for _, _, deadline in self._parked)):
+            self._serve_parked(now)
+        self._periodic(now, on_status)
+        if not work:  # idle: block on whichever socket can make progress
+            if self.buffer.has_room():
+                msg = self.receiver.recv(wait_s)
+                self._sync_malformed()
+                if msg is not None:
+                    self._on_trajectory(msg)
+                    work += 1
+            else:
+                got = self.control.recv(wait_s)
+                if got is not None:
+                    self._handle(*got)
+                    work += 1
+        return work
+
+    def _on_trajectory(self, msg) -> None:
+        if isinstance(msg, Trajectory):
+            self.buffer.add(msg)
+        else:  # a valid message on the wrong channel is still input the books must account for
+            self.buffer.count_malformed(f"not_trajectory:{msg.KIND}")
+
+    def _sync_malformed(self) -> None:
+        by_reason = self.receiver.malformed.by_reason
+        if by_reason == self._seen_malformed:
+            return
+        for reason, n in by_reason.items():
+            for _ in range(n - self._seen_malformed[reason]):
+                self.buffer.count_malformed(reason)
+        self._seen_malformed = collections.Counter(by_reason)
+
+    def _journal(self, t: float, msg) -> None:
+        self.recorder.write(t, encode(msg))
+
+    # ------------------------------------------------------------------ control channel
+    def _handle(self, peer: bytes, msg) -> None:
+        if isinstance(msg, GrantRequest):
+            self._grant(peer, msg)
+        elif isinstance(msg, BatchRequest):
+            self._batch_request(peer, msg)
+        elif isinstance(msg, (Heartbeat, ActorStats)):
+            entry = self._actors.setdefault(msg.actor_id, {})
+            entry["t"] = self.clock()
+            entry["heartbeat" if isinstance(msg, Heartbeat) else "stats"] = msg
+        elif isinstance(msg, ControlCommand):
+            self.control.reply(peer, self._command(msg))
+        elif isinstance(msg, Shutdown):
+            log.info("buffer: shutdown requested (%s)", msg.reason)
+            self._shutdown = True
+        else:
+            self.counters["control_unexpected"] += 1
+
+    def _grant(self, peer: bytes, req: GrantRequest) -> None:
+        ids = self.buffer.grant(req.actor_id, req.want)
+        self.counters["grant_requests"] += 1
+        self.counters["groups_granted"] += len(ids)
+        self.counters["grants_refused"] += 0 if ids else 1
+        self._actors.setdefault(req.actor_id, {})["t"] = self.clock()
+        self.control.reply(peer, AdmissionGrant(
+            actor_id=req.actor_id, group_ids=ids, learner_version=self.buffer.version,
+            max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else self.cfg.buffer.grant_retry_s,
+            weights_path=self.weights_path))
+
+    def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
+        if not self._try_batch(peer, req):
+            timeout = min(max(0.0, float(req.timeout_s)), MAX_PARK_S)
+            self._parked.append((peer, req, self.clock() + timeout))
+
+    def _try_batch(self, peer: bytes, req: BatchRequest) -> bool:
+        """Reply with this rank's share if the batch exists or can be formed now; False = not yet."""
+        try:
+            got = self.buffer.take_batch(req.version, req.rank, req.world)
+        except ValueError as exc:
+            log.warning("buffer: bad batch request from rank %d: %s", req.rank, exc)
+            self.counters["bad_batch_requests"] += 1
+            self.control.reply(peer, BatchHeader(batch_id=-1, version=req.version, ready=False))
+            return True
+        if got is None:
+            return False
+        batch_id, groups = got
+        header = BatchHeader(batch_id=batch_id, group_sizes=[len(g) for g in groups], version=req.version, ready=True)
+        self.control.reply_bundle(peer, header, [t for g in groups for t in g])
+        self.counters["batch_replies"] += 1
+        return True
+
+    def _serve_parked(self, now: float) -> None:
+        still = []
+        for peer, req, deadline in self._parked:
+            if self._try_batch(peer, req):
+                continue
+            if deadline <= now:
+                self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
+                self.counters["batch_not_ready"] += 1
+            else:
+                still.append((peer, req, deadline))
+        self._parked = still
+
+    def _command(self, cmd: ControlCommand) -> ControlCommand:
+        try:
+            if cmd.command == "set_max_staleness":
+                if not isinstance(cmd.value, int) or isinstance(cmd.value, bool):
+                    raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
+                return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))
+            if cmd.command == "set_learner_version":
+                self.buffer.set_learner_version(int(cmd.value))
+                return ControlCommand("ok", self.buffer.version)
+            if cmd.command == "set_weights_path":
+                self.weights_path = str(cmd.value or "")
+                return ControlCommand("ok", self.weights_path)
+            if cmd.command == "stats":
+                return ControlCommand("stats", json.dumps(self.stats()))
+            raise ValueError(f"unknown command {cmd.command!r}")
+        except (TypeError, ValueError) as exc:
+            return ControlCommand("error", str(exc))
+
+    # ------------------------------------------------------------------ chores
+    def _periodic(self, now: float, on_status: Optional[Callable[[dict], None]]) -> None:
+        bc, due = self.cfg.buffer, self._due
+        if now >= due["expire"]:
+            due["expire"] = now + bc.expire_every_s
+            n = self.buffer.expire(now)
+            if n:
+                log.warning("buffer: %d trajectories of partial groups expired (group_timeout_s=%s)", n,
+                            bc.group_timeout_s)
+            if not self.buffer.has_room() and self.buffer.ready_groups < self.buffer.B:
+                # Full of partial groups whose other members wait behind the socket: only expiry frees it.
+                self.counters["full_without_batch"] += 1
+                if self.counters["full_without_batch"] % 60 == 1:
+                    log.warning("buffer: %d bytes held but fewer than B=%d groups complete; raise "
+                                "buffer.max_bytes or lower pacing (max_staleness)", self.buffer.held_bytes,
+                                self.buffer.B)
+        if now >= due["file"]:
+            due["file"] = now + bc.control_poll_s
+            self.check_control_file()
+        if now >= due["ledger"]:
+            due["ledger"] = now + bc.ledger_every_s
+            self.write_ledger()
+        if now >= due["status"]:
+            due["status"] = now + self.cfg.logging.status_every_s
+            self.latest_metrics = self.metrics()  # one reference swap: safe to read from other threads
+            if on_status is not None:
+                on_status(self.latest_metrics)
+
+    def check_control_file(self) -> None:
+        """Apply ``<run>/control/max_staleness`` (an int) when the file changes; bad contents are logged."""
+        try:
+            st = self._eta_file.stat()
+        except FileNotFoundError:
+            return
+        sig = (st.st_mtime_ns, st.st_size)
+        if sig == self._eta_file_sig:
+            return
+        self._eta_file_sig = sig
+        text = self._eta_file.read_text().strip()
+        try:
+            self.buffer.set_max_staleness(int(text), source=f"file {self._eta_file}")
+        except ValueError:
+            log.warning("buffer: %s holds %r, not a non-negative int; ignored", self._eta_file, text[:40])
+
+    def write_ledger(self) -> Path:
+        """Flush the recording, then write ledger.json (recorded_records = how many records it reflects)."""
+        extra = {"service": dict(self.counters)}
+        if self.recorder is not None:
+            self.recorder.flush()
+            extra["recorded_records"] = self.recorder.records
+            extra["recording"] = recording_info(self.recorder.dir)
+        return self.buffer.write_ledger(self.run_dir, extra)
+
+    # ------------------------------------------------------------------ metrics
+    def actor_metrics(self) -> dict[str, float]:
+        """rollout/* and perf/* from the latest ActorStats of each actor heard from within hung_after_s."""
+        now = self.clock()
+        alive = {a: e for a, e in self._actors.items() if now - e.get("t", -1e18) <= self.cfg.actor.hung_after_s}
+        stats = [e["stats"] for e in alive.values() if "stats" in e]
+        succ: collections.Counter = collections.Counter()
+        eps: collections.Counter = collections.Counter()
+        steps_per_s = 0.0
+        for s in stats:
+            succ.update(s.successes_by_task)
+            eps.update(s.episodes_by_task)
+            if s.interval_s > 0:
+                steps_per_s += s.env_steps / s.interval_s
+        m = {"perf/actors_alive": float(len(alive)), "perf/env_steps_per_s": steps_per_s}
+        if sum(eps.values()):
+            m["rollout/success_rate"] = sum(succ.values()) / sum(eps.values())
+        for task, n in sorted(eps.items()):
+            if n:
+                m[f"rollout/success_rate_by_task/{task}"] = succ[task] / n
+        return m
+
+    def metrics(self) -> dict[str, float]:
+        """Buffer ledger and pacing, actor throughput and success, service counters: one flat dict."""
+        m = self.buffer.metrics()
+        m.update(self.actor_metrics())
+        m["buffer/parked_requests"] = float(len(self._parked))
+        m["buffer/control_malformed"] = float(self.control.malformed.total)
+        for k, v in self.counters.items():
+            m[f"buffer/{k}"] = float(v)
+        return m
+
+    def stats(self) -> dict:
+        """Reply of ControlCommand("stats"): the ledger snapshot plus counters and metrics."""
+        return {**self.buffer.ledger_snapshot(), "service": dict(self.counters), "metrics": self.metrics()}
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Write the final ledger, close the recording and the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.write_ledger()
+        if self.recorder is not None:
+            self.recorder.close()
+        self.receiver.close()
+        self.control.close()
+        if self._auth is not None:
+            self._auth.stop()
+
+    def __enter__(self) -> "BufferService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

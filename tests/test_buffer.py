@@ -1,0 +1,321 @@
+"""Unit tests of GroupBuffer: assembly, duplicates, expiry, filters, staleness, pacing, batches, reuse, ledger."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from async_vla.buffer import STATES, GroupBuffer
+from async_vla.config import BufferConfig, Config
+from async_vla.messages import Trajectory, decode, encode
+
+RUN = "run"
+
+
+def make_cfg(**buffer) -> Config:
+    """A Config whose buffer section has the given fields (everything else default)."""
+    return Config(buffer=BufferConfig(**buffer))
+
+
+def make_traj(group_id: str, i: int, success: bool, bv: int = 0, G: int = 4, run_id: str = RUN, task_id: int = 0,
+              init_state_id: int = 0, calls: int = 1, image: int = 8, tokens: int = 7, traj_id=None) -> Trajectory:
+    """A small valid trajectory (member ``i`` of ``group_id``) whose chunk versions all equal ``bv``."""
+    rng = np.random.default_rng(abs(hash((group_id, i))) % 2**32)
+    return Trajectory(
+        run_id=run_id, actor_id=0, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
+        init_state_id=init_state_id, instruction="pick", behaviour_version=bv, success=bool(success),
+        reward=float(success), env_steps=10, t_start=0.0, t_end=1.0, group_size=G,
+        chunk_versions=np.full(calls, bv, np.int64),
+        images=rng.integers(0, 255, (calls, image, image, 3), dtype=np.uint8),
+        proprio=np.zeros((calls, 8), np.float32),
+        action_tokens=rng.integers(31744, 32000, (calls, tokens)).astype(np.int64),
+        behav_logprobs=-rng.random((calls, tokens), dtype=np.float32),
+        token_mask=np.ones((calls, tokens), bool))
+
+
+class FakeClock:
+    """Settable clock for expiry tests."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def add_group(buf: GroupBuffer, gid: str, pattern, bv: int = 0, **kw) -> list[str]:
+    """Add a whole group; ``pattern`` = successes, G = len(pattern). Returns the states add() reported."""
+    return [buf.add(make_traj(gid, i, s, bv=bv, G=len(pattern), **kw)) for i, s in enumerate(pattern)]
+
+
+MIXED = (1, 0, 1, 0)
+
+
+def test_assembly_streams_interleaved_groups():
+    buf = GroupBuffer(make_cfg(groups_per_batch=2), RUN)
+    a = [make_traj("a", i, s) for i, s in enumerate(MIXED)]
+    b = [make_traj("b", i, s) for i, s in enumerate((0, 0, 1, 1))]
+    for t in (a[3], b[0], a[0], b[2], a[1]):
+        assert buf.add(t) == "pending"
+    assert buf.ready_groups == 0 and buf.groups_in_flight == 2
+    buf.add(a[2])
+    assert buf.ready_group_ids() == ["a"] and buf.groups_in_flight == 1
+    buf.add(b[1]), buf.add(b[3])
+    assert buf.ready_group_ids() == ["a", "b"]
+    groups = buf.next_batch(0)
+    assert [len(g) for g in groups] == [4, 4]
+    assert {t.traj_id for t in groups[0]} == {t.traj_id for t in a}
+    assert buf.ledger["trained"] == 8 and buf.ledger["pending"] == 0
+    buf.check_invariants()
+
+
+def test_group_size_comes_from_trajectory():
+    buf = GroupBuffer(make_cfg(groups_per_batch=1), RUN)
+    add_group(buf, "g2", (1, 0))
+    add_group(buf, "g3", (1, 0, 0))
+    assert buf.ready_group_ids() == ["g2", "g3"]
+
+
+def test_duplicates_and_stragglers():
+    buf = GroupBuffer(make_cfg(), RUN)
+    t0 = make_traj("g", 0, True)
+    assert buf.add(t0) == "pending"
+    assert buf.add(make_traj("g", 0, True)) == "duplicate"        # same traj id while assembling
+    for i, s in enumerate(MIXED[1:], 1):
+        buf.add(make_traj("g", i, s))
+    assert buf.add(make_traj("g", 2, True)) == "duplicate"        # same traj id after completion
+    assert buf.add(make_traj("g", 9, True)) == "malformed"        # a fifth distinct member
+    assert buf.malformed_by_reason["group_overfull"] == 1
+    assert buf.ledger["duplicate"] == 2 and buf.ledger["pending"] == 4
+    buf.check_invariants()
+
+
+def test_validation_reasons():
+    buf = GroupBuffer(make_cfg(), RUN, valid_task_ids=[0, 1])
+    assert buf.add(make_traj("g", 0, True, run_id="other")) == "malformed"
+    assert buf.add(make_traj("g", 0, True, task_id=7)) == "malformed"
+    buf.add(make_traj("h", 0, True))
+    assert buf.add(make_traj("h", 1, True, init_state_id=3)) == "malformed"   # not the same init state
+    assert buf.add(make_traj("h", 2, True, G=5)) == "malformed"               # disagrees on G
+    buf.count_malformed("msgpack")
+    assert dict(buf.malformed_by_reason) == {"wrong_run": 1, "unknown_task": 1, "group_mismatch": 2, "msgpack": 1}
+    assert buf.received == 6 and buf.ledger["malformed"] == 5 and buf.ledger["pending"] == 1
+    buf.check_invariants()
+
+
+def test_expiry_of_partial_and_granted_groups():
+    clock = FakeClock()
+    buf = GroupBuffer(make_cfg(group_timeout_s=10.0, groups_per_batch=1, max_staleness=0), RUN, clock=clock)
+    (gid,) = buf.grant(actor_id=3, want=1)
+    assert buf.pacing_capacity() == 0
+    buf.add(make_traj("p", 0, True))
+    clock.t = 5.0
+    buf.add(make_traj("p", 1, False))      # activity resets the partial group's age
+    clock.t = 12.0
+    assert buf.expire() == 0               # the granted, empty group expires (no trajectories) ...
+    assert buf.groups_in_flight == 1 and buf.group_counts["expired_empty"] == 1
+    clock.t = 15.5
+    assert buf.expire() == 2               # ... the partial one 10 s after its last member
+    assert buf.ledger["expired_partial"] == 2
+    assert buf.add(make_traj("p", 2, True)) == "expired_partial"   # a straggler of an expired group
+    assert buf.add(make_traj("p", 1, True)) == "duplicate"
+    assert buf.pacing_capacity() == 1      # both slots freed
+    buf.check_invariants()
+
+
+def test_dynamic_sampling_and_difficulty_mask():
+    buf = GroupBuffer(make_cfg(), RUN)
+    assert add_group(buf, "u1", (1, 1, 1, 1))[-1] == "filtered_uniform"
+    assert add_group(buf, "u0", (0, 0, 0, 0))[-1] == "filtered_uniform"
+    assert add_group(buf, "m", MIXED)[-1] == "pending"
+    off = GroupBuffer(make_cfg(dynamic_sampling=False), RUN)
+    add_group(off, "u1", (1, 1, 1, 1))
+    assert off.ready_groups == 1
+    mask = GroupBuffer(make_cfg(dynamic_sampling=False, difficulty_mask=(0.3, 0.8)), RUN)
+    assert add_group(mask, "r25", (1, 0, 0, 0))[-1] == "filtered_difficulty"
+    assert add_group(mask, "r100", (1, 1, 1, 1))[-1] == "filtered_difficulty"
+    assert add_group(mask, "r50", (1, 1, 0, 0))[-1] == "pending"
+    assert add_group(mask, "r75", (1, 1, 1, 0))[-1] == "pending"
+    assert mask.ledger["filtered_difficulty"] == 8
+    for b in (buf, off, mask):
+        b.check_invariants()
+
+
+def test_staleness_at_completion_and_at_batch_time():
+    buf = GroupBuffer(make_cfg(max_staleness=2, groups_per_batch=1), RUN)
+    buf.set_learner_version(5)
+    assert add_group(buf, "old", MIXED, bv=2)[-1] == "stale"        # lag 3 > 2
+    assert add_group(buf, "ok", MIXED, bv=3)[-1] == "pending"       # lag 2
+    assert buf.accepted_groups == 1
+    buf.set_learner_version(6)                                      # now lag 3: dropped while waiting
+    assert buf.ready_groups == 0 and buf.ledger["stale"] == 8 and buf.accepted_groups == 0
+    add_group(buf, "mixed_versions", MIXED, bv=4)
+    buf.add(make_traj("late", 0, True, bv=6, G=2))
+    buf.add(make_traj("late", 1, False, bv=3, G=2))                 # oldest member decides: lag 3
+    assert buf.ledger["stale"] == 10
+    assert buf.next_batch(6) is not None
+    assert buf.lag_histogram == {2: 4}
+    buf.check_invariants()
+
+
+def test_pacing_arithmetic():
+    B, eta = 2, 1
+    buf = GroupBuffer(make_cfg(groups_per_batch=B, max_staleness=eta), RUN)
+    ids = buf.grant(0, want=10)
+    assert len(ids) == (eta + 0 + 1) * B == 4 and ids[0] == f"{RUN}-g0"
+    assert buf.grant(1, want=1) == []
+    add_group(buf, ids[0], (1, 1, 1, 1))          # filtered: not accepted, its slot returns
+    assert buf.grant(1, want=5) == [f"{RUN}-g4"]
+    add_group(buf, ids[1], MIXED)
+    add_group(buf, ids[2], MIXED)                 # running 2 (g3, g4), accepted 2
+    assert buf.pacing_capacity() == 4 - 2 - 2 == 0
+    assert buf.next_batch(0) is not None          # consumed, but v is still 0: accepted stays counted
+    assert buf.grant(0) == []
+    buf.set_learner_version(1)                    # (1 + 1 + 1) * 2 - 2 - 2 = 2
+    assert buf.pacing_capacity() == 2 and len(buf.grant(0, want=3)) == 2
+    buf.set_max_staleness(3)                      # live eta change: the next grant sees it
+    assert buf.pacing_capacity() == (3 + 1 + 1) * B - 4 - 2 == 4
+    assert buf.metrics()["buffer/max_staleness"] == 3.0 and buf.eta_changes[-1]["new"] == 3
+    with pytest.raises(ValueError):
+        buf.set_max_staleness(-1)
+    unpaced = GroupBuffer(make_cfg(pacing=False), RUN)
+    assert len(unpaced.grant(0, want=50)) == 50
+
+
+def test_pacing_counts_from_resumed_learner_version():
+    buf = GroupBuffer(make_cfg(groups_per_batch=2, max_staleness=0), RUN)
+    buf.set_learner_version(57)                   # resumed learner, no batch formed yet: v_rel = 0
+    assert buf.pacing_capacity() == 2
+    ids = buf.grant(0, want=2)
+    for gid in ids:
+        add_group(buf, gid, MIXED, bv=57)
+    assert buf.next_batch(57) is not None
+    buf.set_learner_version(58)
+    assert buf.pacing_capacity() == (0 + 1 + 1) * 2 - 0 - 2 == 2
+
+
+def test_grant_stops_when_full():
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_groups=2, pacing=False), RUN)
+    add_group(buf, "a", MIXED)
+    assert buf.has_room()
+    add_group(buf, "b", MIXED)
+    assert not buf.has_room() and buf.grant(0, want=3) == []
+    buf.next_batch(0)
+    assert buf.has_room()
+
+
+def test_byte_bound():
+    size = make_traj("x", 0, True, image=32).nbytes
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_bytes=10 * size), RUN)
+    n = 0
+    while buf.has_room():
+        buf.add(make_traj(f"g{n // 4}", n % 4, n % 2 == 0, image=32))
+        n += 1
+        assert buf.held_bytes <= buf.cfg.max_bytes
+    assert n == buf.cfg.max_bytes // size
+    buf.next_batch(0)
+    buf.next_batch(1)          # the first batch is released once a newer one forms
+    assert buf.has_room()
+    buf.check_invariants()
+
+
+def test_batch_split_across_ranks_is_one_batch():
+    buf = GroupBuffer(make_cfg(groups_per_batch=4), RUN)
+    for k in range(5):
+        add_group(buf, f"g{k}", MIXED)
+    bid0, share0 = buf.take_batch(0, rank=0, world=2)
+    bid1, share1 = buf.take_batch(0, rank=1, world=2)
+    assert bid0 == bid1 == 0
+    assert [g[0].group_id for g in share0] == ["g0", "g1"] and [g[0].group_id for g in share1] == ["g2", "g3"]
+    assert buf.take_batch(0, rank=0, world=2) == (bid0, share0)       # a repeated request: same answer
+    assert buf.take_batch(1, rank=1, world=2) is None                 # only g4 left
+    with pytest.raises(ValueError):
+        buf.take_batch(1, rank=0, world=3)
+    assert buf.ledger["trained"] == 16 and buf.ledger["pending"] == 4
+    buf.check_invariants()
+
+
+def test_lifo_order():
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, order="lifo"), RUN)
+    for k in range(3):
+        add_group(buf, f"g{k}", MIXED)
+    assert buf.next_batch(0)[0][0].group_id == "g2"
+
+
+def test_reuse_trains_twice_counts_once():
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, reuse=2, max_staleness=5), RUN)
+    add_group(buf, "a", MIXED)
+    add_group(buf, "b", MIXED)
+    order = [buf.next_batch(v)[0][0].group_id for v in range(4)]
+    assert order == ["a", "b", "a", "b"]
+    assert buf.next_batch(4) is None
+    assert buf.ledger["trained"] == 8
+    assert buf.lag_histogram == {0: 4, 1: 4, 2: 4, 3: 4}
+    buf.check_invariants()
+
+
+def test_ledger_metrics_snapshot_and_file(tmp_path):
+    buf = GroupBuffer(make_cfg(groups_per_batch=1), RUN)
+    add_group(buf, "a", MIXED)
+    add_group(buf, "u", (1, 1, 1, 1))
+    buf.add(make_traj("p", 0, True))
+    buf.count_malformed("frame_count")
+    buf.next_batch(0)
+    assert buf.ledger == {"trained": 4, "filtered_uniform": 4, "filtered_difficulty": 0, "stale": 0,
+                          "expired_partial": 0, "duplicate": 0, "malformed": 1, "pending": 1}
+    assert set(buf.ledger) == set(STATES)
+    m = buf.metrics()
+    for name in ("received", *STATES, "lag_mean", "lag_max", "groups_in_flight", "held_bytes", "max_staleness"):
+        assert f"buffer/{name}" in m
+    assert m["buffer/received"] == sum(buf.ledger.values()) == 10
+    path = buf.write_ledger(tmp_path)
+    snap = json.loads(path.read_text())
+    assert snap["ledger"] == buf.ledger and snap["received"] == 10 and snap["lag_histogram"] == {"0": 4}
+
+
+def test_max_groups_below_batch_is_refused():
+    with pytest.raises(ValueError, match="max_groups"):
+        GroupBuffer(make_cfg(groups_per_batch=8, max_groups=4), RUN)
+
+
+def test_journal_replays_to_same_ledger():
+    """Every state-changing input goes to the journal; applying it to a fresh buffer gives the same books."""
+    clock = FakeClock()
+    log = []
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=clock,
+                      journal=lambda t, m: log.append((t, encode(m))))
+    ids = buf.grant(0, want=2)
+    add_group(buf, ids[0], MIXED)
+    buf.add(make_traj(ids[1], 0, True))
+    buf.count_malformed("oversize")
+    buf.next_batch(0)
+    buf.set_max_staleness(0)
+    clock.t = 10.0
+    buf.expire()
+    buf.add(make_traj(ids[1], 1, True))
+    replay_clock = FakeClock()
+    fresh = GroupBuffer(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=replay_clock)
+    for t, frames in log:
+        replay_clock.t = t
+        fresh.apply_journal(decode([bytes(memoryview(f)) for f in frames]))
+    assert fresh.ledger_snapshot()["ledger"] == buf.ledger_snapshot()["ledger"]
+    assert fresh.group_counts == buf.group_counts and fresh.lag_histogram == buf.lag_histogram
+
+
+def test_recorder_rotation_bound_and_restart(tmp_path):
+    from async_vla.recording import Recorder, iter_records, recording_info
+
+    rec = Recorder(tmp_path / "recording", file_bytes=1024, max_files=3, meta={"run_id": RUN})
+    frames = encode(make_traj("g", 0, True))
+    for k in range(20):
+        rec.write(float(k), frames)
+    rec.close()
+    info = recording_info(tmp_path / "recording")
+    assert len(info["files"]) == 3 and info["truncated"] and rec.files_deleted > 0
+    got = list(iter_records(tmp_path / "recording"))
+    assert [t for t, _ in got] == [float(k) for k in range(20 - len(got), 20)]      # the tail survives
+    assert decode(got[-1][1]).traj_id == "g-t0"
+    Recorder(tmp_path / "recording", file_bytes=1024, max_files=3).close()          # a restart
+    assert (tmp_path / "recording-1").is_dir() and not recording_info(tmp_path / "recording")["files"]

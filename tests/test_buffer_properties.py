@@ -1,0 +1,125 @@
+"""Property tests of GroupBuffer over random arrival orders, success patterns, versions, eta changes and deaths.
+
+Properties (dynamic sampling on):
+  * no uniform group is ever emitted; every emitted group is complete, distinct, and within eta at emission;
+  * no mixed, fresh, complete group is lost: at the end it was emitted, is still pending, or its lag exceeded
+    the eta of the moment at some point after it completed (then dropping it as stale was the rule);
+  * received == sum of the ledger states (and pending / held bytes match the structures) after every input.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_buffer import FakeClock, make_cfg, make_traj
+
+from async_vla.buffer import GroupBuffer
+
+RUN = "run"
+
+
+@st.composite
+def scenarios(draw):
+    G = draw(st.integers(2, 4))
+    B = draw(st.integers(1, 3))
+    world = draw(st.sampled_from([w for w in (1, 2, 3) if B % w == 0]))
+    groups, events = [], []
+    for k in range(draw(st.integers(1, 10))):
+        succ = draw(st.lists(st.booleans(), min_size=G, max_size=G))
+        bvs = draw(st.lists(st.integers(0, 6), min_size=G, max_size=G))
+        died = draw(st.integers(0, 3)) == 0                      # the actor died: some members never arrive
+        sent = draw(st.integers(0, G - 1)) if died else G
+        groups.append((succ, bvs, sent))
+        events += [("traj", k, i) for i in range(sent)]
+        events += [("traj", k, i) for i in draw(st.lists(st.integers(0, G - 1), max_size=2)) if i < sent]
+    events += [("step",)] * draw(st.integers(0, 8))
+    events += [("eta", draw(st.integers(0, 3))) for _ in range(draw(st.integers(0, 2)))]
+    events += [("malformed",)] * draw(st.integers(0, 2))
+    events += [("grant", draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 2)))]
+    order = draw(st.permutations(events))
+    return dict(G=G, B=B, world=world, eta=draw(st.integers(0, 3)), reuse=draw(st.integers(1, 2)),
+                order=order, groups=groups, lifo=draw(st.booleans()))
+
+
+def _request(buf, version, world, B, emitted, eta):
+    """All ranks ask for the batch at ``version``; returns True if it was formed (the learner moves on)."""
+    shares = [buf.take_batch(version, r, world) for r in range(world)]
+    if shares[0] is None:
+        assert all(s is None for s in shares)
+        return False
+    assert len({s[0] for s in shares}) == 1, "ranks at one version must get the same batch id"
+    batch = [g for s in shares for g in s[1]]
+    assert len(batch) == B
+    assert len({g[0].group_id for g in batch}) == B, "a batch holds distinct groups"
+    for g in batch:
+        emitted.append((g[0].group_id, version, eta, g))
+    return True
+
+
+def _note_stale(buf, sc, arrived, eta, ever_stale):
+    """Record every complete group whose lag exceeds the eta of this moment (dropping it is then the rule)."""
+    for k, got in arrived.items():
+        if len(got) == len(sc["groups"][k][0]) and buf.version - min(sc["groups"][k][1]) > eta:
+            ever_stale.add(k)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_buffer_properties(sc):
+    G, B, world = sc["G"], sc["B"], sc["world"]
+    clock = FakeClock()
+    cfg = make_cfg(groups_per_batch=B, max_staleness=sc["eta"], reuse=sc["reuse"], group_timeout_s=1e6,
+                   order="lifo" if sc["lifo"] else "fifo")
+    buf = GroupBuffer(cfg, RUN, clock=clock)
+    eta, version = sc["eta"], 0
+    emitted: list = []
+    arrived: dict[int, set] = {}
+    ever_stale: set = set()
+    for ev in sc["order"]:
+        clock.t += 1.0
+        if ev[0] == "traj":
+            _, k, i = ev
+            succ, bvs, _ = sc["groups"][k]
+            buf.add(make_traj(f"g{k}", i, succ[i], bv=bvs[i], G=G, calls=1, image=2, tokens=2))
+            arrived.setdefault(k, set()).add(i)
+        elif ev[0] == "step":
+            if _request(buf, version, world, B, emitted, eta):
+                version += 1
+        elif ev[0] == "eta":
+            eta = ev[1]
+            buf.set_max_staleness(eta)
+        elif ev[0] == "malformed":
+            buf.count_malformed("test")
+        else:
+            buf.grant(actor_id=1, want=ev[1])
+        buf.check_invariants()
+        _note_stale(buf, sc, arrived, eta, ever_stale)
+    clock.t += 3e6
+    buf.expire()                             # dead actors' groups (and unused grants) expire now
+    buf.check_invariants()
+    while True:                              # the learner drains what it can
+        formed = _request(buf, version, world, B, emitted, eta)
+        buf.check_invariants()
+        _note_stale(buf, sc, arrived, eta, ever_stale)
+        if not formed:
+            break
+        version += 1
+
+    emitted_ids = {}
+    for gid, v, eta_then, members in emitted:
+        succ = [t.success for t in members]
+        assert 0 < sum(succ) < G, "a uniform group was emitted"
+        assert len(members) == G and len({t.traj_id for t in members}) == G
+        assert v - min(t.behaviour_version for t in members) <= eta_then, "an emitted group exceeded eta"
+        emitted_ids[gid] = emitted_ids.get(gid, 0) + 1
+    assert all(n <= sc["reuse"] for n in emitted_ids.values())
+    pending = set(buf.ready_group_ids())
+    for k, (succ, bvs, sent) in enumerate(sc["groups"]):
+        gid = f"g{k}"
+        if sent == G and 0 < sum(succ) < G and k not in ever_stale:
+            assert gid in emitted_ids or gid in pending, f"mixed fresh complete group {gid} was lost"
+        if sent < G:
+            assert gid not in emitted_ids
+    assert buf.ledger["pending"] == G * len([gid for gid in pending if gid not in emitted_ids])
+    assert buf.groups_in_flight == 0
+    assert buf.received == sum(buf.ledger.values())

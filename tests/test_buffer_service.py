@@ -1,0 +1,258 @@
+"""BufferService over real ZeroMQ sockets (tcp://127.0.0.1:0): grants, trajectories, batch bundles to 2 ranks,
+live eta changes (control message and file), actor stats, recording + replay, and a flood test (slow)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from test_buffer import make_traj
+
+from async_vla.buffer_service import BufferService
+from async_vla.config import BufferConfig, Config, RunConfig, TransportConfig, write_resolved
+from async_vla.messages import (ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Trajectory,
+                                decode)
+from async_vla.recording import iter_recording, replay_recording
+from async_vla.transport import ControlClient, TrajectorySender
+
+RUN = "svc"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def service_cfg(hwm: int = 64, **buffer) -> Config:
+    return Config(run=RunConfig(name=RUN), buffer=BufferConfig(**buffer), transport=TransportConfig(hwm=hwm))
+
+
+@contextlib.contextmanager
+def running(tmp_path, cfg: Config):
+    """A BufferService serving in a background thread; stopped, joined and closed on exit."""
+    write_resolved(cfg, tmp_path)
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0, 1])
+    stop = threading.Event()
+    thread = threading.Thread(target=svc.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield svc
+    finally:
+        stop.set()
+        thread.join(10)
+        svc.close()
+
+
+def stats(client: ControlClient) -> dict:
+    client.send(ControlCommand("stats"))
+    reply = client.recv(10)
+    assert reply is not None and reply.command == "stats"
+    return json.loads(reply.value)
+
+
+def wait_stats(client: ControlClient, pred, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(client)
+        if pred(s) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+def send_group(sender: TrajectorySender, gid: str, pattern, bv: int = 0, **kw) -> None:
+    for i, s in enumerate(pattern):
+        assert sender.send(make_traj(gid, i, s, bv=bv, G=len(pattern), run_id=RUN, **kw), timeout_s=5)
+
+
+def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
+    cfg = service_cfg(groups_per_batch=2, max_staleness=1)
+    with running(tmp_path, cfg) as svc:
+        actor = ControlClient(svc.control_endpoint, identity=b"actor-1")
+        ranks = [ControlClient(svc.control_endpoint, identity=f"rank-{r}".encode()) for r in range(2)]
+        sender = TrajectorySender(svc.trajectory_endpoint)
+        actor.send(GrantRequest(actor_id=1, want=8))
+        grant = actor.recv(10)
+        assert isinstance(grant, AdmissionGrant) and grant.max_staleness == 1 and grant.learner_version == 0
+        assert len(grant.group_ids) == (1 + 0 + 1) * 2                       # pacing: (eta + v + 1) * B
+        ranks[1].send(BatchRequest(rank=1, world=2, version=0, timeout_s=10))  # parked until a batch exists
+        ids = grant.group_ids
+        send_group(sender, ids[0], (1, 0))
+        send_group(sender, ids[1], (0, 1))
+        send_group(sender, ids[2], (1, 1))                                    # uniform: filtered, slot freed
+        ranks[0].send(BatchRequest(rank=0, world=2, version=0, timeout_s=10))
+        replies = [r.recv_bundle(10) for r in ranks]
+        assert all(rep is not None for rep in replies)
+        headers = [rep[0] for rep in replies]
+        assert all(h.ready for h in headers) and headers[0].batch_id == headers[1].batch_id
+        assert [h.group_sizes for h in headers] == [[2], [2]]
+        got = [{t.group_id for t in rep[1]} for rep in replies]
+        assert got[0] | got[1] == {ids[0], ids[1]} and not got[0] & got[1]
+
+        s = wait_stats(actor, lambda s: s["ledger"]["filtered_uniform"] == 2)
+        assert s["ledger"]["trained"] == 4 and s["ledger"]["filtered_uniform"] == 2
+
+        actor.send(ControlCommand("set_max_staleness", 3))
+        assert actor.recv(10) == ControlCommand("ok", 3)
+        actor.send(GrantRequest(actor_id=1, want=8))
+        grant2 = actor.recv(10)
+        # running = ids[3]; accepted = 2: (3 + 0 + 1) * 2 - 1 - 2 = 5 (with eta 1 it would have been 1)
+        assert grant2.max_staleness == 3 and len(grant2.group_ids) == 5
+        s = stats(actor)
+        assert s["metrics"]["buffer/max_staleness"] == 3.0 and s["eta_changes"][-1]["source"] == "control"
+        actor.send(ControlCommand("set_max_staleness", "x"))
+        assert actor.recv(10).command == "error"
+
+        ranks[0].send(BatchRequest(rank=0, world=2, version=1, timeout_s=0.2))
+        header, members = ranks[0].recv_bundle(10)
+        assert not header.ready and members == []
+
+        actor.send(ActorStats(actor_id=1, interval_s=2.0, env_steps=300, episodes=4,
+                              successes_by_task={"0": 1, "1": 2}, episodes_by_task={"0": 2, "1": 2}))
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.linger = 0
+        raw.connect(svc.trajectory_endpoint)
+        raw.send_multipart([b"garbage"])
+        s = wait_stats(actor, lambda s: s["ledger"]["malformed"] == 1 and "rollout/success_rate" in s["metrics"])
+        m = s["metrics"]
+        assert m["rollout/success_rate"] == 0.75 and m["rollout/success_rate_by_task/0"] == 0.5
+        assert m["perf/env_steps_per_s"] == 150.0
+        assert s["received"] == sum(s["ledger"].values()) == 7
+        for c in (actor, *ranks, sender):
+            c.close()
+        raw.close()
+
+
+def test_eta_file_watch(tmp_path):
+    cfg = service_cfg(control_poll_s=0.05)
+    with running(tmp_path, cfg) as svc:
+        client = ControlClient(svc.control_endpoint)
+        (tmp_path / "control").mkdir()
+        (tmp_path / "control" / "max_staleness").write_text("5\n")
+        s = wait_stats(client, lambda s: s["max_staleness"] == 5)
+        assert s["max_staleness"] == 5 and s["eta_changes"][-1]["source"].startswith("file")
+        (tmp_path / "control" / "max_staleness").write_text("not a number")
+        time.sleep(0.3)
+        assert stats(client)["max_staleness"] == 5
+        client.send(GrantRequest(actor_id=0, want=100))
+        assert client.recv(10).max_staleness == 5
+        client.close()
+
+
+def test_recording_and_replay_reproduce_the_ledger(tmp_path):
+    cfg = service_cfg(groups_per_batch=1, max_staleness=1, record=True, record_file_bytes=4096,
+                      group_timeout_s=0.3, expire_every_s=0.05, pacing=False)
+    with running(tmp_path, cfg) as svc:
+        client = ControlClient(svc.control_endpoint)
+        sender = TrajectorySender(svc.trajectory_endpoint)
+        send_group(sender, "a", (1, 0, 1, 0))
+        send_group(sender, "u", (1, 1))
+        sender.send(make_traj("partial", 0, True, run_id=RUN))                  # its actor "dies"
+        sender.send(make_traj("b", 0, True, run_id=RUN, task_id=9, G=2))        # unknown task
+        sender.send(make_traj("a", 1, False, run_id=RUN))                       # duplicate
+        client.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))      # "a" is too old now
+        assert not client.recv_bundle(10)[0].ready
+        send_group(sender, "c", (0, 1), bv=3)
+        client.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))
+        assert client.recv_bundle(10)[0].ready
+        wait_stats(client, lambda s: s["ledger"]["expired_partial"] == 1)
+        client.close()
+        sender.close()
+    recorded = json.loads((tmp_path / "ledger.json").read_text())
+    assert recorded["ledger"] == {"trained": 2, "filtered_uniform": 2, "filtered_difficulty": 0, "stale": 4,
+                                  "expired_partial": 1, "duplicate": 1, "malformed": 1, "pending": 0}
+    assert len(list((tmp_path / "recording").glob("rec-*.bin"))) > 1                  # it rotated
+    trajectories = [m for m in map(decode, iter_recording(tmp_path / "recording")) if isinstance(m, Trajectory)]
+    assert len(trajectories) == recorded["received"] == 11
+    replayed = replay_recording(tmp_path, limit=recorded["recorded_records"]).ledger_snapshot()
+    for key in ("received", "ledger", "malformed_by_reason", "lag_histogram", "groups"):
+        assert replayed[key] == recorded[key], key
+    out = subprocess.run([sys.executable, str(REPO / "bin" / "replay"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ledger reproduced" in out.stdout
+
+
+@pytest.mark.slow
+def test_flood_back_pressure(tmp_path):
+    """Producers far faster than the learner: memory stays bounded, producers block, nothing is lost."""
+    template = make_traj("t", 0, True, run_id=RUN, calls=4, image=32, tokens=56)
+    size = template.nbytes
+    cfg = service_cfg(hwm=4, groups_per_batch=2, max_groups=8, max_bytes=40 * size, pacing=False,
+                      max_staleness=10**6, group_timeout_s=10**6)
+    flood_s, consumer_pause_s, G = 12.0, 0.2, 4
+    stop_producers = threading.Event()
+    sent = [0, 0]
+    blocked = [0.0, 0.0]
+    elapsed = [0.0, 0.0]
+    max_held = [0]
+
+    senders = []
+
+    def producer(p: int, endpoint: str) -> None:
+        sender = TrajectorySender(endpoint, hwm=4)
+        senders.append(sender)  # closed only after the drain: ZeroMQ drops a closed socket's queue after linger
+        k, t_begin = 0, time.monotonic()
+        while not stop_producers.is_set():
+            for i in range(G):
+                traj = dataclasses.replace(template, group_id=f"p{p}-g{k}", traj_id=f"p{p}-g{k}-t{i}",
+                                           success=i % 2 == 0)
+                while not stop_producers.is_set():
+                    t0 = time.monotonic()
+                    ok = sender.send(traj, timeout_s=0.05)
+                    if time.monotonic() - t0 > 0.001:   # waited on the high-water mark: blocked
+                        blocked[p] += time.monotonic() - t0
+                    if ok:
+                        sent[p] += 1
+                        break
+            k += 1
+        elapsed[p] = time.monotonic() - t_begin
+
+    with running(tmp_path, cfg) as svc:
+        def sampler() -> None:
+            while not stop_producers.is_set() or sampling.is_set():
+                max_held[0] = max(max_held[0], svc.buffer.held_bytes)
+                time.sleep(0.002)
+
+        sampling = threading.Event()
+        sampling.set()
+        threads = [threading.Thread(target=producer, args=(p, svc.trajectory_endpoint)) for p in range(2)]
+        threads.append(threading.Thread(target=sampler))
+        for th in threads:
+            th.start()
+        learner = ControlClient(svc.control_endpoint)
+        version, t_start = 0, time.monotonic()
+        while time.monotonic() - t_start < flood_s:
+            learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=2))
+            header, members = learner.recv_bundle(10)
+            if header.ready:
+                version += 1
+            time.sleep(consumer_pause_s)
+        stop_producers.set()
+        for th in threads[:2]:
+            th.join(10)
+        total_sent = sum(sent)
+        consumed_during_flood = version * 2 * G
+        drain_deadline = time.monotonic() + 30
+        while stats(learner)["received"] < total_sent and time.monotonic() < drain_deadline:
+            learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=0.5))  # drain what is queued
+            if learner.recv_bundle(10)[0].ready:
+                version += 1
+        for sender in senders:
+            sender.close()
+        sampling.clear()
+        threads[2].join(10)
+        s = stats(learner)
+        learner.close()
+    assert max_held[0] <= cfg.buffer.max_bytes
+    # A producer blocked for a fraction f of its time could have sent 1 / (1 - f) times faster: f >= 0.9 means
+    # producers were >= 10x faster than the rate they achieved (the learner's, plus what queues absorbed).
+    frac = [b / e for b, e in zip(blocked, elapsed)]
+    assert min(frac) >= 0.9, frac
+    assert s["received"] == total_sent                           # nothing lost
+    assert s["received"] == sum(s["ledger"].values())
+    assert s["ledger"]["malformed"] == 0 and s["ledger"]["expired_partial"] == 0
+    assert s["ledger"]["trained"] == version * 2 * G

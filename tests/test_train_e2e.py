@@ -1,0 +1,108 @@
+"""End to end through bin/train: serial mode, and async with 2 learner ranks (ZeRO-3) + 2 actors + buffer;
+then a real TensorBoard server reads a scalar back over HTTP."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from async_vla.metrics import missing_required, read_tags
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = [
+    "env.num_train_init_states=8", "env.num_eval_init_states=2", "buffer.groups_per_batch=2",
+    "actor.group_size=4", "env.envs_per_actor=4", "learner.lr=1e-4", "transport.trajectory_port=0",
+    "transport.control_port=0", "transport.weights_port=0", "logging.status_every_s=2", "run.eval_every=2",
+    "buffer.dynamic_sampling=false", "learner.micro_batch_trajectories=8",
+]
+
+
+def bin_train(tmp_path: Path, name: str, extra: list[str], timeout: int) -> tuple[subprocess.CompletedProcess, Path]:
+    cfg = REPO / "configs" / "quickstart.yaml"
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(cfg), f"run.out_dir={tmp_path}", f"run.name={name}",
+            *SMALL, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return proc, tmp_path / name
+
+
+def check_run_dir(rd: Path, proc: subprocess.CompletedProcess, versions: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["final_version"] >= versions
+    for name in ("config.yaml", "success.png", "ledger.json"):
+        assert (rd / name).is_file(), name
+    ledger = json.loads((rd / "ledger.json").read_text())
+    counts = ledger["ledger"]
+    assert counts["received"] == sum(v for k, v in counts.items() if k != "received"), counts
+    assert counts["trained"] >= versions * 2 * 4
+    assert max((int(k) for k in ledger["lag_histogram"]), default=0) <= ledger["max_staleness"]
+    return summary
+
+
+def test_serial_mode_end_to_end(tmp_path):
+    proc, rd = bin_train(tmp_path, "serial", ["run.mode=serial", "run.max_versions=2"], timeout=300)
+    check_run_dir(rd, proc, 2)
+    tags = read_tags(rd / "tb")
+    assert "eval/success_rate" in tags and "loss/policy" in tags
+
+
+@pytest.mark.slow
+def test_async_two_learner_ranks_two_actors(tmp_path):
+    proc, rd = bin_train(tmp_path, "async", [
+        "run.mode=async", "run.max_versions=3", "learner.num_ranks=2", "actor.num_actors=2", "run.max_wall_s=400",
+    ], timeout=560)
+    check_run_dir(rd, proc, 3)
+    missing = missing_required(read_tags(rd / "tb"))
+    assert not missing, f"TensorBoard tags missing: {missing}"
+    commands = (rd / "commands.txt").read_text()
+    assert "bin/buffer" in commands and "bin/learner" in commands and "bin/actors" in commands
+    for log in ("buffer.log", "learner.log", "actors.log"):
+        assert (rd / "logs" / log).is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_server_serves_a_scalar(tmp_path):
+    from async_vla.metrics import Monitor
+
+    mon = Monitor(tmp_path)
+    for step in range(3):
+        mon.scalar("eval/success_rate", 0.25 * step, step)
+    mon.close()
+    port = _free_port()
+    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "tb"), "--host",
+                           "127.0.0.1", "--port", str(port), "--load_fast=false"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        values = None
+        while time.time() < deadline:
+            try:
+                runs = json.loads(urllib.request.urlopen(f"{base}/data/runs", timeout=5).read())
+                if runs:
+                    q = urllib.parse.urlencode({"run": runs[0], "tag": "eval/success_rate"})
+                    values = json.loads(urllib.request.urlopen(f"{base}/data/plugin/scalars/scalars?{q}",
+                                                               timeout=5).read())
+                    if len(values) == 3:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert values is not None and [v[1] for v in values] == [0, 1, 2]
+        assert values[2][2] == pytest.approx(0.5)
+    finally:
+        tb.terminate()
+        tb.wait(20)
