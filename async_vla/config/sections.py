@@ -276,7 +276,8 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How token losses become one scalar (token_mean = DAPO)."""
     adv_norm: Literal["group", "batch", "none"] = "group"
-    """Advantage normalisation: by group statistics, batch statistics, or none (r - mean only if std off)."""
+    """Advantage normalisation: group ((r - mean_g) / (std_g + eps), unbiased std), batch (the same over the
+    whole batch), or none (the raw, reward-clipped rewards: no centring, adv_std ignored)."""
     adv_std: bool = True
     """Divide by the std (False = Dr.GRPO mean-only)."""
     adv_eps: float = Field(1e-6, gt=0)
