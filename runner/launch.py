@@ -53,7 +53,8 @@ def resolve_ports(cfg: Config) -> Config:
 class Child:
     """A child process with its own log file; stop() never leaves a zombie."""
 
-    def __init__(self, name: str, argv: list[str], run_dir: Path, env: Optional[dict] = None):
+    def __init__(self, name: str, argv: list[str], run_dir: Path, env: Optional[dict] = None,
+                 cores: Optional[set[int]] = None):
         self.name, self.argv = name, argv
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -64,8 +65,9 @@ class Child:
         full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
         # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # children inherit the affinity
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(REPO), env=full_env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=pin)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -147,21 +149,31 @@ class Evaluator:
             env.close()
 
 
+def core_sets(cfg: Config) -> tuple[Optional[set[int]], Optional[set[int]]]:
+    """(learner+buffer cores, actor cores) for run.pin_cores, else (None, None)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not cfg.run.pin_cores or len(cores) < 2:
+        return None, None
+    return {cores[0]}, set(cores[1:])
+
+
 def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Child]:
     py = sys.executable
+    learner_cores, actor_cores = core_sets(cfg)
     children = {"buffer": Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
-                                run_dir)}
+                                run_dir, cores=learner_cores)}
     control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
     deadline = time.time() + 60
     while buffer_stats(control, 0.5) is None:
         if not children["buffer"].alive() or time.time() > deadline:
             raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
     learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
-    children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir)
+    children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir,
+                                cores=learner_cores)
     connect = f"tcp://{cfg.transport.connect_host}:{cfg.transport.trajectory_port}," + control
     children["actors"] = Child("actors", [py, str(REPO / "bin" / "actors"), str(cfg_path), "--num",
                                           str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],
-                               run_dir)
+                               run_dir, cores=actor_cores)
     if cfg.logging.serve_tensorboard:
         lc = cfg.logging
         children["tensorboard"] = Child("tensorboard", [py, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"),

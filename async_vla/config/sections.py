@@ -36,6 +36,9 @@ class RunConfig(Section):
     """Greedy evaluation on held-out init states every this many versions (0 = only at the end)."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every this many versions (0 = only at the end)."""
+    pin_cores: bool = False
+    """Pin the learner ranks and the buffer to CPU core 0 and the actor fleet to the other cores (bin/train;
+    used by the async-vs-sync benchmark so each side gets exactly one core on a 2-core host)."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
     """Stop early once greedy eval success reaches this value (None = never stop early)."""
 

@@ -1,0 +1,66 @@
+"""P1: async vs sync throughput at equal settings (bin/train section "async").
+
+Both modes run the same config through bin/train with run.pin_cores=true: learner + buffer on one core,
+the actor fleet on the other. Throughput is measured from the learner's TensorBoard events between the
+first and the last policy version (process start-up excluded): versions/s and trained trajectories/s.
+In sync mode (η = 0) the actors idle while the learner steps and vice versa, so the ideal async speed-up
+with one core each is 2.0×.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import md_table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def version_wall_times(tb_dir: Path) -> list[tuple[int, float]]:
+    """(version, wall time) of every ``weights/version`` event the learner wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "weights/version" in acc.Tags().get("scalars", []):
+            out += [(int(e.value), e.wall_time) for e in acc.Scalars("weights/version")]
+    return sorted(set(out))
+
+
+def run_mode(mode: str, out_dir: Path, versions: int, extra: list[str]) -> dict:
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+            f"run.mode={mode}", f"run.name={mode}", f"run.out_dir={out_dir}", f"run.max_versions={versions}",
+            "run.pin_cores=true", "run.eval_every=0", "run.max_wall_s=900", "run.target_success=null",
+            "transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0", *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1200,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    rd = out_dir / mode
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    times = version_wall_times(rd / "tb")
+    ledger = json.loads((rd / "ledger.json").read_text())["ledger"]
+    (v0, t0), (v1, t1) = times[0], times[-1]
+    span = max(t1 - t0, 1e-9)
+    return {"mode": mode, "versions_timed": v1 - v0, "seconds": span, "versions_per_s": (v1 - v0) / span,
+            "trained_per_s": ledger["trained"] * (v1 - v0) / max(v1, 1) / span, "ledger": ledger}
+
+
+def run(quick: bool = False) -> dict:
+    versions = 6 if quick else 16
+    extra = [] if not quick else ["env.num_eval_init_states=2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {m: run_mode(m, Path(tmp), versions, extra) for m in ("sync", "async")}
+    ratio = res["async"]["versions_per_s"] / res["sync"]["versions_per_s"]
+    rows = [[m, r["versions_timed"], r["seconds"], r["versions_per_s"], r["trained_per_s"], r["ledger"]["stale"],
+             r["ledger"]["filtered_uniform"]] for m, r in res.items()]
+    md = (f"Learner + buffer pinned to one core, actors to the other; same config (configs/quickstart.yaml).\n"
+          f"**async / sync = {ratio:.2f}x** in versions per second (goal >= 1.8x, ideal 2.0x).\n\n"
+          + md_table(["mode", "versions timed", "seconds", "versions/s", "trained traj/s", "stale", "uniform"], rows))
+    return {"section": "async", "results": {"modes": res, "async_over_sync": ratio}, "markdown": md}
