@@ -124,6 +124,15 @@ class PolicyConfig(Section):
     """Tiny arch: instruction words (hashed, word-level) kept per prompt, padded to this length (incl. BOS)."""
     word_buckets: int = Field(2048, ge=16)
     """Tiny arch: rows of the hashed instruction-word embedding (each word sums two hashed rows)."""
+    keypoints: int = Field(16, ge=0)
+    """Tiny arch: spatial-softmax keypoint tokens added to the patch tokens (expected x, y of K learned feature
+    maps: object positions as numbers, which a from-scratch model otherwise struggles to read); 0 = off."""
+    action_head: Literal["fourier", "free"] = "fourier"
+    """Tiny arch: action-token embeddings (tied input/output) as a learned map of a fixed Fourier basis of the bin
+    index, so logits are smooth across neighbouring bins and RL credit on one bin also moves its neighbours
+    (per-bin rows learn far slower from scratch); free = one independent row per bin, like an LM head."""
+    action_head_freqs: int = Field(24, ge=1)
+    """Tiny arch, fourier head: frequencies of the basis (higher = sharper possible peaks over the 256 bins)."""
 
 
 class ActorConfig(Section):
