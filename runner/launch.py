@@ -259,7 +259,7 @@ def status_line(recorder: RunRecorder, stats: dict) -> str:
     best = max((p["success_rate"] for p in recorder.eval_points), default=float("nan"))
     return (f"[{time.time() - recorder.t0:6.0f}s] learner v{stats.get('learner_version', 0)}"
             f" | rollout success {m.get('rollout/success_rate', float('nan')):.2f} | best eval {best:.2f}"
-            f" | received {led.get('received', '?')} trained {led.get('trained', '?')}"
+            f" | received {stats.get('received', '?')} trained {led.get('trained', '?')}"
             f" uniform {led.get('filtered_uniform', '?')} stale {led.get('stale', '?')}"
             f" | lag {m.get('buffer/lag_mean', float('nan')):.2f} | env steps/s {m.get('perf/env_steps_per_s', 0):.0f}")
 
