@@ -476,7 +476,7 @@ def test_metrics_are_python_floats():
 
 
 def test_benchmark_quick_smoke():
-    from async_vla.benchmarks import loss as bench
+    from benchmarks import loss as bench
 
     out = bench.run(quick=True)
     assert out["section"] == "loss" and isinstance(out["markdown"], str)

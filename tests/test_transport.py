@@ -122,7 +122,8 @@ def test_fuzz_live_receiver_10000_frames():
     valid_seen, mutations_that_parsed = [], []
 
     def drain():
-        while not stop.is_set() or recv.received < n_bad + 3:
+        deadline = time.monotonic() + 240
+        while (not stop.is_set() or recv.received < n_bad + 3) and time.monotonic() < deadline:
             msg = recv.recv(timeout_s=0.2)
             if msg is not None:
                 (valid_seen if msg.traj_id.startswith("ok") else mutations_that_parsed).append(msg)
@@ -138,7 +139,10 @@ def test_fuzz_live_receiver_10000_frames():
             n_bitflip += 1
         rng.bit_generator.state = state
         push.send_multipart(_fuzz_frames(rng, valid))
-    push.send_multipart([b"x" * (2 * 1024**2)])  # over MAXMSGSIZE: ZeroMQ drops it before allocation
+    # Over MAXMSGSIZE: ZeroMQ drops it before allocation and disconnects that peer, so it gets its own socket.
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.connect(recv.endpoint)
+    rogue.send_multipart([b"x" * (2 * 1024**2)])
     for i in range(3):  # valid frames sent afterwards still arrive
         push.send_multipart(M.encode(make_traj(traj_id=f"ok{i}", seed=i)))
     time.sleep(0.5)
@@ -152,5 +156,6 @@ def test_fuzz_live_receiver_10000_frames():
     assert len(mutations_that_parsed) <= n_bitflip
     assert len(recv.malformed.by_reason) >= 8
     push.close(0)
+    rogue.close(0)
     ctx.term()
     recv.close()

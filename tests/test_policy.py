@@ -1,0 +1,217 @@
+"""Policy interface: shapes, behaviour/learner log-prob agreement, greedy, causality, save/load, OpenVLA."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from async_vla.config import load_config
+from async_vla.policy import VLAPolicy, build_policy, load_policy, save_policy
+from async_vla.policy.interface import CONFIG_FILE, sample_tokens
+from async_vla.policy.model import word_ids
+
+B = 3
+INSTR = ["pick up the red block", "push the yellow block to the left", "press the green button"]
+
+
+def make(decoding: str, **over) -> VLAPolicy:
+    cfg = load_config(None, [f"policy.decoding={decoding}"] + [f"{k}={v}" for k, v in over.items()])
+    torch.manual_seed(0)
+    return build_policy(cfg)
+
+
+def batch(seed: int = 0, b: int = B):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(b, 32, 32, 3), dtype=np.uint8)
+    proprio = rng.normal(size=(b, 8)).astype(np.float32)
+    return images, proprio, (INSTR * b)[:b]
+
+
+@pytest.fixture(scope="module", params=["parallel", "autoregressive"])
+def policy(request) -> VLAPolicy:
+    return make(request.param)
+
+
+def test_act_shapes_and_ranges(policy):
+    images, proprio, instr = batch()
+    for temp in (1.6, 1.0, 0.0):
+        tokens, logp = policy.act(images, proprio, instr, temp, torch.Generator().manual_seed(1))
+        assert tokens.shape == (B, 56) and tokens.dtype == np.int64
+        assert logp.shape == (B, 56) and logp.dtype == np.float32
+        assert tokens.min() >= 31744 and tokens.max() <= 31999
+        assert np.all(logp <= 0) and np.all(np.isfinite(logp))
+    assert policy.tokens_per_call == 56
+    actions = policy.decode_actions(tokens)
+    assert actions.shape == (B, 8, 7) and actions.dtype == np.float32 and np.all(np.abs(actions) <= 1)
+
+
+@pytest.mark.parametrize("temp", [1.6, 1.0, 0.0])
+def test_behaviour_logprobs_equal_learner_recomputation(policy, temp):
+    images, proprio, instr = batch(1)
+    tokens, logp = policy.act(images, proprio, instr, temp, torch.Generator().manual_seed(2))
+    re = policy.token_logprobs(torch.from_numpy(images), torch.from_numpy(proprio), instr,
+                               torch.from_numpy(tokens), temp)
+    assert re.shape == (B, 56)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_log_softmax_of_scaled_action_logits(policy):
+    images, proprio, instr = batch(2)
+    tokens, _ = policy.act(images, proprio, instr, 1.0, torch.Generator().manual_seed(3))
+    idx = policy.tokenizer.token_to_index(torch.from_numpy(tokens))
+    logits = policy.action_logits(images, proprio, instr, idx)
+    assert logits.shape == (B, 56, 256)
+    for temp in (1.6, 1.0):
+        want = torch.log_softmax(logits / temp, -1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+        got = policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), temp)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # temperature 0 reports log-probs at T = 1
+    torch.testing.assert_close(policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 0.0),
+                               policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.0))
+
+
+def test_greedy_is_argmax_and_deterministic(policy):
+    images, proprio, instr = batch(3)
+    t1, lp1 = policy.act(images, proprio, instr, 0.0)
+    t2, lp2 = policy.act(images, proprio, instr, 0.0, torch.Generator().manual_seed(9))
+    assert np.array_equal(t1, t2) and np.array_equal(lp1, lp2)
+    idx = policy.tokenizer.token_to_index(torch.from_numpy(t1))
+    logits = policy.action_logits(images, proprio, instr, idx)
+    assert torch.equal(logits.argmax(-1), idx)
+
+
+def test_sampling_reproducible_with_generator(policy):
+    images, proprio, instr = batch(4)
+    a, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(5))
+    b, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(5))
+    c, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(6))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_token_logprobs_differentiable(policy):
+    images, proprio, instr = batch(5)
+    tokens, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    policy.zero_grad(set_to_none=True)
+    lp = policy.token_logprobs(torch.from_numpy(images), torch.from_numpy(proprio), instr,
+                               torch.from_numpy(tokens), 1.6)
+    lp.sum().backward()
+    grads = {n: p.grad for n, p in policy.named_parameters()}
+    for name in ["stem.0.weight", "patch.weight", "kp_maps.weight", "kp_log_temp", "word_embed.weight",
+                 "proprio_proj.weight", "action_queries", "action_proj", "llm.model.layers.0.self_attn.q_proj.weight"]:
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
+    assert (grads["action_start"] is not None) == (policy.decoding == "autoregressive")
+    policy.zero_grad(set_to_none=True)
+
+
+def test_rejects_non_action_tokens(policy):
+    images, proprio, instr = batch()
+    bad = torch.full((B, 56), 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="action-token range"):
+        policy.token_logprobs(images, proprio, instr, bad, 1.0)
+
+
+def test_autoregressive_is_causal_and_parallel_ignores_tokens():
+    images, proprio, instr = batch(6)
+    ar, par = make("autoregressive"), make("parallel")
+    tokens = torch.from_numpy(ar.act(images, proprio, instr, 1.0, torch.Generator().manual_seed(0))[0])
+    changed = tokens.clone()
+    changed[:, 30:] = 31800
+    idx, idx_changed = ar.tokenizer.token_to_index(tokens), ar.tokenizer.token_to_index(changed)
+    lg_a = ar.action_logits(images, proprio, instr, idx)
+    lg_b = ar.action_logits(images, proprio, instr, idx_changed)
+    torch.testing.assert_close(lg_a[:, :31], lg_b[:, :31], atol=1e-5, rtol=0)  # position 30 sees tokens 0..29
+    assert not torch.allclose(lg_a[:, 31:], lg_b[:, 31:])
+    torch.testing.assert_close(par.action_logits(images, proprio, instr, idx),
+                               par.action_logits(images, proprio, instr, par.tokenizer.token_to_index(changed)))
+
+
+def test_batch_rows_are_independent(policy):
+    images, proprio, instr = batch(7)
+    tokens, logp = policy.act(images, proprio, instr, 1.0, torch.Generator().manual_seed(0))
+    single = policy.token_logprobs(images[1:2], proprio[1:2], instr[1:2], torch.from_numpy(tokens[1:2]), 1.0)
+    np.testing.assert_allclose(single.detach().numpy()[0], logp[1], atol=1e-5, rtol=0)
+
+
+def test_inputs_condition_the_output():
+    pol = make("parallel")
+    images, proprio, instr = batch(8)
+    idx = None
+    base = pol.action_logits(images, proprio, instr, idx)
+    other_img = pol.action_logits(images[::-1].copy(), proprio, instr, idx)
+    other_instr = pol.action_logits(images, proprio, instr[::-1], idx)
+    other_prop = pol.action_logits(images, proprio + 1, instr, idx)
+    for o in (other_img, other_instr, other_prop):
+        assert not torch.allclose(base, o)
+
+
+def test_word_ids_deterministic():
+    a = word_ids("Pick up the RED block!", 8, 2048)
+    assert a == word_ids("pick up the red block", 8, 2048)
+    assert len(a[0]) == len(a[1]) == 8 and a[0][0] == 1 and a[0][-1] == 0
+    assert a != word_ids("pick up the blue block", 8, 2048)
+    long = word_ids(" ".join(["w"] * 50), 8, 2048)
+    assert len(long[0]) == 8 and 0 not in long[0]
+    # two hashes per word: no pair of words of the built-in family shares both rows
+    words = {w for t in range(8) for w in __import__("async_vla.envs.builtin", fromlist=["TASKS"])
+             .TASKS[t].instruction.split()}
+    rows = {w: (word_ids(w, 2, 2048)[0][1], word_ids(w, 2, 2048)[1][1]) for w in words}
+    assert len(set(rows.values())) == len(words)
+
+
+def test_sample_tokens_matches_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]]))
+    idx, logp = sample_tokens(logits.expand(20000, 4), 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(idx, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1, 0.0]), atol=0.015, rtol=0)
+    assert torch.allclose(logp, torch.log(torch.tensor([0.7, 0.2, 0.1]))[idx])
+
+
+def test_save_load_round_trip(tmp_path):
+    pol = make("autoregressive", **{"policy.hidden_size": 64, "policy.num_heads": 2})
+    images, proprio, instr = batch(9)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    save_policy(pol, tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / CONFIG_FILE).read_text())
+    assert meta["policy"]["decoding"] == "autoregressive" and meta["policy"]["hidden_size"] == 64
+    assert meta["tokenizer"]["unnorm_key"] == "builtin" and "builtin" in meta["tokenizer"]["stats"]
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    loaded = load_policy(tmp_path / "ckpt")
+    re = loaded.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    cfg = load_config(None, [f"policy.path={tmp_path / 'ckpt'}", "policy.decoding=autoregressive",
+                             "policy.hidden_size=64", "policy.num_heads=2"])
+    built = build_policy(cfg)
+    assert torch.equal(built.state_dict()["llm.lm_head.weight"], pol.state_dict()["llm.lm_head.weight"])
+    with pytest.raises(FileNotFoundError):
+        load_policy(tmp_path / "missing")
+
+
+def test_build_policy_is_seeded():
+    a = build_policy(load_config(None, ["run.seed=3"]))
+    b = build_policy(load_config(None, ["run.seed=3"]))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.openvla
+@pytest.mark.skipif(not os.environ.get("ASYNC_VLA_OPENVLA_PATH"), reason="set ASYNC_VLA_OPENVLA_PATH to a local "
+                    "OpenVLA / OpenVLA-OFT checkpoint directory")
+def test_openvla_checkpoint_behind_the_interface():
+    path = os.environ["ASYNC_VLA_OPENVLA_PATH"]
+    arch = os.environ.get("ASYNC_VLA_OPENVLA_ARCH", "openvla")
+    chunk = 8 if arch == "openvla_oft" else 1
+    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={path}", f"policy.chunk_size={chunk}",
+                             "env.image_size=224", "policy.patch_size=14",
+                             f"policy.decoding={'parallel' if arch == 'openvla_oft' else 'autoregressive'}"])
+    pol = build_policy(cfg)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(2, 224, 224, 3), dtype=np.uint8)
+    proprio = np.zeros((2, 8), dtype=np.float32)
+    instr = ["pick up the black bowl and place it on the plate"] * 2
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    assert tokens.shape == (2, pol.tokens_per_call) and tokens.min() >= 31744 and tokens.max() <= 31999
+    re = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().float().cpu().numpy(), logp, atol=1e-3, rtol=0)
+    actions = pol.decode_actions(tokens)
+    assert actions.shape == (2, chunk, 7) and np.all(np.isfinite(actions))
