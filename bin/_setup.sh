@@ -31,7 +31,7 @@ setup_venv() {
     # CPU machines: the CPU wheel (an unpinned torch would pull a multi-GB CUDA build).
     "$PY" -m pip install -q "torch==2.13.0"
   fi
-  "$PY" -m pip install -q -e "$REPO[$1]"
+  if [ -n "$1" ]; then "$PY" -m pip install -q -e "$REPO[$1]"; else "$PY" -m pip install -q -e "$REPO"; fi
   _stamp_set core "$key"
 }
 

@@ -127,6 +127,9 @@ class PolicyConfig(Section):
     keypoints: int = Field(16, ge=0)
     """Tiny arch: spatial-softmax keypoint tokens added to the patch tokens (expected x, y of K learned feature
     maps: object positions as numbers, which a from-scratch model otherwise struggles to read); 0 = off."""
+    lang_keypoints: int = Field(2, ge=0)
+    """Tiny arch: instruction-conditioned keypoints: the instruction picks a mix of the K keypoint feature maps whose
+    spatial softmax gives "where the thing the instruction names is" (needs keypoints > 0); 0 = off."""
     action_head: Literal["fourier", "free"] = "fourier"
     """Tiny arch: action-token embeddings (tied input/output) as a learned map of a fixed Fourier basis of the bin
     index, so logits are smooth across neighbouring bins and RL credit on one bin also moves its neighbours

@@ -1,0 +1,72 @@
+"""The simulator interface every env family implements (see docs/CONTRACTS.md) and ``make_env``."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from async_vla.config import Config
+
+Split = Literal["train", "eval"]
+
+
+@dataclass
+class Observation:
+    """What the policy sees after a reset or a step."""
+
+    image: np.ndarray
+    """uint8 [H, W, 3], upright."""
+    proprio: np.ndarray
+    """float32 [P] robot state."""
+    wrist_image: Optional[np.ndarray] = None
+    """uint8 [H, W, 3] wrist camera, when the env has one and it is enabled."""
+
+
+class Env(abc.ABC):
+    """One simulator instance. Episodes are selected by (task_id, init_state_id)."""
+
+    task_ids: list[int]
+    obs_image_size: int
+    proprio_dim: int
+
+    @abc.abstractmethod
+    def instruction(self, task_id: int) -> str:
+        """The language instruction of a task."""
+
+    @abc.abstractmethod
+    def init_state_ids(self, task_id: int, split: Split) -> list[int]:
+        """Init states of a task; the train and eval splits are disjoint."""
+
+    @abc.abstractmethod
+    def max_steps(self, task_id: int) -> int:
+        """Episode step limit of a task."""
+
+    @abc.abstractmethod
+    def reset(self, task_id: int, init_state_id: int) -> Observation:
+        """Start an episode from a numbered init state."""
+
+    @abc.abstractmethod
+    def step(self, action: np.ndarray) -> tuple[Observation, bool, bool]:
+        """Apply one float action [7]; returns (obs, done, success). done is True on success or time-out."""
+
+    def close(self) -> None:
+        """Release simulator resources (no-op by default)."""
+
+
+def make_env(cfg: "Config", seed: int) -> Env:
+    """Build the env family named by ``cfg.env.kind``; ``seed`` drives any simulator randomness."""
+    kind = cfg.env.kind
+    if kind == "builtin":
+        from async_vla.envs.builtin import TabletopEnv
+
+        return TabletopEnv.from_config(cfg.env, seed=seed)
+    if kind == "libero":
+        # Imported lazily: LIBERO (MuJoCo, robosuite) is an optional extra.
+        from async_vla.envs import libero
+
+        return libero.make_libero_env(cfg, seed)
+    raise ValueError(f"env.kind={kind!r} is not one of builtin, libero")

@@ -1,0 +1,227 @@
+"""Tiny OpenVLA-shaped policy: patch-conv vision encoder -> MLP projector -> transformers Llama decoder.
+
+Sequence fed to ``LlamaModel`` as ``inputs_embeds`` (lengths for the 32x32 / patch-8 / 16-word defaults):
+
+    [16 image patch tokens][1 proprio token][16 instruction tokens: BOS, words, pads][56 action positions]
+
+Action positions:
+- ``parallel`` (OFT): a learned query per position; one forward pass gives all 56 logits.
+- ``autoregressive`` (OpenVLA): position i gets its query plus the embedding of action token i-1 (a learned
+  start vector at i = 0), so position i predicts token i; sampling runs token by token with a KV cache and
+  the learner recomputes with one teacher-forced pass.
+
+Vocabulary. Outside the model, action tokens are the OpenVLA ids ``vocab_size - num_bins .. vocab_size - 1``
+(31744..31999). Inside, the Llama embedding / tied LM head has only ``3 + num_bins`` rows (pad, BOS, EOS, the
+action bins): a full 32000-row table would be 85% of the parameters, all but 256 rows unused, and would
+make every optimizer step and weight broadcast ~7x bigger. Logits are computed for the action rows only.
+
+Instructions are tokenised word by word: lower-cased words (letters/digits) are hashed with two CRC32
+variants into a ``word_buckets``-row table and the two rows are summed, so distinct words practically never
+share an embedding; no vocabulary file or download is needed and ids are identical in every process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from async_vla.config import PolicyConfig
+from async_vla.policy.interface import ArrayLike, VLAPolicy, sample_tokens
+from async_vla.tokenizer import ActionTokenizer
+
+PAD_ID, BOS_ID, EOS_ID, FIRST_ACTION_ROW = 0, 1, 2, 3
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def word_ids(instruction: str, max_tokens: int, buckets: int) -> tuple[list[int], list[int]]:
+    """Two hashed bucket ids per word, ``max_tokens`` long: position 0 is BOS, then words, then PAD.
+
+    Bucket 0 is PAD and bucket 1 BOS; words hash into ``2 .. buckets - 1`` (two seeds of CRC32)."""
+    words = _WORD.findall(instruction.lower())[: max_tokens - 1]
+    first = [BOS_ID] + [2 + zlib.crc32(w.encode()) % (buckets - 2) for w in words]
+    second = [BOS_ID] + [2 + zlib.crc32(w.encode(), 0x9E3779B9) % (buckets - 2) for w in words]
+    pad = [PAD_ID] * (max_tokens - len(first))
+    return first + pad, second + pad
+
+
+class TinyVLA(VLAPolicy):
+    """See the module docstring. ``policy_cfg`` is kept for saving; ``tokenizer`` for ids and un-normalising."""
+
+    def __init__(self, policy_cfg: PolicyConfig, tokenizer: ActionTokenizer, image_size: Optional[int] = None):
+        super().__init__()
+        if tokenizer.num_bins != policy_cfg.num_bins or tokenizer.vocab_size != policy_cfg.vocab_size:
+            raise ValueError("tokenizer and policy config disagree on num_bins / vocab_size")
+        self.policy_cfg = policy_cfg
+        self.tokenizer = tokenizer
+        self.tokens_per_call = policy_cfg.chunk_size * policy_cfg.action_dim
+        self.decoding = policy_cfg.decoding
+        h = policy_cfg.hidden_size
+        self.llm_config = LlamaConfig(
+            # The fourier head keeps its action embeddings outside the Llama table, which then holds specials only.
+            vocab_size=FIRST_ACTION_ROW + (policy_cfg.num_bins if policy_cfg.action_head == "free" else 0),
+            hidden_size=h, intermediate_size=policy_cfg.intermediate_size,
+            num_hidden_layers=policy_cfg.num_layers, num_attention_heads=policy_cfg.num_heads,
+            num_key_value_heads=policy_cfg.num_heads, max_position_embeddings=512, tie_word_embeddings=True,
+            bos_token_id=BOS_ID, pad_token_id=PAD_ID, eos_token_id=EOS_ID, attn_implementation="sdpa")
+        self.llm = LlamaForCausalLM(self.llm_config)
+        p, k = policy_cfg.patch_size, policy_cfg.keypoints
+        # Vision: a 3x3 stem keeps pixel-level detail; a strided conv makes one token per patch and, optionally,
+        # a spatial softmax turns K feature maps into K keypoint tokens (expected x, y and peak activation).
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU())
+        self.patch = nn.Conv2d(32, h, p, stride=p)
+        self.max_patches = 256
+        self.patch_pos = nn.Parameter(torch.randn(self.max_patches, h) * 0.02)
+        if k:
+            self.kp_maps = nn.Conv2d(32, k, 3, padding=1)
+            # A sharp initial softmax makes each keypoint track the most salient blob of its map from the start.
+            self.kp_log_temp = nn.Parameter(torch.full((k,), math.log(0.5)))
+            self.kp_proj = nn.Linear(3, h)
+            self.kp_id = nn.Parameter(torch.randn(k, h) * 0.02)
+            self.kp_context = nn.Linear(3 * k, h)
+            m = policy_cfg.lang_keypoints
+            if m:
+                self.lang_query = nn.Linear(h, m * k)
+                self.lang_log_temp = nn.Parameter(torch.full((m,), math.log(0.5)))
+                self.lang_proj = nn.Linear(3, h)
+                self.lang_id = nn.Parameter(torch.randn(m, h) * 0.02)
+                self.lang_context = nn.Linear(3 * m, h)
+        self.projector = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, h))
+        if policy_cfg.action_head == "fourier":
+            # Action-token embeddings = basis(bin) @ action_proj: smooth in the bin index by construction.
+            u = torch.arange(policy_cfg.num_bins, dtype=torch.float32) / (policy_cfg.num_bins - 1)
+            f = torch.arange(1, policy_cfg.action_head_freqs + 1, dtype=torch.float32)
+            basis = torch.cat([torch.ones(len(u), 1), torch.cos(torch.pi * u[:, None] * f),
+                               torch.sin(torch.pi * u[:, None] * f)], dim=1)
+            self.register_buffer("action_basis", basis, persistent=False)
+            self.action_proj = nn.Parameter(torch.randn(basis.shape[1], h) * 0.02)
+        self.proprio_proj = nn.Linear(policy_cfg.proprio_dim, h)
+        self.action_queries = nn.Parameter(torch.randn(self.tokens_per_call, h) * 0.02)
+        self.action_start = nn.Parameter(torch.randn(h) * 0.02)
+        self.word_embed = nn.Embedding(policy_cfg.word_buckets, h)
+        nn.init.normal_(self.word_embed.weight, std=0.02)
+        self._instr_cache: dict[str, tuple[list[int], list[int]]] = {}
+
+    # ---- prefix -----------------------------------------------------------------------------------
+    def _images(self, images: ArrayLike) -> Tensor:
+        x = torch.as_tensor(images, device=self.device)
+        if x.dtype == torch.uint8:
+            x = x.float().div_(127.5).sub_(1.0)
+        return x.permute(0, 3, 1, 2)  # [B, H, W, 3] -> [B, 3, H, W]
+
+    def _instruction_embeds(self, instructions: Sequence[str]) -> Tensor:
+        rows1, rows2 = [], []
+        for s in instructions:
+            ids = self._instr_cache.get(s)
+            if ids is None:
+                if len(self._instr_cache) > 4096:  # bound the cache; instructions repeat in practice
+                    self._instr_cache.clear()
+                ids = word_ids(s, self.policy_cfg.max_instruction_tokens, self.policy_cfg.word_buckets)
+                self._instr_cache[s] = ids
+            rows1.append(ids[0])
+            rows2.append(ids[1])
+        ids = torch.tensor([rows1, rows2], dtype=torch.long, device=self.device)
+        return self.word_embed(ids[0]) + self.word_embed(ids[1])
+
+    def prefix_embeds(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str]
+                      ) -> tuple[Tensor, Tensor]:
+        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]``.
+
+        The context (proprio + mean instruction embedding + all keypoints) is also added to every action
+        position: through attention alone a from-scratch model first sees them diluted over ~50 prefix tokens
+        and takes hundreds of steps to route them; the direct path makes the conditioning learnable at once."""
+        feats = self.stem(self._images(images))  # [B, 32, H, W]
+        x = self.patch(feats).flatten(2).transpose(1, 2)  # [B, patches, h]
+        if x.shape[1] > self.max_patches:
+            raise ValueError(f"too many image patches ({x.shape[1]} > {self.max_patches}); raise patch_size")
+        x = x + self.patch_pos[: x.shape[1]]
+        prop = torch.as_tensor(proprio, device=self.device, dtype=torch.float32)
+        if prop.shape[-1] != self.policy_cfg.proprio_dim:
+            raise ValueError(f"proprio has {prop.shape[-1]} dims, the policy expects {self.policy_cfg.proprio_dim}")
+        prop = self.proprio_proj(prop)
+        words = self._instruction_embeds(instructions)
+        context = prop + words.mean(1)
+        if self.policy_cfg.keypoints:
+            maps = self.kp_maps(feats).flatten(2)  # [B, K, H*W]
+            # Standardise each map over space: a small blob then stands out by several sigma whatever the scale
+            # of the conv weights, so the softmax is sharp (keypoints track objects) from initialisation on.
+            maps = (maps - maps.mean(-1, keepdim=True)) / (maps.std(-1, keepdim=True) + 1e-2)
+            kp = self._spatial_softmax(maps, self.kp_log_temp, feats.shape[-2:])  # [B, K, 3]
+            x = torch.cat([x, self.kp_proj(kp) + self.kp_id], dim=1)
+            context = context + self.kp_context(kp.flatten(1))
+            if self.policy_cfg.lang_keypoints:
+                mix = self.lang_query(words.mean(1)).view(len(maps), self.policy_cfg.lang_keypoints, -1)
+                lang = self._spatial_softmax(torch.einsum("bmk,bkp->bmp", mix, maps), self.lang_log_temp,
+                                             feats.shape[-2:])
+                x = torch.cat([x, self.lang_proj(lang) + self.lang_id], dim=1)
+                context = context + self.lang_context(lang.flatten(1))
+        x = self.projector(x)
+        return torch.cat([x, prop.unsqueeze(1), words], dim=1), context
+
+    @staticmethod
+    def _spatial_softmax(maps: Tensor, log_temp: Tensor, hw) -> Tensor:
+        """``maps [B, M, H*W]`` -> ``[B, M, 3]``: expected x, expected y and peak activation of each map."""
+        hh, ww = hw
+        attn = torch.softmax(maps * torch.exp(-log_temp)[:, None], dim=-1)
+        grid_x = torch.linspace(-1.0, 1.0, ww, device=maps.device).repeat(hh)
+        grid_y = torch.linspace(1.0, -1.0, hh, device=maps.device).repeat_interleave(ww)  # row 0 = far edge (+y)
+        # Scaled so a quarter-table shift is a unit change: small input variations make Adam learn the
+        # dependence on them several times slower (measured).
+        return torch.stack([4.0 * (attn * grid_x).sum(-1), 4.0 * (attn * grid_y).sum(-1), maps.amax(-1) / 10.0],
+                           dim=-1)
+
+    def _action_table(self) -> Tensor:
+        """``[num_bins, hidden]`` embeddings of the action tokens (also the output rows of the action head)."""
+        if self.policy_cfg.action_head == "fourier":
+            return self.action_basis @ self.action_proj
+        return self.llm.lm_head.weight[FIRST_ACTION_ROW:]
+
+    def _action_head(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self._action_table())
+
+    def _action_embeds(self, idx: Tensor) -> Tensor:
+        """Bin indices (0..num_bins-1, not token ids) -> input embeddings."""
+        return F.embedding(idx, self._action_table())
+
+    # ---- interface --------------------------------------------------------------------------------
+    def action_logits(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
+                      action_tokens: Optional[Tensor]) -> Tensor:
+        prefix, context = self.prefix_embeds(images, proprio, instructions)
+        b, t = prefix.shape[0], self.tokens_per_call
+        queries = self.action_queries.unsqueeze(0) + context.unsqueeze(1)
+        if self.decoding == "autoregressive":
+            if action_tokens is None:
+                raise ValueError("autoregressive decoding needs the action tokens to teacher-force on")
+            prev = self._action_embeds(action_tokens[:, :-1])
+            start = self.action_start.expand(b, 1, -1)
+            queries = queries + torch.cat([start, prev], dim=1)
+        out = self.llm.model(inputs_embeds=torch.cat([prefix, queries], dim=1), use_cache=False)
+        return self._action_head(out.last_hidden_state[:, -t:])
+
+    def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
+                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+        if self.decoding == "parallel":
+            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator)
+        prefix, context = self.prefix_embeds(images, proprio, instructions)
+        x = torch.cat([prefix, (self.action_queries[0] + self.action_start + context).unsqueeze(1)], dim=1)
+        out = self.llm.model(inputs_embeds=x, use_cache=True)
+        idxs, logps = [], []
+        for i in range(self.tokens_per_call):
+            idx, logp = sample_tokens(self._action_head(out.last_hidden_state[:, -1]), temperature, generator)
+            idxs.append(idx)
+            logps.append(logp)
+            if i + 1 == self.tokens_per_call:
+                break
+            x = (self.action_queries[i + 1] + context + self._action_embeds(idx)).unsqueeze(1)
+            out = self.llm.model(inputs_embeds=x, past_key_values=out.past_key_values, use_cache=True)
+        return torch.stack(idxs, 1), torch.stack(logps, 1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+

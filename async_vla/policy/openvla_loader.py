@@ -1,0 +1,163 @@
+"""Real OpenVLA / OpenVLA-OFT checkpoints (local HF directories) behind the ``VLAPolicy`` interface.
+
+Loaded with ``AutoModelForVision2Seq.from_pretrained(path, trust_remote_code=True)`` (the Prismatic remote
+code shipped with the checkpoint; transformers >= 5 renamed the auto class to
+``AutoModelForImageTextToText``, which is used when the old name is gone) and its ``AutoProcessor``.
+
+- Prompt: ``"In: What action should the robot take to {instruction}?\\nOut:"`` plus the empty token 29871
+  that OpenVLA's ``predict_action`` appends; images go through the checkpoint's own image processor.
+- Action logits are the LM head's logits at ids ``vocab_size - num_bins .. vocab_size - 1`` (31744..31999;
+  the head itself is padded to 32064 rows, the padding is ignored), divided by the temperature for both
+  sampling and ``token_logprobs``, exactly like the tiny model.
+- ``openvla`` (autoregressive): tokens are sampled one by one with the KV cache; the learner recomputes them
+  with one teacher-forced pass (logits at the last T positions of prompt + tokens[:-1]). Plain OpenVLA
+  predicts one step, so it needs ``policy.chunk_size=1`` (7 tokens per call).
+- ``openvla_oft`` (parallel): one forward pass over the prompt; the checkpoint's forward must return the
+  logits of its ``chunk_size * 7`` action positions last (SimpleVLA-RL's OFT remote code does, returning a
+  ``[B, 56, vocab]`` tensor); the last T positions are used.
+- Un-normalisation uses the checkpoint's ``norm_stats[unnorm_key]["action"]`` (q01, q99, mask).
+- Proprio is ignored (OpenVLA has no proprio input; OFT's proprio projector is not part of the HF model).
+
+Untested without a checkpoint: tests/test_policy.py runs it only when ASYNC_VLA_OPENVLA_PATH is set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from async_vla.policy.interface import ArrayLike, VLAPolicy, sample_tokens
+from async_vla.tokenizer import ActionStats, ActionTokenizer
+
+if TYPE_CHECKING:
+    from async_vla.config import PolicyConfig
+
+EMPTY_TOKEN = 29871  # OpenVLA appends this "empty" token after the prompt before the action tokens
+PROMPT = "In: What action should the robot take to {}?\nOut:"
+
+
+def _auto_model_class():
+    import transformers
+
+    cls = getattr(transformers, "AutoModelForVision2Seq", None)
+    return cls if cls is not None else transformers.AutoModelForImageTextToText
+
+
+def _stats_from_checkpoint(model, action_dim: int) -> dict[str, ActionStats]:
+    norm_stats = getattr(model, "norm_stats", None) or getattr(model.config, "norm_stats", None) or {}
+    out = {}
+    for key, entry in norm_stats.items():
+        act = entry.get("action", entry)
+        if "q01" not in act or "q99" not in act:
+            continue
+        mask = act.get("mask", [True] * (action_dim - 1) + [False])
+        out[key] = ActionStats(act["q01"], act["q99"], mask)
+    return out
+
+
+class OpenVLAPolicy(VLAPolicy):
+    """A Prismatic OpenVLA(-OFT) model with action logits restricted to the 256 action ids."""
+
+    def __init__(self, model, processor, policy_cfg: "PolicyConfig"):
+        super().__init__()
+        self.model = model
+        self.processor = processor
+        self.policy_cfg = policy_cfg
+        self.decoding = "parallel" if policy_cfg.arch == "openvla_oft" else "autoregressive"
+        stats = _stats_from_checkpoint(model, policy_cfg.action_dim)
+        key = policy_cfg.unnorm_key
+        if key is None and len(stats) > 1:
+            raise ValueError(f"checkpoint has action statistics {sorted(stats)}: choose one with policy.unnorm_key")
+        if key is not None and key not in stats:
+            raise ValueError(f"policy.unnorm_key={key!r} not in the checkpoint's statistics {sorted(stats)}")
+        self.tokenizer = ActionTokenizer(vocab_size=policy_cfg.vocab_size, num_bins=policy_cfg.num_bins,
+                                         chunk_size=policy_cfg.chunk_size, action_dim=policy_cfg.action_dim,
+                                         stats=stats, unnorm_key=key)
+        self.tokens_per_call = policy_cfg.chunk_size * policy_cfg.action_dim
+        self._lo = self.tokenizer.first_action_id
+        self._hi = self.tokenizer.vocab_size
+
+    # ---- inputs ---------------------------------------------------------------------------------------
+    def _prompt_ids(self, instruction: str) -> Tensor:
+        ids = self.processor.tokenizer(PROMPT.format(instruction.lower()), return_tensors="pt").input_ids[0]
+        if self.decoding == "autoregressive" and int(ids[-1]) != EMPTY_TOKEN:
+            ids = torch.cat([ids, torch.tensor([EMPTY_TOKEN])])
+        return ids.to(self.device)
+
+    def _pixels(self, images: ArrayLike) -> Tensor:
+        from PIL import Image
+
+        arr = images.cpu().numpy() if isinstance(images, Tensor) else np.asarray(images)
+        pil = [Image.fromarray(np.ascontiguousarray(a, dtype=np.uint8)) for a in arr]
+        pix = self.processor.image_processor(pil, return_tensors="pt")["pixel_values"]
+        return pix.to(self.device, dtype=next(self.model.parameters()).dtype)
+
+    def _groups(self, instructions: Sequence[str]) -> dict[str, list[int]]:
+        # Rows with one instruction share a prompt length, so each group runs without padding.
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(instructions):
+            groups.setdefault(s, []).append(i)
+        return groups
+
+    def _logits(self, out) -> Tensor:
+        logits = out if isinstance(out, Tensor) else out.logits
+        return logits[..., self._lo:self._hi].float()
+
+    # ---- interface ------------------------------------------------------------------------------------
+    def action_logits(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
+                      action_tokens: Optional[Tensor]) -> Tensor:
+        t = self.tokens_per_call
+        pixels = self._pixels(images)
+        result = torch.empty(len(instructions), t, self.tokenizer.num_bins, device=self.device)
+        for instr, rows in self._groups(instructions).items():
+            ids = self._prompt_ids(instr).unsqueeze(0).expand(len(rows), -1)
+            if self.decoding == "autoregressive":
+                if action_tokens is None:
+                    raise ValueError("autoregressive decoding needs the action tokens to teacher-force on")
+                prev = action_tokens[rows, :-1].to(self.device) + self._lo  # bin indices -> token ids
+                ids = torch.cat([ids, prev], dim=1)
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows],
+                             use_cache=False)
+            result[rows] = self._logits(out)[:, -t:]
+        return result
+
+    def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
+                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+        if self.decoding == "parallel":
+            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator)
+        pixels = self._pixels(images)
+        b, t = len(instructions), self.tokens_per_call
+        idx_all = torch.empty(b, t, dtype=torch.long, device=self.device)
+        logp_all = torch.empty(b, t, device=self.device)
+        for instr, rows in self._groups(instructions).items():
+            ids = self._prompt_ids(instr).unsqueeze(0).expand(len(rows), -1)
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows],
+                             use_cache=True)
+            for i in range(t):
+                idx, logp = sample_tokens(self._logits(out)[:, -1], temperature, generator)
+                idx_all[rows, i], logp_all[rows, i] = idx, logp
+                if i + 1 == t:
+                    break
+                out = self.model(input_ids=(idx + self._lo).unsqueeze(1), past_key_values=out.past_key_values,
+                                 use_cache=True)
+        return idx_all, logp_all
+
+
+def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None) -> OpenVLAPolicy:
+    """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory); fp32 on CPU, bf16 on GPU."""
+    from transformers import AutoProcessor
+
+    if policy_cfg.path is None:
+        raise ValueError(f"policy.arch={policy_cfg.arch} needs policy.path (a local checkpoint directory)")
+    if policy_cfg.arch == "openvla" and policy_cfg.chunk_size != 1:
+        raise ValueError("policy.arch=openvla predicts one step (7 tokens) per call: set policy.chunk_size=1")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = _auto_model_class().from_pretrained(policy_cfg.path, trust_remote_code=True, torch_dtype=dtype,
+                                                low_cpu_mem_usage=True).to(device)
+    model.eval()
+    processor = AutoProcessor.from_pretrained(policy_cfg.path, trust_remote_code=True)
+    return OpenVLAPolicy(model, processor, policy_cfg)
