@@ -235,6 +235,10 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 last_status = now
                 stats = buffer_stats(control) or stats
                 if stats:
+                    rate = stats.get("metrics", {}).get("rollout/success_rate")
+                    if rate is not None and rate == rate:  # the plot's train-rollout line (NaN = no stats yet)
+                        recorder.train_points.append({"version": int(stats.get("learner_version", 0)),
+                                                      "wall_s": time.time() - recorder.t0, "success_rate": rate})
                     print(status_line(recorder, stats), flush=True)
     finally:
         stats = buffer_stats(control) or stats if children.get("buffer") and children["buffer"].alive() else stats
