@@ -21,8 +21,8 @@ SMALL = ["policy.hidden_size=64", "policy.num_heads=2", "policy.num_layers=1", "
          "policy.max_instruction_tokens=12", "env.num_train_init_states=6", "env.num_eval_init_states=3"]
 
 
-def setup(tasks="[4,7]"):
-    cfg = load_config(None, SMALL + [f"env.task_ids={tasks}"])
+def setup(tasks="[4,7]", small: bool = True):
+    cfg = load_config(None, (SMALL if small else SMALL[4:]) + [f"env.task_ids={tasks}"])
     return cfg, make_env(cfg, 0), build_policy(cfg)
 
 
@@ -51,11 +51,11 @@ def test_smoothed_targets():
 
 def test_sft_fits_its_demo_and_evaluates():
     torch.manual_seed(0)
-    cfg, env, policy = setup()
+    cfg, env, policy = setup(small=False)  # the default size: the 1-layer test model fits continuous values slowly
     demos, used = collect_demos(env, env.task_ids, 1, 8, seed=0)
-    m = sft_train(policy, demos, epochs=60, lr=2e-3, batch_size=4, seed=0)
+    m = sft_train(policy, demos, epochs=150, lr=1e-3, batch_size=4, seed=0)
     assert m["loss_curve"][-1] < 0.25 * m["loss_curve"][0]
-    assert m["train_token_accuracy"] > 0.9 and m["optimizer_steps"] == 60 * ((len(demos) + 3) // 4)
+    assert m["train_token_accuracy"] > 0.9 and m["optimizer_steps"] == 150 * ((len(demos) + 3) // 4)
     # the policy replays its own demos greedily
     envs = [copy.deepcopy(env) for _ in range(len(used))]
     res = rollout(policy, envs, used, temperature=0.0)

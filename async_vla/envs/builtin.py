@@ -37,7 +37,8 @@ MAX_DELTA = 2.0  # gripper travel per step at |action| = 1: one step can cross t
 GRASP_R = 0.2
 PUSH_R = 0.2  # half-width of the closed gripper's paddle
 PRESS_R = 0.2
-PAD_R = 0.25  # a block counts as on a pad within this distance of its centre
+PAD_R = 0.4  # a block counts as on a pad within this distance of its centre (big pads: only the grasp is a
+# decision, carrying it along the demo's path from any of the three block spots still lands on the pad)
 PUSH_DIST = 0.35  # push tasks succeed once the block has moved this far in the instructed direction
 GRIP_CLOSE, GRIP_OPEN = 0.5, -0.5  # hysteresis: commands in between keep the gripper as it is
 OFFSETS = (-0.3, 0.0, 0.3)  # an object sits this far from its nominal spot along its task's axis: the coarse
@@ -248,15 +249,20 @@ class TabletopEnv(Env):
         r, c = self._px(pos)
         h = max(1, int(round(half * self._scale)))
         r0, r1, c0, c1 = max(r - h, 0), r + h, max(c - h, 0), c + h
-        img[r0:r1, c0:c1] = colour
-        if hollow and r1 - r0 > 2 and c1 - c0 > 2:
-            img[r0 + 1:r1 - 1, c0 + 1:c1 - 1] = TABLE
+        if not hollow:
+            img[r0:r1, c0:c1] = colour
+            return
+        # Outline only: what lies under a pad or the open gripper stays visible.
+        img[r0, c0:c1] = colour
+        img[r1 - 1 if r1 <= img.shape[0] else img.shape[0] - 1, c0:c1] = colour
+        img[r0:r1, c0] = colour
+        img[r0:r1, min(c1, img.shape[1]) - 1] = colour
 
     def _observe(self) -> Observation:
         img = self._background.copy()
         for th in self.things:  # pads under buttons under blocks
             if th.kind == "pad":
-                self._square(img, th.pos, 0.22, COLOURS[th.colour], hollow=True)
+                self._square(img, th.pos, 0.3, COLOURS[th.colour], hollow=True)
         for th in self.things:
             if th.kind == "button":
                 r, c = self._px(th.pos)
