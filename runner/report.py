@@ -23,6 +23,7 @@ class RunRecorder:
         self._by_task: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=64))
         self.trajectories = 0
         self.env_steps = 0
+        write_versions(cfg, self.run_dir)
 
     def rollout(self, traj: Any) -> None:
         """Every finished trajectory (serial mode sees them all; async mode gets ActorStats instead)."""
@@ -91,6 +92,26 @@ class RunRecorder:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         plot_success(self.run_dir / "success.png", self.eval_points, self.train_points)
         return summary
+
+
+def write_versions(cfg: Any, run_dir: Path) -> dict:
+    """``<run>/versions.json``: the software a run used (and the simulator stack for LIBERO runs)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "deepspeed", "pyzmq", "msgpack", "transformers", "numpy", "async_vla"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if cfg.env.kind == "libero":
+        from async_vla.envs.libero import libero_version
+
+        out["libero_stack"] = libero_version()
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "versions.json").write_text(json.dumps(out, indent=2))
+    return out
 
 
 def plot_success(path: Path, eval_points: list[dict], train_points: list[dict]) -> None:
