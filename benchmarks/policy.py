@@ -8,27 +8,15 @@ Figures are medians of repeated calls with one torch thread, measured in one run
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import numpy as np
 
+from benchmarks.common import md_table as _table, median_time
+
 
 def _median_s(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(out + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows])
+    return median_time(fn, repeats=repeats, warmup=warmup)
 
 
 def env_steps_per_s(seconds: float = 2.0) -> dict:
