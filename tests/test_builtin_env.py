@@ -113,8 +113,33 @@ def test_expert_solves_every_train_and_eval_state(env):
         for i in env.init_state_ids(t, "train") + env.init_state_ids(t, "eval"):
             obs, acts, success = expert_episode(env, t, i)
             assert success, (t, i)
-            assert len(acts) <= 16  # at most 2 policy calls of 8 steps
+            assert len(acts) <= 4  # a single policy call of 8 steps
             assert all(np.all(np.abs(a) <= 1.0) for a in acts)
+
+
+def test_layouts_alternate_spots_and_one_demo_replays_on_half(env):
+    for t in env.task_ids:
+        spec, offs = TASKS[t], set()
+        for i in range(40):
+            env.reset(t, i)
+            shift = float(env.things[0].pos[spec.axis] - spec.target_at[spec.axis])
+            nearest = min(builtin.OFFSETS, key=lambda o: abs(o - shift))
+            assert abs(shift - nearest) <= builtin.JITTER + 1e-9
+            offs.add(nearest)
+        assert offs == set(builtin.OFFSETS)
+    # blind replay of one expert demo: succeeds where the target sits at the demo's spot (half the states)
+    for t in env.task_ids:
+        _, acts, _ = expert_episode(env, t, 0)
+        wins = 0
+        for i in env.init_state_ids(t, "train"):
+            env.reset(t, i)
+            done, k, success = False, 0, False
+            while not done:
+                a = acts[k] if k < len(acts) else np.r_[np.zeros(6), acts[-1][6]]
+                _, done, success = env.step(a)
+                k += 1
+            wins += success
+        assert 0.4 <= wins / 40 <= 0.6, (t, wins)
 
 
 def test_expert_object_reads_state_only_after_reset(env):

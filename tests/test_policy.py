@@ -98,11 +98,22 @@ def test_token_logprobs_differentiable(policy):
                                torch.from_numpy(tokens), 1.6)
     lp.sum().backward()
     grads = {n: p.grad for n, p in policy.named_parameters()}
-    for name in ["stem.0.weight", "patch.weight", "kp_maps.weight", "kp_log_temp", "word_embed.weight",
-                 "proprio_proj.weight", "action_queries", "action_proj", "llm.model.layers.0.self_attn.q_proj.weight"]:
+    for name in ["stem.0.weight", "patch.weight", "kp_maps.weight", "kp_log_temp", "lang_query.weight",
+                 "word_embed.weight", "proprio_proj.weight", "action_queries", "action_proj",
+                 "llm.model.layers.0.self_attn.q_proj.weight"]:
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
     assert (grads["action_start"] is not None) == (policy.decoding == "autoregressive")
     policy.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_free_head_without_keypoints(decoding):
+    pol = make(decoding, **{"policy.action_head": "free", "policy.keypoints": 0, "policy.lang_keypoints": 0})
+    assert pol.llm.lm_head.weight.shape[0] == 3 + 256  # specials + the action rows
+    images, proprio, instr = batch(10)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    re = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
 
 
 def test_rejects_non_action_tokens(policy):

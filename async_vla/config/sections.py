@@ -132,8 +132,8 @@ class PolicyConfig(Section):
     spatial softmax gives "where the thing the instruction names is" (needs keypoints > 0); 0 = off."""
     action_head: Literal["fourier", "free"] = "fourier"
     """Tiny arch: action-token embeddings (tied input/output) as a learned map of a fixed Fourier basis of the bin
-    index, so logits are smooth across neighbouring bins and RL credit on one bin also moves its neighbours
-    (per-bin rows learn far slower from scratch); free = one independent row per bin, like an LM head."""
+    index, so logits are smooth across neighbouring bins and RL credit on one bin also moves its neighbours;
+    free = one independent embedding row per bin, like an LM head (no sharing between bins)."""
     action_head_freqs: int = Field(24, ge=1)
     """Tiny arch, fourier head: frequencies of the basis (higher = sharper possible peaks over the 256 bins)."""
 

@@ -1,7 +1,7 @@
 """Scripted expert for the built-in tabletop tasks (reads the simulator state, not the image).
 
-It drives the gripper straight at a waypoint at full speed (the last step is a fraction), then opens or
-closes the gripper. dz and the rotations are always 0. Used for SFT demos and as a solvability check.
+It jumps the gripper to a waypoint (one step when within MAX_DELTA per axis, as in the built-in tasks), then
+opens or closes the gripper. dz and the rotations are always 0. Used for SFT demos and as a solvability check.
 """
 
 from __future__ import annotations

@@ -1,8 +1,17 @@
-"""Tiny OpenVLA-shaped policy: patch-conv vision encoder -> MLP projector -> transformers Llama decoder.
+"""Tiny OpenVLA-shaped policy: conv vision encoder -> MLP projector -> transformers Llama decoder (~1 M params).
 
-Sequence fed to ``LlamaModel`` as ``inputs_embeds`` (lengths for the 32x32 / patch-8 / 16-word defaults):
+Sequence fed to ``LlamaModel`` as ``inputs_embeds`` (lengths for 32x32 images, patch 8, 16 keypoints, 2 language
+keypoints, 12 instruction tokens; 103 in all):
 
-    [16 image patch tokens][1 proprio token][16 instruction tokens: BOS, words, pads][56 action positions]
+    [16 patch tokens][16 keypoint tokens][2 language-keypoint tokens][1 proprio token]
+    [12 instruction tokens: BOS, words, pads][56 action positions]
+
+Vision: a 3x3 conv stem; a strided conv gives one token per patch; a spatial softmax over K learned feature
+maps gives K keypoints (expected x, y of each map: object positions as numbers); "language keypoints" are the
+same spatial softmax over instruction-weighted mixes of those maps (where the thing the instruction names is).
+A context vector (proprio + mean instruction embedding + all keypoints) is also added to every action
+position: through attention alone a from-scratch model sees its conditioning diluted over ~50 prefix tokens and
+needs hundreds of steps to route it, which made GRPO on the built-in tasks far too slow (measured).
 
 Action positions:
 - ``parallel`` (OFT): a learned query per position; one forward pass gives all 56 logits.
@@ -10,10 +19,12 @@ Action positions:
   start vector at i = 0), so position i predicts token i; sampling runs token by token with a KV cache and
   the learner recomputes with one teacher-forced pass.
 
-Vocabulary. Outside the model, action tokens are the OpenVLA ids ``vocab_size - num_bins .. vocab_size - 1``
-(31744..31999). Inside, the Llama embedding / tied LM head has only ``3 + num_bins`` rows (pad, BOS, EOS, the
-action bins): a full 32000-row table would be 85% of the parameters, all but 256 rows unused, and would
-make every optimizer step and weight broadcast ~7x bigger. Logits are computed for the action rows only.
+Action tokens. Outside the model they are the OpenVLA ids ``vocab_size - num_bins .. vocab_size - 1``
+(31744..31999 of 32000). Inside, logits are computed for those 256 bins only, against action embeddings that
+are (``action_head=fourier``, default) a learned map of a fixed Fourier basis of the bin index, so logits are
+smooth across neighbouring bins and RL credit on one bin moves its neighbours too, or (``free``) 256 free rows of
+the tied Llama embedding. No 32000-row table: it would be ~85% of the parameters, all but 256 rows unused, and
+make every optimizer step and weight broadcast several times bigger.
 
 Instructions are tokenised word by word: lower-cased words (letters/digits) are hashed with two CRC32
 variants into a ``word_buckets``-row table and the two rows are summed, so distinct words practically never
@@ -54,7 +65,7 @@ def word_ids(instruction: str, max_tokens: int, buckets: int) -> tuple[list[int]
 class TinyVLA(VLAPolicy):
     """See the module docstring. ``policy_cfg`` is kept for saving; ``tokenizer`` for ids and un-normalising."""
 
-    def __init__(self, policy_cfg: PolicyConfig, tokenizer: ActionTokenizer, image_size: Optional[int] = None):
+    def __init__(self, policy_cfg: PolicyConfig, tokenizer: ActionTokenizer):
         super().__init__()
         if tokenizer.num_bins != policy_cfg.num_bins or tokenizer.vocab_size != policy_cfg.vocab_size:
             raise ValueError("tokenizer and policy config disagree on num_bins / vocab_size")
@@ -72,8 +83,7 @@ class TinyVLA(VLAPolicy):
             bos_token_id=BOS_ID, pad_token_id=PAD_ID, eos_token_id=EOS_ID, attn_implementation="sdpa")
         self.llm = LlamaForCausalLM(self.llm_config)
         p, k = policy_cfg.patch_size, policy_cfg.keypoints
-        # Vision: a 3x3 stem keeps pixel-level detail; a strided conv makes one token per patch and, optionally,
-        # a spatial softmax turns K feature maps into K keypoint tokens (expected x, y and peak activation).
+        # Vision (see the module docstring): stem, patch tokens, keypoints, language keypoints.
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU())
         self.patch = nn.Conv2d(32, h, p, stride=p)
         self.max_patches = 256
