@@ -29,6 +29,7 @@ import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
 from actors.status import parse_share, status_path, write_status
+from actors.vllm_weights import StaleWeights
 from async_vla.messages import (
     ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, Shutdown, Trajectory, encode,
 )
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 PolicyFactory = Callable[[Any], Any]
 EnvFactory = Callable[[Any, int], Any]
 COUNTER_RE = re.compile(r"g(\d+)$")
+CATCH_UP_GRACE_S = 1.0  # behind by more than eta this long before reading the export (a broadcast takes ~10 ms)
 
 
 def stable_hash(*parts: Any) -> int:
@@ -47,7 +49,12 @@ def stable_hash(*parts: Any) -> int:
 
 
 def default_policy_factory(cfg: Any) -> Any:
-    """The initial policy: ``cfg.policy.path`` if set, else a tiny random one (seeded by the run seed)."""
+    """The initial policy: ``cfg.policy.path`` if set, else a tiny random one (seeded by the run seed); with
+    ``actor.backend=vllm`` that policy wrapped around an in-process vLLM engine (actors/vllm_backend.py)."""
+    if cfg.actor.backend == "vllm":
+        from actors.vllm_backend import build_vllm_policy
+
+        return build_vllm_policy(cfg)
     from async_vla.policy import build_policy
 
     return build_policy(cfg)
@@ -64,13 +71,18 @@ def default_env_factory(cfg: Any, seed: int) -> Any:
     return make_isolated_env(cfg, seed)
 
 
-def load_weights(policy: torch.nn.Module, state: dict) -> None:
+def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = None) -> None:
     """Copy a full set of named tensors into the policy in place (between forward passes only).
 
     Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
     old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
-    ``named_parameters`` lists once) may be absent.
+    ``named_parameters`` lists once) may be absent. A policy that holds weights outside the module (the vLLM
+    backend) installs them itself, with their ``version``; it raises ``StaleWeights`` for an old one.
     """
+    install = getattr(policy, "install_weights", None)
+    if install is not None:
+        install(state, version)
+        return
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
     own = set(policy.state_dict().keys())
     missing = sorted({name for name, _ in policy.named_parameters()} - state.keys())
@@ -135,7 +147,11 @@ class SerialActor:
     def set_weights(self, version: int, state: Optional[dict] = None) -> None:
         """Install weights ``state`` (None = the policy object was updated in place) as ``version``."""
         if state is not None:
-            load_weights(self.policy, state)
+            try:
+                load_weights(self.policy, state, int(version))
+            except StaleWeights as exc:   # the vLLM backend refuses old versions; keep what is installed
+                log.warning("actor %d: %s; keeping v%d", self.actor_id, exc, self.version)
+                return
         if int(version) != self.version:
             self.totals.swaps += 1
             log.info("actor %d: policy version %d -> %d", self.actor_id, self.version, version)
@@ -227,12 +243,18 @@ class Actor:
         self.idle_total_s = 0.0
         self.groups_granted = 0
         self.send_failures = 0
+        self.sent = 0              # trajectories handed to the trajectory socket
+        self.dropped_on_stop = 0   # trajectories abandoned because the actor stopped while the buffer was full
         self.core: Optional[SerialActor] = None
         self._grant_sent_at: Optional[float] = None
         self._retry_at = 0.0
         self._path_weights: Optional[tuple[int, str]] = None
         self._path_loaded: Optional[tuple] = None
         self._subscriber: Any = None
+        self._eta = int(cfg.buffer.max_staleness)  # updated from every grant (eta can change live)
+        self._behind_since: Optional[float] = None
+        self._next_fetch = 0.0
+        self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
         self._next_hb = self._next_stats = 0.0
         self._stats_mark = RolloutStats()
         self._stats_t = time.monotonic()
@@ -293,7 +315,7 @@ class Actor:
             self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
             latest = self._subscriber.fetch_latest()
             if latest is not None:
-                load_weights(policy, latest[1])
+                load_weights(policy, latest[1], int(latest[0]))
                 version = int(latest[0])
         policy.eval()
         n_envs = min(self.cfg.env.envs_per_actor, self.cfg.actor.group_size)
@@ -346,13 +368,36 @@ class Actor:
                 got = load_weights_path(path, version)
                 if got[0] != self._version():
                     return got
-        return None
+        return self._catch_up_from_export()
+
+    def _catch_up_from_export(self) -> Optional[tuple[int, dict]]:
+        """Missed broadcasts (joined the group after a version went out, or a broadcast failed): once the
+        learner is more than eta versions ahead for a while, read its newest export from <run>/weights. Without
+        this an actor that missed the broadcast of version v could wait forever when nothing newer comes (sync
+        mode: the learner waits for data this actor would only produce with v), and the buffer refuses it."""
+        now = time.monotonic()
+        if self._subscriber is None or self.learner_version - self._version() <= self._eta:
+            self._behind_since = None
+            return None
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since < CATCH_UP_GRACE_S or now < self._next_fetch:
+            return None  # the broadcast is probably on its way
+        self._next_fetch = now + CATCH_UP_GRACE_S
+        got = self._subscriber.fetch_latest()
+        if got is None or int(got[0]) <= self._version():
+            return None
+        self.fetched_exports += 1
+        log.info("actor %d: caught up from the exported weights: v%d -> v%d (learner at v%d)", self.actor_id,
+                 self._version(), int(got[0]), self.learner_version)
+        return int(got[0]), got[1]
 
     # ---- control channel ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, AdmissionGrant):
             self._grant_sent_at = None
             self.learner_version = max(self.learner_version, msg.learner_version)
+            self._eta = int(msg.max_staleness)
             self.pending.extend(msg.group_ids)
             self.groups_granted += len(msg.group_ids)
             if not msg.group_ids:
@@ -402,8 +447,12 @@ class Actor:
                 if stale:
                     log.warning("actor %d: no grant reply in %.1f s; asking again", self.actor_id,
                                 self.cfg.actor.grant_timeout_s)
-                self.control.send(GrantRequest(self.actor_id, 1, self._version()))
-                self._grant_sent_at = t0
+                # Never blocks: with the control queue full (buffer unreachable) the request is dropped, counted
+                # in control.dropped, and asked again on the next pass.
+                if self.control.send(GrantRequest(self.actor_id, 1, self._version())):
+                    self._grant_sent_at = t0
+                else:
+                    self._retry_at = t0 + self.cfg.buffer.grant_retry_s
         else:
             wait = min(wait, self._retry_at - t0)
         self._pump(max(wait, 0.0))
@@ -417,6 +466,7 @@ class Actor:
         while True:
             t0 = time.monotonic()
             if self.sender.send_frames(frames, timeout_s=self.cfg.actor.send_timeout_s):
+                self.sent += 1
                 return
             self._idle(time.monotonic() - t0)
             self.send_failures += 1
@@ -424,6 +474,7 @@ class Actor:
             if self.stopping():
                 log.warning("actor %d: dropping trajectory %s (stopping while the buffer is full)",
                             self.actor_id, traj.traj_id)
+                self.dropped_on_stop += 1
                 return
 
     # ---- reporting ----------------------------------------------------------------------------------
@@ -446,4 +497,6 @@ class Actor:
             "policy_calls": t.policy_calls, "episodes": t.episodes, "successes": t.successes,
             "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
             "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
-            "groups_granted": self.groups_granted, "swaps": t.swaps})
+            "groups_granted": self.groups_granted, "swaps": t.swaps, "sent": self.sent,
+            "dropped_on_stop": self.dropped_on_stop,
+            "control_dropped": dict(self.control.dropped.by_reason) if hasattr(self, "control") else {}})

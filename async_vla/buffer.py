@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 STATES = ("trained", "filtered_uniform", "filtered_difficulty", "stale", "expired_partial", "duplicate",
           "malformed", "pending")
 MAX_WANT = 1024  # an actor asking for more is hostile or buggy; cap what one grant can take
-JOURNAL_COMMANDS = ("j.malformed", "j.version", "j.eta", "j.expire", "j.batch", "j.grant")
+JOURNAL_COMMANDS = ("j.malformed", "j.version", "j.eta", "j.expire", "j.batch", "j.grant", "j.rollback")
 
 
 @dataclass(eq=False)
@@ -124,6 +124,8 @@ class GroupBuffer:
         self.batches_formed = 0
         self._next_gid = int(gid_start)  # the service starts at ms-since-epoch: a restart never reissues an id
         self.eta_changes: list[dict] = []
+        self.grants_refused_behind = 0  # grant requests from actors whose policy lags beyond eta
+        self.rollbacks: list[dict] = []  # learner restarts from an older checkpoint (see rollback)
 
     # ------------------------------------------------------------------ input
     def add(self, traj: Trajectory) -> str:
@@ -251,12 +253,17 @@ class GroupBuffer:
         v_rel = max(0, self.version - self._v_base)
         return (self.max_staleness + v_rel + 1) * self.B - len(self._open) - self.accepted_groups
 
-    def grant(self, actor_id: int, want: int = 1) -> list[str]:
-        """New group ids ("<run>-g<n>") the actor may start; [] = not now (pacing or memory full)."""
+    def grant(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> list[str]:
+        """New group ids ("<run>-g<n>") the actor may start; [] = not now (pacing, memory full, or the actor's
+        policy is already too old: whatever it produced would be dropped as stale, so it must fetch weights
+        first — the grant's learner_version tells it so)."""
         want = max(0, min(int(want), MAX_WANT))
         n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
         if not self.has_room():
             n = 0
+        if actor_version is not None and self.version - int(actor_version) > self.max_staleness:
+            n = 0
+            self.grants_refused_behind += 1
         now = self.clock()
         ids = []
         for _ in range(n):
@@ -289,7 +296,7 @@ class GroupBuffer:
         return eta
 
     def set_learner_version(self, v: int) -> None:
-        """The learner's current version. Never goes backwards (restart the buffer on a learner rollback)."""
+        """The learner's current version. Never goes backwards here; only a batch request can (``rollback``)."""
         v = int(v)
         if v <= self.version:
             return
@@ -298,6 +305,28 @@ class GroupBuffer:
         if self.batches_formed == 0:
             self._v_base = v
         self._purge_stale()
+
+    def rollback(self, version: int) -> None:
+        """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
+
+        Batches formed for later versions are released (their trajectories stay "trained": the dead learner took
+        them, and its updates since the checkpoint died with it); a batch already formed at ``version`` is kept and
+        served again. Staleness is measured from ``version`` again (else everything the resumed policy produces
+        would look too old and the learner would starve), and v_base moves back as far, so pacing keeps the
+        credit of the batches consumed so far (the replayed versions each consume a batch again).
+        """
+        v = int(version)
+        if v >= self.version:
+            return
+        self._record(self.clock(), ControlCommand("j.rollback", v))
+        log.warning("buffer: learner rolled back from version %d to %d (resumed from a checkpoint)", self.version, v)
+        self.rollbacks.append({"t": time.time(), "from": self.version, "to": v})
+        del self.rollbacks[:-100]
+        self._v_base -= self.version - v
+        self.version = v
+        for bv in [bv for bv in self._batches if bv > v]:
+            for g in self._batches.pop(bv).groups:
+                self._release(g)
 
     def _purge_stale(self) -> None:
         """Drop ready groups whose lag now exceeds eta (not trained: "stale"; trained leftovers of reuse: gone)."""
@@ -331,13 +360,11 @@ class GroupBuffer:
         """
         if world < 1 or not 0 <= rank < world or self.B % world:
             raise ValueError(f"rank {rank} / world {world} cannot split {self.B} groups evenly")
+        if version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
+            self.rollback(version)
         self.set_learner_version(version)
         batch = self._batches.get(version)
         if batch is None:
-            if self._batches and version < max(self._batches):
-                log.warning("buffer: batch request for version %d after version %d was served", version,
-                            max(self._batches))
-                return None
             batch = self._form(version)
             if batch is None:
                 return None
@@ -435,6 +462,7 @@ class GroupBuffer:
             "buffer/max_staleness": float(self.max_staleness), "buffer/groups_ready": float(len(self._ready)),
             "buffer/groups_accepted": float(self.accepted_groups), "buffer/batches": float(self.batches_formed),
             "buffer/pacing_capacity": float(self.pacing_capacity()), "buffer/learner_version": float(self.version),
+            "buffer/grants_refused_behind": float(self.grants_refused_behind),
         })
         return m
 
@@ -448,7 +476,9 @@ class GroupBuffer:
             "lag_histogram": {str(k): v for k, v in sorted(self.lag_histogram.items())},
             "lag_mean": lag_mean, "lag_max": lag_max, "learner_version": self.version,
             "max_staleness": self.max_staleness, "eta_changes": list(self.eta_changes),
-            "batches_formed": self.batches_formed, "groups_in_flight": len(self._open),
+            "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
+            "grants_refused_behind": self.grants_refused_behind,
+            "groups_in_flight": len(self._open),
             "groups_ready": len(self._ready), "held_bytes": self.held_bytes,
         }
 
@@ -483,6 +513,8 @@ class GroupBuffer:
             self.expire(self.clock())
         elif cmd == "j.batch":
             self.take_batch(value)
+        elif cmd == "j.rollback":
+            self.rollback(value)
         elif cmd == "j.grant":
             self._open_granted(value.split(","), self.clock())
         else:

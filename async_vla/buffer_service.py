@@ -11,6 +11,9 @@ socket, ControlCommand("stats")). Each ``step()``:
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
+Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
+takes in the trajectories already queued on its socket first (``_drain``). A batch request for a version older
+than the buffer's is a learner resumed from a checkpoint: the buffer follows it back (``GroupBuffer.rollback``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from async_vla.transport import Authenticator, ControlServer, CurveKeys, Traject
 
 log = logging.getLogger(__name__)
 
+DRAIN_S = 1.0               # on a clean stop, time given to take in trajectories already queued on the socket
 MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
 CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
 TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
@@ -45,6 +49,7 @@ class BufferService:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.previous_ledger = archive_ledger(self.run_dir)
         self.clock = clock
         bc = cfg.buffer
         self.recorder: Optional[Recorder] = None
@@ -163,7 +168,7 @@ class BufferService:
             self.counters["control_unexpected"] += 1
 
     def _grant(self, peer: bytes, req: GrantRequest) -> None:
-        ids = self.buffer.grant(req.actor_id, req.want)
+        ids = self.buffer.grant(req.actor_id, req.want, actor_version=req.policy_version)
         self.counters["grant_requests"] += 1
         self.counters["groups_granted"] += len(ids)
         self.counters["grants_refused"] += 0 if ids else 1
@@ -174,6 +179,15 @@ class BufferService:
             weights_path=self.weights_path))
 
     def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
+        if req.version < self.buffer.version:
+            # A learner resumed from an older checkpoint: requests the dead one left parked are void (served, they
+            # would drag the version forward again). Each still gets its one reply.
+            void = [(p, r) for p, r, _ in self._parked if r.version > req.version]
+            for p, r in void:
+                self.control.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
+            self._parked = [x for x in self._parked if x[1].version <= req.version]
+            self.counters["parked_voided"] += len(void)
+            self.counters["learner_rollbacks"] += 1
         if not self._try_batch(peer, req):
             timeout = min(max(0.0, float(req.timeout_s)), MAX_PARK_S)
             self._parked.append((peer, req, self.clock() + timeout))
@@ -271,7 +285,8 @@ class BufferService:
 
     def write_ledger(self) -> Path:
         """Flush the recording, then write ledger.json (recorded_records = how many records it reflects)."""
-        extra = {"service": dict(self.counters)}
+        extra = {"service": dict(self.counters),
+                 "previous_ledger": self.previous_ledger.name if self.previous_ledger else None}
         if self.recorder is not None:
             self.recorder.flush()
             extra["recorded_records"] = self.recorder.records
@@ -320,6 +335,7 @@ class BufferService:
         if self._closed:
             return
         self._closed = True
+        self._drain(DRAIN_S)
         self.write_ledger()
         if self.recorder is not None:
             self.recorder.close()
@@ -328,8 +344,36 @@ class BufferService:
         if self._auth is not None:
             self._auth.stop()
 
+    def _drain(self, seconds: float) -> int:
+        """Take in what is already queued on the trajectory socket (closing it would silently drop it)."""
+        n, deadline = 0, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = self.receiver.recv(0)
+            self._sync_malformed()
+            if msg is None:
+                break
+            self._on_trajectory(msg)
+            n += 1
+        self.counters["drained_at_stop"] += n
+        return n
+
     def __enter__(self) -> "BufferService":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def archive_ledger(run_dir: Path) -> Optional[Path]:
+    """A restarted buffer starts its books from zero: move the previous incarnation's ledger.json aside to
+    ledger-<n>.json (n = 1, 2, ... oldest first) so no count is lost; returns the new name, None if none."""
+    current = Path(run_dir) / "ledger.json"
+    if not current.is_file():
+        return None
+    n = 1
+    while (Path(run_dir) / f"ledger-{n}.json").exists():
+        n += 1
+    target = Path(run_dir) / f"ledger-{n}.json"
+    current.rename(target)
+    log.warning("buffer: previous ledger moved to %s", target.name)
+    return target

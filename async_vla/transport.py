@@ -5,7 +5,8 @@ Channels
   back-pressure: when the buffer stops reading, actors' sends block (we poll with a timeout so a
   stopping actor is never stuck).
 - control: buffer ROUTER (bind) <-> actors / learner ranks DEALER (connect). Requests and replies are
-  typed messages; a bundle (header + trajectories) answers a learner's batch request.
+  typed messages; a bundle (header + trajectories) answers a learner's batch request. Control sends never
+  block: heartbeats and stats are dropped (and counted) when the queue is full, requests raise ControlTimeout.
 
 Receivers never raise on bad input: they count it in ``malformed`` by reason and carry on.
 Sockets bind to 127.0.0.1 unless configured otherwise, set linger so close() never hangs, and cap
@@ -220,8 +221,18 @@ class ControlServer:
             self._ctx.term()
 
 
+class ControlTimeout(TimeoutError):
+    """A control request could not be queued, or got no reply, in time (the buffer is down or unreachable)."""
+
+
 class ControlClient:
-    """Actor / learner side of the control channel (DEALER, connects)."""
+    """Actor / learner side of the control channel (DEALER, connects).
+
+    Sends never block for longer than asked: a DEALER queues up to its high-water mark while the buffer is
+    unreachable and then would block forever (an actor stuck in a heartbeat send looks hung and is restarted).
+    ``send`` drops a message whose queue stays full and counts it in ``dropped`` by kind (right for heartbeats
+    and stats: the next one supersedes it); ``request`` / ``call`` raise ``ControlTimeout`` instead.
+    """
 
     def __init__(self, endpoint: str, identity: Optional[bytes] = None, hwm: int = 1024,
                  max_bytes: int = 1024**3, ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
@@ -231,11 +242,45 @@ class ControlClient:
             self._sock.identity = identity
         _secure_client(self._sock, keys)
         self._sock.connect(endpoint)
+        self.endpoint = endpoint
         self.max_bytes = max_bytes
         self.malformed = MalformedCounter()
+        self.dropped = MalformedCounter()
+        """Messages ``send`` dropped because the send queue stayed full, by message kind."""
 
-    def send(self, msg: Message) -> None:
-        self._sock.send_multipart(encode(msg), copy=False)
+    def _try_send(self, msg: Message, timeout_s: float) -> bool:
+        frames = encode(msg)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            try:
+                # A multipart message is queued atomically: NOBLOCK fails on the first frame or not at all.
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000)), zmq.POLLOUT):
+                    return False
+
+    def send(self, msg: Message, timeout_s: float = 0.0) -> bool:
+        """Queue ``msg``, waiting at most ``timeout_s`` for room; False = dropped (and counted in ``dropped``)."""
+        if self._try_send(msg, timeout_s):
+            return True
+        self.dropped.add(msg.KIND)
+        return False
+
+    def request(self, msg: Message, timeout_s: float) -> None:
+        """Queue a message that needs an answer; ``ControlTimeout`` if there is no room within ``timeout_s``."""
+        if not self._try_send(msg, timeout_s):
+            raise ControlTimeout(f"{msg.KIND}: the control queue to {self.endpoint} stayed full for {timeout_s:.1f} s "
+                                 "(buffer down or unreachable)")
+
+    def call(self, msg: Message, timeout_s: float) -> Message:
+        """``request`` then wait for the reply; ``ControlTimeout`` if it cannot be sent or no reply comes in time."""
+        self.request(msg, timeout_s)
+        reply = self.recv(timeout_s)
+        if reply is None:
+            raise ControlTimeout(f"{msg.KIND}: no reply from {self.endpoint} within {timeout_s:.1f} s")
+        return reply
 
     def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
         frames = self._recv_frames(timeout_s)

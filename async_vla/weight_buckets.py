@@ -35,7 +35,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -529,3 +529,51 @@ class BroadcastGroup:
 def parse_header(t: torch.Tensor) -> dict[str, int]:
     keys = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
     return dict(zip(keys, (int(x) for x in t.cpu().tolist())))
+
+
+# One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
+# worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
+def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+                 left: Callable[[], float], overlap: bool = True) -> int:
+    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the receivers'
+    (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
+    receivers confirmed the checksum."""
+    manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
+    header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
+                           layout.digest, g.seq], dtype=torch.int64, device=g.device)
+    g.seq += 1
+    g.bcast(header, left())
+    if manifest:
+        g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
+        g.layout = layout
+    g.bcast_many(list(buckets), left(), overlap)
+    return int(g.recv_acks(left)[1])
+
+
+def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True
+                 ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
+    """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
+    into fresh (or pooled) buckets. The acknowledgement is sent whether or not the checksum matched."""
+    header = torch.zeros(8, dtype=torch.int64, device=g.device)
+    g.bcast(header, timeout_s)
+    h = parse_header(header)
+    if h["magic"] != MAGIC:
+        raise ValueError("bad weight header")
+    if h["manifest"]:
+        if not 0 < h["manifest"] <= MAX_MANIFEST_BYTES:
+            raise ValueError("manifest size out of range")
+        raw = torch.empty(h["manifest"], dtype=torch.uint8, device=g.device)
+        g.bcast(raw, timeout_s)
+        g.layout = Layout.from_manifest_bytes(raw.cpu().numpy().tobytes())
+    layout = g.layout
+    if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
+            or layout.wire_bytes != h["nbytes"]):
+        raise ValueError("weight header does not match the manifest")
+    buckets = empty_buckets(layout, g.device, pool)
+    if pool is not None:
+        pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
+    g.bcast_many(buckets, timeout_s)
+    tensors = unpack(layout, buckets)
+    ok = not verify or int(checksum(tensors)) == h["checksum"]
+    g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
+    return h, layout, tensors, ok

@@ -51,8 +51,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from async_vla.weight_buckets import (
-    MAGIC, BroadcastGroup, BucketPacker, BufferPool, Layout, checksum, empty_buckets, export_weights,
-    parse_header, read_latest, resolve_backend, td, unpack,
+    BroadcastGroup, BucketPacker, BufferPool, Layout, checksum, export_weights, read_latest, recv_version,
+    resolve_backend, send_version, td, unpack,
 )
 
 log = logging.getLogger(__name__)
@@ -250,16 +250,7 @@ class WeightPublisher:
 
         for tok in g.members:
             self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
-        manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
-        header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
-                               layout.digest, g.seq], dtype=torch.int64, device=g.device)
-        g.seq += 1
-        g.bcast(header, left())
-        if manifest:
-            g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
-            g.layout = layout
-        g.bcast_many(buckets, left(), self.cfg.overlap)
-        return int(g.recv_acks(left)[1])
+        return send_version(g, version, layout, buckets, csum, left, self.cfg.overlap)
 
     def _start_export(self, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
                       sync: bool) -> None:
@@ -481,27 +472,7 @@ class WeightSubscriber:
 
     def _receive(self, g: BroadcastGroup) -> None:
         t0 = time.monotonic()
-        header = torch.zeros(8, dtype=torch.int64, device=g.device)
-        g.bcast(header, self.timeout_s)
-        h = parse_header(header)
-        if h["magic"] != MAGIC:
-            raise ValueError("bad weight header")
-        if h["manifest"]:
-            if not 0 < h["manifest"] <= 64 * 2**20:
-                raise ValueError("manifest size out of range")
-            raw = torch.empty(h["manifest"], dtype=torch.uint8, device=g.device)
-            g.bcast(raw, self.timeout_s)
-            g.layout = Layout.from_manifest_bytes(raw.cpu().numpy().tobytes())
-        layout = g.layout
-        if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
-                or layout.wire_bytes != h["nbytes"]):
-            raise ValueError("weight header does not match the manifest")
-        buckets = empty_buckets(layout, g.device, self._pool)
-        self._pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting in poll(), this one
-        g.bcast_many(buckets, self.timeout_s)
-        tensors = unpack(layout, buckets)
-        ok = not self.cfg.verify or int(checksum(tensors)) == h["checksum"]
-        g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), self.timeout_s)
+        h, layout, tensors, ok = recv_version(g, self.timeout_s, self._pool, self.cfg.verify)
         if not ok:
             self.stats["checksum_errors"] += 1
             log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, h["version"])

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("learner")
+RECONNECT_AFTER_S = 10.0  # no reply this long past a batch request's own timeout: the buffer restarted
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -140,6 +141,7 @@ class _Batches:
         self.client = self._connect()
         self.pending = False
         self.sent_at = 0.0
+        self.reconnects = 0
 
     def _connect(self) -> Any:
         from async_vla.transport import ControlClient
@@ -150,23 +152,28 @@ class _Batches:
     def poll(self, version: int) -> Optional[list[list[Any]]]:
         """Ask for (or keep waiting on) this rank's share; a list of groups, or None if not ready yet."""
         from async_vla.messages import BatchRequest
+        from async_vla.transport import ControlTimeout
 
         timeout = self.cfg.learner.batch_timeout_s
         if not self.pending:
-            self.client.send(BatchRequest(rank=self.rank, world=self.world, version=version, timeout_s=timeout))
+            try:
+                self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
+                                                 timeout_s=timeout), timeout_s=timeout)
+            except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
+                log.warning("%s: reconnecting", exc)
+                self._reconnect()
+                return None
             self.pending, self.sent_at = True, time.monotonic()
         bad_before = self.client.malformed.total
         got = self.client.recv_bundle(timeout_s=timeout + 0.5)
         if got is None:
             if self.client.malformed.total > bad_before:
                 self.pending = False  # a reply we could not read (e.g. a refused request): ask again
-            elif time.monotonic() - self.sent_at > timeout + 30:
-                # No reply at all: the buffer restarted or is gone. A fresh socket drops any late reply.
+            elif time.monotonic() - self.sent_at > timeout + RECONNECT_AFTER_S:
+                # No reply at all: the buffer restarted (our request died with it) or is gone.
                 log.warning("no reply from the buffer at %s for %.0f s: reconnecting", self.endpoint,
                             time.monotonic() - self.sent_at)
-                self.client.close()
-                self.client = self._connect()
-                self.pending = False
+                self._reconnect()
             return None
         self.pending = False
         header, members = got
@@ -182,18 +189,26 @@ class _Batches:
             pos += s
         return groups
 
+    def _reconnect(self) -> None:
+        """A fresh socket (new identity): any late reply to the old one is dropped, never mistaken for ours."""
+        self.client.close()
+        self.client = self._connect()
+        self.pending = False
+        self.reconnects += 1
+
     def buffer_stats(self, timeout_s: float = 2.0) -> dict:
         """The buffer's ledger and counters (for the checkpoint), {} if it does not answer."""
         from async_vla.messages import ControlCommand
         from async_vla.transport import ControlClient
 
+        from async_vla.transport import ControlTimeout
+
         client = ControlClient(self.endpoint, identity=f"learner-stats-{os.getpid()}".encode(), keys=self.keys)
         try:
-            client.send(ControlCommand("stats"))
-            reply = client.recv(timeout_s=timeout_s)
-            if reply is not None and getattr(reply, "command", "") == "stats" and isinstance(reply.value, str):
+            reply = client.call(ControlCommand("stats"), timeout_s=timeout_s)
+            if getattr(reply, "command", "") == "stats" and isinstance(reply.value, str):
                 return json.loads(reply.value)
-        except (ValueError, json.JSONDecodeError):
+        except (ValueError, json.JSONDecodeError, ControlTimeout):
             pass
         finally:
             client.close()
@@ -240,7 +255,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
 
     from async_vla.metrics import Monitor
     from async_vla.policy import build_policy
-    from learner.core import TorchLearner, latest_tag
+    from learner.core import TorchLearner, checkpoint_tag, latest_tag, tensors_digest
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if not torch.cuda.is_available():
@@ -259,10 +274,20 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
         from learner.deepspeed_engine import DeepSpeedLearner
         learner = DeepSpeedLearner(cfg, policy)
     ckpt_dir = run_dir / "checkpoints"
+
+    def digests() -> dict:
+        """Every rank calls: sha256 of the full parameters (rank 0) and of this rank's optimizer state."""
+        if not cfg.learner.checkpoint_digest:
+            return {}
+        return {"params": tensors_digest(learner.full_state_items()), "optimizer": learner.optimizer_digest()}
+
     if resume and latest_tag(ckpt_dir) is not None:
+        tag = latest_tag(ckpt_dir)
         extra = learner.load_checkpoint(ckpt_dir)
         log.info("resumed at version %d (buffer ledger at the checkpoint: %s)", learner.version,
                  (extra.get("buffer_ledger") or {}).get("ledger", "n/a"))
+        if cfg.learner.checkpoint_digest:
+            write_resume_report(run_dir, ckpt_dir / tag, rank, learner.version, digests())
     elif resume:
         log.warning("--resume: no checkpoint in %s, starting at version 0", ckpt_dir)
 
@@ -281,7 +306,10 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
     def checkpoint() -> None:
         t0 = time.perf_counter()
         extra = {"buffer_ledger": batches.buffer_stats() if rank == 0 else {}}
+        saved = digests()
         learner.save_checkpoint(ckpt_dir, extra=extra)
+        if saved:  # for the resume check (a kill between save and this leaves a checkpoint without it: unchecked)
+            (ckpt_dir / checkpoint_tag(learner.version) / f"digest_rank{rank:05d}.json").write_text(json.dumps(saved))
         if rank == 0:
             monitor.scalar("learner/checkpoint_s", time.perf_counter() - t0, learner.version)
 
@@ -350,6 +378,19 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
     monitor.close()
     log.info("stopped at version %d (%d skipped steps)", learner.version, learner.skipped_steps)
     return 0
+
+
+def write_resume_report(run_dir: Path, ckpt: Path, rank: int, version: int, loaded: dict) -> None:
+    """``<run>/learner_resume_rank<r>.json``: the digests after loading vs. those recorded at save time."""
+    try:
+        saved = json.loads((ckpt / f"digest_rank{rank:05d}.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    report = {"checkpoint": ckpt.name, "version": version, "pid": os.getpid(), "t": time.time(), "loaded": loaded,
+              "saved": saved, "bit_equal": bool(saved) and saved == loaded}
+    (run_dir / f"learner_resume_rank{rank:05d}.json").write_text(json.dumps(report, indent=1))
+    if saved and saved != loaded:
+        log.error("resumed state differs from the checkpoint's recorded digests: %s vs %s", loaded, saved)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _loopback_store(cfg: Config) -> Optional[Any]:
+    """Rank 0's rendezvous store bound to MASTER_ADDR itself when that is a loopback address.
+
+    ``env://`` makes rank 0 host a TCPStore that listens on every interface even with MASTER_ADDR=127.0.0.1;
+    bound here it stays on loopback. Other ranks still join through ``env://`` (same store, same "default_pg"
+    prefix). None (plain ``env://``) for other ranks, non-loopback masters and torchelastic's agent store.
+    """
+    import ipaddress
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    addr = os.environ.get("MASTER_ADDR", "")
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = False
+    if os.environ.get("RANK") != "0" or not loopback or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    host = "127.0.0.1" if addr == "localhost" else addr
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(os.environ["MASTER_PORT"])))
+    sock.listen(128)
+    timeout = datetime.timedelta(seconds=cfg.learner.dist_timeout_s)
+    store = TCPStore(host, sock.getsockname()[1], int(os.environ["WORLD_SIZE"]), True, timeout,
+                     wait_for_workers=False, master_listen_fd=sock.detach())
+    return PrefixStore("default_pg", store)
+
+
 def init_distributed(cfg: Config) -> tuple[int, int]:
     """Join (or create) the learner's process group; returns (rank, world).
 
@@ -159,6 +188,10 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = _loopback_store(cfg)
+        if store is not None:  # deepspeed.init_distributed below adopts the initialized default group
+            dist.init_process_group(backend, store=store, rank=0, world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=datetime.timedelta(seconds=cfg.learner.dist_timeout_s))
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(seconds=cfg.learner.dist_timeout_s))
     return dist.get_rank(), dist.get_world_size()

@@ -91,20 +91,28 @@ class Child:
             return ""
 
 
-def buffer_stats(endpoint: str, timeout_s: float = 1.0) -> Optional[dict]:
-    """Ask the buffer for its ledger and metrics (None if it does not answer)."""
+def buffer_stats(endpoint: str, timeout_s: float = 1.0, keys: Any = None) -> Optional[dict]:
+    """Ask the buffer for its ledger and metrics (None if it does not answer). ``keys``: CURVE client keys."""
     from async_vla.messages import ControlCommand
-    from async_vla.transport import ControlClient
+    from async_vla.transport import ControlClient, ControlTimeout
 
-    client = ControlClient(endpoint)
+    client = ControlClient(endpoint, keys=keys)
     try:
-        client.send(ControlCommand("stats"))
-        reply = client.recv(timeout_s=timeout_s)
+        reply = client.call(ControlCommand("stats"), timeout_s=timeout_s)
         if isinstance(reply, ControlCommand) and isinstance(reply.value, str):
             return json.loads(reply.value)
         return None
+    except ControlTimeout:
+        return None
     finally:
         client.close()
+
+
+def client_keys(cfg: Config) -> Any:
+    """CURVE client keys when transport.curve is on (the launcher talks to the buffer like an actor does)."""
+    from async_vla.transport import CurveKeys
+
+    return CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
 
 
 class Evaluator:
@@ -164,7 +172,8 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
                                 run_dir, cores=learner_cores)}
     control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
     deadline = time.time() + 60
-    while buffer_stats(control, 0.5) is None:
+    keys = client_keys(cfg)
+    while buffer_stats(control, 0.5, keys) is None:
         if not children["buffer"].alive() or time.time() > deadline:
             raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
     learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
@@ -199,6 +208,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     evaluator = Evaluator(cfg, run_dir)
     children: dict[str, Child] = {}
     control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
+    keys = client_keys(cfg)
     stats: Optional[dict] = None
     failed = False
     try:
@@ -233,7 +243,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                         break
             if now - last_status >= cfg.logging.status_every_s:
                 last_status = now
-                stats = buffer_stats(control) or stats
+                stats = buffer_stats(control, keys=keys) or stats
                 if stats:
                     rate = stats.get("metrics", {}).get("rollout/success_rate")
                     if rate is not None and rate == rate:  # the plot's train-rollout line (NaN = no stats yet)
@@ -241,7 +251,8 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                                                       "wall_s": time.time() - recorder.t0, "success_rate": rate})
                     print(status_line(recorder, stats), flush=True)
     finally:
-        stats = buffer_stats(control) or stats if children.get("buffer") and children["buffer"].alive() else stats
+        if children.get("buffer") and children["buffer"].alive():
+            stats = buffer_stats(control, keys=keys) or stats
         for name in ("actors", "learner", "tensorboard", "buffer"):
             if name in children:
                 children[name].stop(timeout_s=60 if name == "learner" else 30)

@@ -9,6 +9,8 @@ debugging and ablations; throughput comes from the async mode.
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 import time
 from pathlib import Path
@@ -55,7 +57,13 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     if resume and ckpt_dir.exists():
         extra = learner.load_checkpoint(ckpt_dir)
         log.info("resumed at version %d", learner.version)
-    actor = SerialActor(cfg, 0, policy, envs, version=learner.version)
+    lag = cfg.run.serial_lag
+    # serial_lag > 0: the actor gets its own copy of the policy and the weights of `lag` versions ago.
+    actor_policy = copy.deepcopy(policy) if lag else policy
+    snapshots: collections.deque = collections.deque(maxlen=lag + 1)
+    if lag:
+        snapshots.append((learner.version, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
+    actor = SerialActor(cfg, 0, actor_policy, envs, version=learner.version)
     buffer = GroupBuffer(cfg, run_id=cfg.run.name, valid_task_ids=task_ids)
     buffer.set_learner_version(learner.version)
     pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
@@ -98,7 +106,12 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
             metrics = learner.train_step(groups)
             train_s += time.perf_counter() - t1
             buffer.set_learner_version(learner.version)
-            actor.set_weights(learner.version)  # shared policy object: already updated in place
+            if lag:
+                snapshots.append((learner.version, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
+                version, state = snapshots[0]  # the oldest kept: `lag` versions ago once the deque is full
+                actor.set_weights(version, state)
+            else:
+                actor.set_weights(learner.version)  # shared policy object: already updated in place
             wall = time.perf_counter() - t_start
             metrics.update({
                 "perf/learner_idle_frac": rollout_s / max(wall, 1e-9),  # learner waits for rollouts here

@@ -196,6 +196,17 @@ def test_pacing_counts_from_resumed_learner_version():
     assert buf.pacing_capacity() == (0 + 1 + 1) * 2 - 0 - 2 == 2
 
 
+def test_no_grant_to_an_actor_whose_policy_is_too_old():
+    # Its trajectories would be dropped as stale on arrival: refuse (counted) until it has newer weights.
+    buf = GroupBuffer(make_cfg(groups_per_batch=2, max_staleness=1), RUN)
+    buf.set_learner_version(5)
+    assert buf.grant(0, want=1, actor_version=3) == [] and buf.grants_refused_behind == 1
+    assert len(buf.grant(0, want=1, actor_version=4)) == 1          # lag 1 <= eta: fine
+    assert len(buf.grant(0, want=1)) == 1                           # version unknown (old clients): not refused
+    assert buf.metrics()["buffer/grants_refused_behind"] == 1.0
+    assert buf.ledger_snapshot()["grants_refused_behind"] == 1
+
+
 def test_grant_stops_when_full():
     buf = GroupBuffer(make_cfg(groups_per_batch=1, max_groups=2, pacing=False), RUN)
     add_group(buf, "a", MIXED)

@@ -1,11 +1,9 @@
-"""Transport: real ZeroMQ sockets on loopback, the in-process twin, and a 10,000-frame fuzz of a live receiver."""
+"""Transport: real ZeroMQ sockets on loopback and the in-process twin. (Fuzzing, oversize frames and non-blocking
+control sends: tests/faults/.)"""
 
-import threading
 import time
 
-import numpy as np
 import pytest
-import zmq
 
 from async_vla import messages as M
 from async_vla.transport import (
@@ -17,7 +15,7 @@ from async_vla.transport import (
     endpoints,
 )
 from async_vla.config import load_config
-from tests.test_messages import make_traj, mutate
+from tests.test_messages import make_traj
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "ipc"])
@@ -82,80 +80,3 @@ def test_endpoints_default_to_loopback(tmp_path):
     assert all(e.startswith("tcp://127.0.0.1:") for e in eps.values())
     ipc = endpoints(load_config(None, ["transport.use_ipc=true"]).transport, tmp_path)
     assert ipc["trajectory"].startswith("ipc://")
-
-
-def _fuzz_frames(rng, valid_frames):
-    """One hostile multipart message: random bytes, truncations, bit flips, or a semantic mutation."""
-    kind = rng.integers(0, 6)
-    if kind == 0:
-        return [rng.bytes(int(rng.integers(0, 512))) for _ in range(int(rng.integers(1, 5)))]
-    if kind == 1:  # truncated frame
-        frames = [bytes(f) for f in valid_frames]
-        i = int(rng.integers(0, len(frames)))
-        frames[i] = frames[i][: int(rng.integers(0, max(1, len(frames[i]))))]
-        return frames
-    if kind == 2:  # bit flip in the header (may land in a string and still be a valid message)
-        frames = [bytearray(bytes(f)) for f in valid_frames]
-        j = int(rng.integers(0, len(frames[0])))
-        frames[0][j] ^= 1 << int(rng.integers(0, 8))
-        return [bytes(f) for f in frames]
-    if kind == 3:  # dropped or extra frames
-        frames = [bytes(f) for f in valid_frames]
-        return frames[:-1] if rng.random() < 0.5 else frames + [b"x" * 8]
-    if kind == 4:
-        return [b"\xff" * 70_000]  # oversize header / garbage
-    cases = ["schema_version", "unknown_kind", "dtype", "shape_lie", "negative_version", "type",
-             "unknown_field", "missing_field", "nan_logprob", "huge_shape"]
-    return mutate(cases[int(rng.integers(0, len(cases)))])
-
-
-def test_fuzz_live_receiver_10000_frames():
-    recv = TrajectoryReceiver("tcp://127.0.0.1:0", hwm=100_000, max_bytes=1024**2)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.sndhwm = 100_000
-    push.connect(recv.endpoint)
-    rng = np.random.default_rng(1)
-    valid = M.encode(make_traj())
-    n_bad = 10_000
-    stop = threading.Event()
-    valid_seen, mutations_that_parsed = [], []
-
-    def drain():
-        deadline = time.monotonic() + 240
-        while (not stop.is_set() or recv.received < n_bad + 3) and time.monotonic() < deadline:
-            msg = recv.recv(timeout_s=0.2)
-            if msg is not None:
-                (valid_seen if msg.traj_id.startswith("ok") else mutations_that_parsed).append(msg)
-            if stop.is_set() and recv.received >= n_bad + 3:
-                break
-
-    th = threading.Thread(target=drain)
-    th.start()
-    n_bitflip = 0
-    for _ in range(n_bad):
-        state = rng.bit_generator.state
-        if rng.integers(0, 6) == 2:
-            n_bitflip += 1
-        rng.bit_generator.state = state
-        push.send_multipart(_fuzz_frames(rng, valid))
-    # Over MAXMSGSIZE: ZeroMQ drops it before allocation and disconnects that peer, so it gets its own socket.
-    rogue = ctx.socket(zmq.PUSH)
-    rogue.connect(recv.endpoint)
-    rogue.send_multipart([b"x" * (2 * 1024**2)])
-    for i in range(3):  # valid frames sent afterwards still arrive
-        push.send_multipart(M.encode(make_traj(traj_id=f"ok{i}", seed=i)))
-    time.sleep(0.5)
-    stop.set()
-    th.join(60)
-    assert not th.is_alive(), "receiver stopped serving"
-    assert [m.traj_id for m in valid_seen] == ["ok0", "ok1", "ok2"]
-    # Every hostile frame was either counted as malformed by reason, or (only a bit flip inside a string or
-    # number can do this) decoded into a message that passed every check.
-    assert recv.malformed.total + len(mutations_that_parsed) == n_bad
-    assert len(mutations_that_parsed) <= n_bitflip
-    assert len(recv.malformed.by_reason) >= 8
-    push.close(0)
-    rogue.close(0)
-    ctx.term()
-    recv.close()

@@ -45,7 +45,8 @@ def render_config_doc() -> str:
         "## Cross-field checks",
         "",
         "- `buffer.groups_per_batch` must be a multiple of `learner.num_ranks` (equal split across ranks).",
-        "- `actor.backend=vllm` needs vLLM installed (the `gpu` extra) and `policy.decoding=autoregressive`.",
+        "- `actor.backend=vllm` needs vLLM installed (the `gpu` extra), `policy.arch=openvla` and "
+        "`policy.decoding=autoregressive`.",
         "- `policy.arch` other than `tiny` needs `policy.path`.",
         "- `policy.hidden_size` divisible by `policy.num_heads`; `env.image_size` a multiple of `policy.patch_size`.",
         "- `loss.mis_low < loss.mis_high`; `buffer.difficulty_mask` as `0 <= lo < hi <= 1`.",

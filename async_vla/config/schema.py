@@ -60,6 +60,10 @@ class Config(Section):
             )
         if self.actor.backend == "vllm" and self.policy.decoding != "autoregressive":
             raise ValueError("actor.backend=vllm needs policy.decoding=autoregressive")
+        if self.actor.backend == "vllm" and self.policy.arch != "openvla":
+            # The tiny arch adds per-position queries and a context vector to its action inputs and has its own
+            # action head: not a plain causal LM that vLLM could serve (docs/ARCHITECTURE.md).
+            raise ValueError("actor.backend=vllm needs policy.arch=openvla (an autoregressive OpenVLA checkpoint)")
         if self.policy.arch != "tiny" and self.policy.path is None:
             raise ValueError(f"policy.arch={self.policy.arch} needs policy.path (a local checkpoint directory)")
         if self.policy.num_bins > self.policy.vocab_size:
@@ -74,6 +78,10 @@ class Config(Section):
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
                 f"({self.policy.patch_size})"
             )
+        if self.run.serial_lag > self.buffer.max_staleness:
+            raise ValueError(
+                f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
+                f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
         if self.run.mode == "sync" and self.buffer.max_staleness != 0:
             # Sync mode is defined by zero staleness; silently keeping eta>0 would make it async.
             object.__setattr__(self.buffer, "max_staleness", 0)

@@ -39,6 +39,10 @@ class RunConfig(Section):
     pin_cores: bool = False
     """Pin the learner ranks and the buffer to CPU core 0 and the actor fleet to the other cores (bin/train;
     used by the async-vs-sync benchmark so each side gets exactly one core on a 2-core host)."""
+    serial_lag: int = Field(0, ge=0)
+    """run.mode=serial only: the actor samples with the weights of this many versions ago (a copy of the policy,
+    refreshed from snapshots), so the learner trains on data exactly this stale, deterministically: isolates
+    what staleness does to learning from everything else the multi-process modes add. 0 = on-policy."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
     """Stop early once greedy eval success reaches this value (None = never stop early)."""
 
@@ -148,7 +152,12 @@ class ActorConfig(Section):
     swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
     """When an actor swaps in new weights: between policy calls, or only between episodes."""
     backend: Literal["torch", "vllm"] = "torch"
-    """Inference backend: torch (CPU/GPU) or vllm (GPU, `gpu` extra)."""
+    """Inference backend: torch (CPU/GPU) or vllm (GPU, `gpu` extra; OpenVLA checkpoints, policy.arch=openvla:
+    see README "vLLM on GPU hosts")."""
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """actor.backend=vllm: fraction of the GPU the in-process vLLM engine may take (its weights + KV cache); the
+    rest stays for the torch copy of the policy (vision encoder, projector, prompt embeddings) and the weight
+    receive buffers."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per actor (oversubscription makes steps swing 20x on 2 cores)."""
     heartbeat_s: float = Field(1.0, gt=0)
@@ -252,6 +261,10 @@ class LearnerConfig(Section):
     partitioned (DeepSpeed stage3_param_persistence_threshold); 0 partitions every parameter."""
     keep_checkpoints: int = Field(2, ge=1)
     """Resumable checkpoints kept in <run>/checkpoints (older ones are deleted after a successful save)."""
+    checkpoint_digest: bool = True
+    """Record sha256 digests of the parameters and each rank's optimizer state with every checkpoint, and on
+    --resume check the loaded state against them (<run>/learner_resume_rank<r>.json). One extra hash pass over
+    the state per checkpoint: turn off for multi-GB models if that matters."""
     batch_timeout_s: float = Field(1.0, gt=0)
     """How long one BatchRequest waits at the buffer for a full batch before answering not-ready."""
     dist_timeout_s: float = Field(1800.0, gt=0)
