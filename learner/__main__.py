@@ -227,8 +227,15 @@ def _make_publisher(cfg: Any, run_dir: Path) -> Any:
     return WeightPublisher(cfg, run_dir)
 
 
-def publish_weights(learner: Any, publisher: Any) -> dict:
-    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers."""
+def publish_weights(learner: Any, publisher: Any, verify_ranks: bool = False) -> dict:
+    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers.
+
+    ``verify_ranks``: then every rank gathers the full weights again and the ranks agree (all-reduce of
+    min / max) that their checksums equal the one rank 0's publisher computed from the buckets it sent, which
+    is also what each receiver checks before it acknowledges (``confirmed``): rank r == broadcast == actor.
+    """
+    import torch
+
     items = learner.full_state_items()
     stats: dict = {}
     t0 = time.perf_counter()
@@ -241,6 +248,18 @@ def publish_weights(learner: Any, publisher: Any) -> dict:
         for _ in items:  # a publisher that stopped early must not leave the other ranks in a gather
             pass
     stats.setdefault("sync_s", time.perf_counter() - t0)
+    if verify_ranks:
+        from async_vla.weight_buckets import checksum
+
+        mine = checksum(list(learner.full_state_items(all_ranks=True)))
+        sent = float(stats.get("checksum", mine)) if publisher is not None else mine
+        t = torch.tensor([mine, -mine, sent, -sent], dtype=torch.float64)
+        hi_mine, neg_lo_mine, hi_sent, neg_lo_sent = learner._all_reduce(t, "max").tolist()
+        ok = hi_mine == -neg_lo_mine == hi_sent == -neg_lo_sent  # every rank's gather == the broadcast checksum
+        stats["rank_checksum_ok"] = float(ok)
+        if not ok:
+            log.error("v%d: learner ranks' gathered weights differ from the broadcast (checksums %s..%s vs %s)",
+                      learner.version, -neg_lo_mine, hi_mine, hi_sent)
     return stats
 
 
@@ -314,12 +333,16 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             monitor.scalar("learner/checkpoint_s", time.perf_counter() - t0, learner.version)
 
     def log_weights(stats: dict) -> None:
-        monitor.scalars({"weights/sync_s": float(stats.get("sync_s", 0.0)),
-                         "weights/bytes": float(stats.get("bytes", 0)),
-                         "weights/receivers": float(stats.get("receivers", 0)),
-                         "weights/version": float(learner.version)}, learner.version)
+        values = {"weights/sync_s": float(stats.get("sync_s", 0.0)), "weights/bytes": float(stats.get("bytes", 0)),
+                  "weights/receivers": float(stats.get("receivers", 0)),
+                  "weights/confirmed": float(stats.get("confirmed", 0)),
+                  "weights/version": float(learner.version)}
+        if "rank_checksum_ok" in stats:
+            values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]
+        monitor.scalars(values, learner.version)
 
-    log_weights(publish_weights(learner, publisher))  # actors (and a resumed run's actors) get this version
+    # actors (and a resumed run's actors) get this version
+    log_weights(publish_weights(learner, publisher, cfg.weights.verify_ranks))
     last_ckpt = learner.version
     t_mark, idle = time.monotonic(), 0.0
     groups = None
@@ -342,7 +365,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             version = learner.version
             t_pub = time.monotonic()
             if version % cfg.weights.publish_every == 0:
-                wstats = publish_weights(learner, publisher)
+                wstats = publish_weights(learner, publisher, cfg.weights.verify_ranks)
                 if rank == 0:
                     log_weights(wstats)
             if rank == 0:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vla.metrics import missing_required, read_tags
+from async_vla.metrics import missing_required, read_scalars, read_tags
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -57,9 +57,17 @@ def test_serial_mode_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_async_two_learner_ranks_two_actors(tmp_path):
     proc, rd = bin_train(tmp_path, "async", [
-        "run.mode=async", "run.max_versions=3", "learner.num_ranks=2", "actor.num_actors=2", "run.max_wall_s=400",
+        "run.mode=async", "run.max_versions=12", "learner.num_ranks=2", "actor.num_actors=2", "run.max_wall_s=400",
+        "weights.verify_ranks=true",  # 12 versions: the first few go out before the actors have joined the group
     ], timeout=560)
-    check_run_dir(rd, proc, 3)
+    check_run_dir(rd, proc, 12)
+    # After every broadcast both ZeRO-3 ranks' own gathers equal the checksum rank 0 sent, and every actor in
+    # the group acknowledged only after its received tensors matched that checksum.
+    ok = read_scalars(rd / "tb", "weights/rank_checksum_ok")
+    assert len(ok) >= 13 and all(v == 1.0 for _, v in ok), ok  # v0 .. v12
+    receivers = dict(read_scalars(rd / "tb", "weights/receivers"))
+    confirmed = dict(read_scalars(rd / "tb", "weights/confirmed"))
+    assert confirmed == receivers and max(receivers.values()) == 2, (receivers, confirmed)
     missing = missing_required(read_tags(rd / "tb"))
     assert not missing, f"TensorBoard tags missing: {missing}"
     commands = (rd / "commands.txt").read_text()

@@ -53,6 +53,13 @@ class Config(Section):
                 f"buffer.groups_per_batch ({self.buffer.groups_per_batch}) must be a multiple of "
                 f"learner.num_ranks ({self.learner.num_ranks}) so every rank gets the same number of groups"
             )
+        t = self.transport
+        if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
+            raise ValueError(
+                f"transport.host={t.host} exposes the buffer beyond this machine: remote actors need "
+                f"transport.curve=true and transport.curve_dir (keys from bin/keys DIR)")
+        if t.curve and not t.curve_dir:
+            raise ValueError("transport.curve=true needs transport.curve_dir (a directory written by bin/keys)")
         if self.actor.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "actor.backend=vllm but vllm is not installed: install the `gpu` extra "
@@ -91,3 +98,15 @@ class Config(Section):
     def tokens_per_call(self) -> int:
         """Action tokens produced by one policy call (chunk_size x action_dim; 56 for OpenVLA-OFT)."""
         return self.policy.chunk_size * self.policy.action_dim
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: an interface no other machine can reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -340,6 +340,10 @@ class WeightsConfig(Section):
     """Actor heartbeat into the weight store; an actor silent for 5x this is left out of the next group."""
     verify: bool = True
     """Receivers check the checksum before acknowledging a broadcast (publish reports how many matched)."""
+    verify_ranks: bool = False
+    """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
+    with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).
+    One extra ZeRO-3 gather per version: for tests and debugging."""
     export: bool = True
     """Also write every published version to <run>/weights/v<version>.safetensors + `latest` (the fallback
     a restarted or late actor loads)."""
@@ -354,7 +358,8 @@ class WeightsConfig(Section):
 
 class TransportConfig(Section):
     host: str = "127.0.0.1"
-    """Interface the buffer and learner bind to (loopback by default; 0.0.0.0 for remote actors)."""
+    """Interface the buffer and learner bind to (loopback by default; 0.0.0.0 for remote actors, which then
+    requires transport.curve)."""
     connect_host: str = "127.0.0.1"
     """Host actors and learner ranks connect to."""
     trajectory_port: int = Field(5555, ge=0, le=65535)
@@ -370,7 +375,7 @@ class TransportConfig(Section):
     max_message_mb: float = Field(64.0, gt=0)
     """Receiving sockets drop any message above this size before allocating it."""
     curve: bool = False
-    """Require ZeroMQ CURVE authentication + encryption (needed for remote actors)."""
+    """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
 
