@@ -253,6 +253,7 @@ class Actor:
         self._subscriber: Any = None
         self._eta = int(cfg.buffer.max_staleness)  # updated from every grant (eta can change live)
         self._behind_since: Optional[float] = None
+        self._refused_at_version = -1  # our version when the buffer last said "not now"
         self._next_fetch = 0.0
         self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
         self._next_hb = self._next_stats = 0.0
@@ -402,6 +403,7 @@ class Actor:
             self.groups_granted += len(msg.group_ids)
             if not msg.group_ids:
                 self._retry_at = time.monotonic() + min(max(msg.retry_after_s, 0.01), 5.0)
+                self._refused_at_version = self._version()
             if msg.weights_path and msg.learner_version > self._version():
                 self._path_weights = (msg.learner_version, msg.weights_path)
         elif isinstance(msg, Shutdown):
@@ -440,6 +442,10 @@ class Actor:
             return self.pending.popleft()
         t0 = time.monotonic()
         self.core.maybe_swap()  # no episode is running: any swap mode may take new weights now
+        if self._version() != self._refused_at_version:
+            # New weights mean the learner stepped, which is what opens pacing capacity: ask now rather than
+            # sleep out retry_after_s (in sync mode that wait was most of the per-version overhead).
+            self._retry_at, self._refused_at_version = t0, self._version()
         wait = min(0.1, self.cfg.actor.heartbeat_s)
         if t0 >= self._retry_at:
             stale = self._grant_sent_at is not None and t0 - self._grant_sent_at > self.cfg.actor.grant_timeout_s
