@@ -56,7 +56,7 @@ class VLAWorkerExtension:
         """Join the sender's group as ``rank`` (the sender hosts the store and is rank 0)."""
         from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-        from async_vla.weight_buckets import BroadcastGroup, td
+        from async_vla.weight_wire import BroadcastGroup, td
 
         if self._vla_group is not None:
             self._vla_group.close()
@@ -66,7 +66,7 @@ class VLAWorkerExtension:
 
     def vla_update_weights(self, timeout_s: float = 60.0, full: bool = False) -> dict[str, Any]:
         """Receive one version from the group and install it. A checksum mismatch installs nothing."""
-        from async_vla.weight_buckets import recv_version
+        from async_vla.weight_wire import recv_version
 
         if self._vla_group is None:
             raise RuntimeError("vla_update_weights before vla_init_weight_group")

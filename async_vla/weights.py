@@ -50,10 +50,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import (
-    BroadcastGroup, BucketPacker, BufferPool, Layout, checksum, export_weights, read_latest, recv_version,
-    resolve_backend, send_version, td, unpack,
-)
+from async_vla.weight_buckets import BucketPacker, BufferPool, Layout, checksum, export_weights, read_latest, unpack
+from async_vla.weight_wire import BroadcastGroup, recv_version, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
 

@@ -227,7 +227,7 @@ def _relay(tmp_worker, name_map):
     """A sender (rank 0, hosts the store) and the worker extension (rank 1) in one gloo group."""
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-    from async_vla.weight_buckets import BroadcastGroup, td
+    from async_vla.weight_wire import BroadcastGroup, td
 
     store = TCPStore("127.0.0.1", 0, None, True, td(30), wait_for_workers=False)
     tmp_worker.vla_setup(name_map.to_doc())
@@ -240,7 +240,8 @@ def _relay(tmp_worker, name_map):
 
 def _send(group, worker, version, named, full=False):
     """Send one version as the torch actors' stream does; returns (confirmed, worker result or exception)."""
-    from async_vla.weight_buckets import checksum, pack, send_version, unpack
+    from async_vla.weight_buckets import checksum, pack, unpack
+    from async_vla.weight_wire import send_version
 
     layout, buckets = pack(named, 1 << 16)
     out = {}

@@ -232,7 +232,7 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
     torch.set_num_threads(1)
     cfg = _cfg(**overrides)
     if die_in:   # kill -9 ourselves in the middle of the die_in-th broadcast: header in, buckets in flight
-        import async_vla.weight_buckets as weights_mod   # recv_version (the receive path) allocates through it
+        import async_vla.weight_wire as weights_mod   # recv_version (the receive path) allocates through it
 
         real, calls = weights_mod.empty_buckets, []
 

@@ -1,0 +1,168 @@
+"""Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
+version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
+manifest digest, sequence), the manifest when the layout changed, the buckets, then one (received, checksum
+ok) acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
+``async_vla.weight_buckets``; membership and epochs are ``async_vla.weights``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import BroadcastOptions
+
+from async_vla.weight_buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack
+
+MAGIC = 0x5745494748      # "WEIGH"
+ACK_TAG = 7
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "zmq":
+        raise NotImplementedError("weights.backend=zmq is not implemented yet; use auto, gloo or nccl")
+    return name
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, float(seconds)))
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+class BroadcastGroup:
+    """One epoch's process group plus what both sides remember about it."""
+
+    def __init__(self, backend: str, store, rank: int, world: int, timeout_s: float, epoch: int,
+                 members: tuple[int, ...] = ()):
+        self.backend, self.epoch, self.members, self.rank = backend, epoch, members, rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.layout: Optional[Layout] = None      # manifest this group has already seen
+        self.seq = 0
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td(timeout_s)
+            # Default error handling tears the whole process down on a timeout; we want an exception.
+            with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
+                self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        else:
+            raise ValueError(f"unknown weights backend {backend!r}")
+
+    def _finish(self, work, timeout_s: float) -> None:
+        if self.backend == "nccl":
+            work.wait(td(timeout_s))
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            work.wait()
+
+    def bcast(self, t: torch.Tensor, timeout_s: float) -> None:
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, td(timeout_s)
+        self._finish(self.pg.broadcast([t], opts), timeout_s)
+
+    def bcast_many(self, tensors: list[torch.Tensor], timeout_s: float, overlap: bool = True) -> None:
+        """Issue every broadcast, then wait (gloo's worker threads overlap consecutive ops); with
+        ``overlap=False`` wait for each before issuing the next (the naive loop, a benchmark baseline)."""
+        works = []
+        for t in tensors:
+            if t.numel():
+                opts = BroadcastOptions()
+                opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, td(timeout_s)
+                works.append(self.pg.broadcast([t.view(torch.uint8)], opts))
+                if not overlap:
+                    self._finish(works.pop(), timeout_s)
+        for w in works:
+            self._finish(w, timeout_s)
+
+    # The acknowledgement is point-to-point with rank 0 (not an allreduce) so that a stopped actor can
+    # only delay the publisher, never another actor.
+    def send_ack(self, t: torch.Tensor, timeout_s: float) -> None:
+        work = self.pg.send([t], 0, ACK_TAG)
+        work.wait(td(timeout_s))
+
+    def recv_acks(self, timeout_s_left) -> torch.Tensor:
+        """Sum of the (received, checksum ok) pairs of every member; ``timeout_s_left()`` per wait."""
+        total = torch.zeros(2, dtype=torch.int64)
+        for rank in range(1, len(self.members) + 1):
+            t = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self.pg.recv([t], rank, ACK_TAG).wait(td(timeout_s_left()))
+            total += t.cpu()
+        return total
+
+    def close(self) -> None:
+        if self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                self.pg.abort()
+        self.pg = None   # dropping the gloo context closes its sockets: peers blocked in a receive fail now
+
+
+def parse_header(t: torch.Tensor) -> dict[str, int]:
+    keys = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
+    return dict(zip(keys, (int(x) for x in t.cpu().tolist())))
+
+
+# One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
+# worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
+def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+                 left: Callable[[], float], overlap: bool = True) -> int:
+    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the receivers'
+    (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
+    receivers confirmed the checksum."""
+    manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
+    header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
+                           layout.digest, g.seq], dtype=torch.int64, device=g.device)
+    g.seq += 1
+    g.bcast(header, left())
+    if manifest:
+        g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
+        g.layout = layout
+    g.bcast_many(list(buckets), left(), overlap)
+    return int(g.recv_acks(left)[1])
+
+
+def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True
+                 ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
+    """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
+    into fresh (or pooled) buckets. The acknowledgement is sent whether or not the checksum matched."""
+    header = torch.zeros(8, dtype=torch.int64, device=g.device)
+    g.bcast(header, timeout_s)
+    h = parse_header(header)
+    if h["magic"] != MAGIC:
+        raise ValueError("bad weight header")
+    if h["manifest"]:
+        if not 0 < h["manifest"] <= MAX_MANIFEST_BYTES:
+            raise ValueError("manifest size out of range")
+        raw = torch.empty(h["manifest"], dtype=torch.uint8, device=g.device)
+        g.bcast(raw, timeout_s)
+        g.layout = Layout.from_manifest_bytes(raw.cpu().numpy().tobytes())
+    layout = g.layout
+    if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
+            or layout.wire_bytes != h["nbytes"]):
+        raise ValueError("weight header does not match the manifest")
+    buckets = empty_buckets(layout, g.device, pool)
+    if pool is not None:
+        pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
+    g.bcast_many(buckets, timeout_s)
+    tensors = unpack(layout, buckets)
+    ok = not verify or int(checksum(tensors)) == h["checksum"]
+    g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
+    return h, layout, tensors, ok
