@@ -6,7 +6,8 @@ A trajectory's life
     -> a learner batch (B groups, FIFO by default, split across learner ranks) -> "trained".
 
 Ledger: every received trajectory is in exactly one state; ``received == sum(ledger.values())`` always.
-    trained             in a batch handed to the learner (formed by next_batch; reuse does not count it twice)
+    trained             in a batch handed to the learner (formed by next_batch; reuse does not count it twice;
+                        the batch a killed learner was training returns to pending on its rollback)
     filtered_uniform    its complete group had 0 or G successes (dynamic sampling)
     filtered_difficulty its complete group's success rate was outside the (lo, hi) difficulty mask
     stale               its group's lag (learner version - min behaviour version) exceeded eta, either when the
@@ -309,11 +310,14 @@ class GroupBuffer:
     def rollback(self, version: int) -> None:
         """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
 
-        Batches formed for later versions are released (their trajectories stay "trained": the dead learner took
-        them, and its updates since the checkpoint died with it); a batch already formed at ``version`` is kept and
-        served again. Staleness is measured from ``version`` again (else everything the resumed policy produces
-        would look too old and the learner would starve), and v_base moves back as far, so pacing keeps the
-        credit of the batches consumed so far (the replayed versions each consume a batch again).
+        A batch already formed at ``version`` is kept and served again; a batch formed for a later version (only
+        the newest one is still held: the one the dead learner was training) goes back to the front of the ready
+        queue untrained, so the resumed learner trains it again (with ``buffer.reuse`` > 1 it is only released).
+        Batches the dead learner consumed before that are gone: their updates died with it, their trajectories
+        stay "trained".
+        Staleness is measured from ``version`` again (else everything the resumed policy produces would look too
+        old and the learner would starve), and v_base moves back as far, so pacing keeps the credit of the batches
+        consumed so far (the replayed versions each consume a batch again).
         """
         v = int(version)
         if v >= self.version:
@@ -323,10 +327,27 @@ class GroupBuffer:
         self.rollbacks.append({"t": time.time(), "from": self.version, "to": v})
         del self.rollbacks[:-100]
         self._v_base -= self.version - v
+        for bv in sorted((bv for bv in self._batches if bv > v), reverse=True):
+            for g in reversed(self._batches.pop(bv).groups):
+                if self.cfg.reuse == 1 and g.uses == 1:
+                    self._untrain(g, bv)
+                else:
+                    self._release(g)
         self.version = v
-        for bv in [bv for bv in self._batches if bv > v]:
-            for g in self._batches.pop(bv).groups:
-                self._release(g)
+
+    def _untrain(self, g: _Group, batch_version: int) -> None:
+        """Undo _form for a group of a batch whose update was lost: back to the front of the ready queue."""
+        n = len(g.members)
+        g.trained, g.uses = False, 0
+        self._counts["trained"] -= n
+        self._pending += n
+        self.group_counts["trained"] -= 1
+        for t in g.members:
+            lag = batch_version - t.behaviour_version
+            self.lag_histogram[lag] -= 1
+            if not self.lag_histogram[lag]:
+                del self.lag_histogram[lag]
+        self._ready.appendleft(g)  # the batch's reference moves back to the ready queue
 
     def _purge_stale(self) -> None:
         """Drop ready groups whose lag now exceeds eta (not trained: "stale"; trained leftovers of reuse: gone)."""

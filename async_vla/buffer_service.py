@@ -326,8 +326,10 @@ class BufferService:
         return m
 
     def stats(self) -> dict:
-        """Reply of ControlCommand("stats"): the ledger snapshot plus counters and metrics."""
-        return {**self.buffer.ledger_snapshot(), "service": dict(self.counters), "metrics": self.metrics()}
+        """Reply of ControlCommand("stats"): the ledger snapshot plus counters and metrics (and, when recording,
+        how many records the recording holds so far: replaying that many reproduces the buffer as of this reply)."""
+        return {**self.buffer.ledger_snapshot(), "service": dict(self.counters), "metrics": self.metrics(),
+                "recorded_records": self.recorder.records if self.recorder is not None else None}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

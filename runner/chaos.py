@@ -1,0 +1,391 @@
+"""Fault-injection scenarios against a live local system (``runner/live.py``): bin/chaos and tests/faults.
+
+Each scenario runs on an already training system, injects its fault, waits for the system to recover, and returns
+a dict of what it measured (nothing is asserted here: tests assert, bin/chaos tabulates). ``final_report`` runs
+after a clean stop and audits every buffer incarnation: ledgers balance, nothing trained beyond eta, no trajectory
+admitted twice.
+
+bad_input       10,000 hostile frames (runner/fuzz.py) into the trajectory socket + garbage into the control
+                socket + messages over transport.max_message_mb, while training
+flood           protocol-following synthetic actors that produce instantly (>= 10x the learner's rate)
+actor_kills     kill -9 a random actor every ``every_s`` for ``duration_s``
+learner_kill    kill -9 the learner, wait, ``--resume`` it; actors are not restarted
+buffer_restart  kill -9 (or SIGTERM) the buffer, start a new one on the same ports
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+import numpy as np
+
+from async_vla.transport import _secure_client
+from learner.core import latest_tag
+from runner import audit
+from runner.fuzz import fuzz, send_oversize
+from runner.live import LiveSystem, staleness_violations, unbalanced
+
+FLOOD_ACTOR_BASE = 1000  # synthetic actors' ids start here (the audit tells them apart)
+
+
+def _led(stats: dict) -> dict:
+    return dict(stats["ledger"], received=stats["received"])
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], (int, float))}
+
+
+def _alive_pids(sys_: LiveSystem) -> dict[str, Any]:
+    return {"buffer": sys_.pid("buffer"), "learner": sys_.pid("learner"), "actors": sys_.actor_pids()}
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def bad_input(sys_: LiveSystem, n: int = 10_000, n_control: int = 1000, oversize: int = 3, seed: int = 0) -> dict:
+    import zmq
+
+    s0, pids0, rss0 = sys_.stats(), _alive_pids(sys_), sys_.rss_mb("buffer")
+    t0 = time.monotonic()
+    sent = fuzz(sys_.trajectory, n, sys_.cfg.run.name, seed=seed, curve_keys=sys_.keys)
+    oversize_bytes = int(16 * sys_.cfg.transport.max_message_mb * 2**20)
+    send_oversize(sys_.trajectory, oversize_bytes, oversize, curve_keys=sys_.keys)
+    rss_peak = sys_.rss_mb("buffer")
+    ctx = zmq.Context()   # garbage on the control channel (random bytes: never a valid message)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 10_000
+    _secure_client(dealer, sys_.keys)
+    dealer.connect(sys_.control)
+    rng = np.random.default_rng(seed + 1)
+    for _ in range(n_control):
+        dealer.send_multipart([rng.bytes(int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 4)))])
+    dealer.close()
+    ctx.term()
+    m0 = s0["ledger"]["malformed"]
+    c0 = s0["metrics"].get("buffer/control_malformed", 0)
+    s1 = sys_.wait(lambda: (s := sys_.stats()) and s["ledger"]["malformed"] - m0 >= n
+                   and s["metrics"]["buffer/control_malformed"] - c0 >= n_control and s, 120, "malformed counts")
+    elapsed = time.monotonic() - t0
+    time.sleep(2)
+    s2 = sys_.stats()
+    by_reason = collections.Counter(s2["malformed_by_reason"])
+    by_reason.subtract(s0["malformed_by_reason"])
+    pids1 = _alive_pids(sys_)
+    return {
+        "frames": n, "by_kind": sent, "control_frames": n_control, "oversize_messages": oversize,
+        "oversize_mb": oversize_bytes / 2**20,
+        "malformed_counted": s2["ledger"]["malformed"] - m0,
+        "control_malformed_counted": int(s2["metrics"]["buffer/control_malformed"] - c0),
+        "by_reason": {k: v for k, v in sorted(by_reason.items()) if v},
+        "crashes": sum(int(pids1[n] != pids0[n] or not sys_.alive(n)) for n in ("buffer", "learner"))
+        + sum(1 for a, p in pids0["actors"].items() if pids1["actors"].get(a) != p),
+        "versions_during": s1["learner_version"] - s0["learner_version"], "seconds": elapsed,
+        "trained_during": s1["ledger"]["trained"] - s0["ledger"]["trained"],
+        "buffer_rss_mb": [rss0, rss_peak, sys_.rss_mb("buffer")],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- flood
+class _FloodActor(threading.Thread):
+    """A synthetic actor that makes each trajectory instantly (a template). Paced: asks for grants like a real
+    actor; unpaced: ignores pacing and pushes groups of its own ids as fast as the socket takes them (a buggy or
+    hostile actor: only the buffer's memory bound and ZeroMQ back-pressure stop it)."""
+
+    def __init__(self, sys_: LiveSystem, idx: int, stop: threading.Event, paced: bool):
+        super().__init__(daemon=True)
+        self.sys, self.actor_id, self.stop, self.paced = sys_, FLOOD_ACTOR_BASE + idx, stop, paced
+        self.sent = self.refused = self.grants = self.unsent = 0
+        self.wait_s = self.make_s = 0.0
+        cfg = sys_.cfg
+        from runner.fuzz import template
+
+        calls = max(1, (cfg.env.max_steps or 16) // cfg.policy.chunk_size)
+        self.template = dataclasses.replace(template(cfg.run.name, cfg.env.task_ids[0], calls=calls,
+                                                     side=cfg.env.image_size), actor_id=self.actor_id,
+                                            group_size=cfg.actor.group_size)
+        self.template.proprio = np.zeros((calls, cfg.policy.proprio_dim), np.float32)
+        self.calls = calls
+
+    def _traj(self, gid: str, m: int, version: int):
+        return dataclasses.replace(self.template, group_id=gid, traj_id=f"{gid}/m{m}", success=m % 2 == 0,
+                                   reward=float(m % 2 == 0), behaviour_version=version,
+                                   chunk_versions=np.full(self.calls, version, np.int64))
+
+    def run(self) -> None:
+        import zmq
+
+        from async_vla.messages import AdmissionGrant, GrantRequest, encode
+        from async_vla.transport import ControlClient, ControlTimeout, TrajectorySender
+
+        ctx = zmq.Context()
+        ctl = ControlClient(self.sys.control, identity=f"flood-{self.actor_id}-{os.getpid()}".encode(), ctx=ctx,
+                            keys=self.sys.keys)
+        snd = TrajectorySender(self.sys.trajectory, hwm=self.sys.cfg.transport.hwm, ctx=ctx, keys=self.sys.keys)
+        k, version = 0, 0
+        try:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:  # an unpaced actor asks for nothing: the reply only tells it the learner's version
+                    grant = ctl.call(GrantRequest(self.actor_id, want=4 if self.paced else 0, policy_version=version),
+                                     timeout_s=5)
+                except ControlTimeout:
+                    continue
+                if not isinstance(grant, AdmissionGrant):
+                    continue
+                version = grant.learner_version   # "loads" the current weights at once
+                gids = list(grant.group_ids) if self.paced else [f"flood{self.actor_id}-{k}"]
+                k += 1
+                if not gids:
+                    self.refused += 1
+                    time.sleep(grant.retry_after_s)
+                    self.wait_s += time.monotonic() - t0
+                    continue
+                self.grants += 1
+                for gid in gids:
+                    for m in range(self.sys.cfg.actor.group_size):
+                        t1 = time.monotonic()
+                        frames = encode(self._traj(gid, m, grant.learner_version))
+                        self.make_s += time.monotonic() - t1
+                        t2 = time.monotonic()
+                        while not snd.send_frames(frames, timeout_s=0.2):  # back-pressure: wait, never drop
+                            if self.stop.is_set():
+                                self.unsent += 1
+                                break
+                        else:
+                            self.sent += 1
+                        self.wait_s += time.monotonic() - t2
+        finally:
+            ctl.close()
+            snd.close(flush_s=30)   # what send() accepted still leaves (the buffer drains as the learner consumes)
+            ctx.term()
+
+
+def flood(sys_: LiveSystem, seconds: float = 20, paced: int = 2, unpaced: int = 2) -> dict:
+    s0 = sys_.stats()
+    rss0, held_max, ready_max, rss_max = sys_.rss_mb("buffer"), 0.0, 0, 0.0
+    stop = threading.Event()
+    fleet = [_FloodActor(sys_, i, stop, paced=i < paced) for i in range(paced + unpaced)]
+    t0 = time.monotonic()
+    for f in fleet:
+        f.start()
+    while time.monotonic() - t0 < seconds:
+        s = sys_.stats()
+        if s:
+            held_max, ready_max = max(held_max, s["held_bytes"]), max(ready_max, s["groups_ready"])
+        rss_max = max(rss_max, sys_.rss_mb("buffer"))
+        time.sleep(0.5)
+    stop.set()
+    for f in fleet:
+        f.join(60)
+    elapsed = time.monotonic() - t0
+    s1 = sys_.stats()
+    sent = sum(f.sent for f in fleet)
+    time.sleep(2 * sys_.cfg.buffer.ledger_every_s + 1)  # the recording is flushed with each ledger write
+    received = audit.received_from(sys_.run_dir, FLOOD_ACTOR_BASE, sys_.cfg)
+    make_rate = sent / max(sum(f.make_s for f in fleet), 1e-9)
+    trained_rate = (s1["ledger"]["trained"] - s0["ledger"]["trained"]) / elapsed
+    n = len(fleet)
+    return {
+        "seconds": elapsed, "flood_actors": n, "paced": paced, "unpaced": unpaced, "sent": sent,
+        "received": received, "lost": sent - received, "not_sent_at_stop": sum(f.unsent for f in fleet),
+        "grants": sum(f.grants for f in fleet if f.paced), "grants_refused": sum(f.refused for f in fleet),
+        "wait_frac": sum(f.wait_s for f in fleet) / (n * elapsed),
+        "production_rate_per_s": make_rate, "learner_rate_per_s": trained_rate,
+        "speedup": make_rate / max(trained_rate, 1e-9),
+        "versions_during": s1["learner_version"] - s0["learner_version"],
+        "held_bytes_max": held_max, "max_bytes": sys_.cfg.buffer.max_bytes, "groups_ready_max": ready_max,
+        "max_groups": sys_.cfg.buffer.max_groups, "buffer_rss_mb": [rss0, rss_max],
+        "ledger_delta": _delta(_led(s0), _led(s1)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- actors
+def actor_kills(sys_: LiveSystem, every_s: float = 30, duration_s: float = 300, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    s0, learner_pid = sys_.stats(), sys_.pid("learner")
+    kills, versions = [], [s0["learner_version"]]
+    t0 = time.monotonic()
+    for k in range(1, int(duration_s // every_s + 1e-9) + 1):   # a kill at every_s, 2 every_s, ... duration_s
+        time.sleep(max(0.0, t0 + k * every_s - time.monotonic()))
+        versions.append(sys_.version())
+        picked = _mid_rollout(sys_, rng, wait_s=min(3.0, every_s / 3))
+        if picked is None:
+            continue
+        a, pid, state = picked
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"actor": a, "pid": pid, "state": state, "t": time.monotonic(), "learner_version": versions[-1]})
+    rejoin = []
+    for k in kills:   # each killed actor is back: a new pid, loaded with weights at least as new as at the kill
+        def back(k=k):
+            st = sys_.actor_status().get(k["actor"])
+            return st if st and st["pid"] != k["pid"] and st.get("state") not in ("starting", None) else None
+        st = sys_.wait(back, 120, f"actor {k['actor']} to come back")
+        rejoin.append({"actor": k["actor"], "new_pid": st["pid"], "version": st["version"],
+                       "learner_version_at_kill": k["learner_version"]})
+    time.sleep(sys_.cfg.buffer.group_timeout_s + 2 * sys_.cfg.buffer.expire_every_s + 1)  # partial groups expire
+    s1 = sys_.stats()
+    steps = [b - a for a, b in zip(versions, versions[1:])]
+    return {
+        "kills": len(kills), "every_s": every_s, "duration_s": duration_s,
+        "learner_alive": sys_.alive("learner") and sys_.pid("learner") == learner_pid,
+        "versions": [versions[0], s1["learner_version"]], "min_versions_per_interval": min(steps, default=0),
+        "rejoined": len(rejoin), "rejoined_with_current_weights": sum(r["version"] >= r["learner_version_at_kill"]
+                                                                      for r in rejoin),
+        "restarts_logged": sum(p.read_text().count("==== fleet: starting actor") - 1
+                               for p in (sys_.run_dir / "logs").glob("actor_*.log")),
+        "expired_partial": s1["ledger"]["expired_partial"] - s0["ledger"]["expired_partial"],
+        "expired_groups": (s1["groups"].get("expired_partial", 0) + s1["groups"].get("expired_empty", 0)
+                           - s0["groups"].get("expired_partial", 0) - s0["groups"].get("expired_empty", 0)),
+        "balanced": s1["received"] == sum(s1["ledger"].values()), "rejoin": rejoin,
+    }
+
+
+def _mid_rollout(sys_: LiveSystem, rng, wait_s: float = 3.0) -> Optional[tuple[int, int, str]]:
+    """(actor, pid, state) of a random actor, preferably one its status file shows mid-rollout right now."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        now = time.time()
+        busy = [(a, st["pid"]) for a, st in sys_.actor_status().items()
+                if st.get("state") == "rollout" and now - st["t"] < 0.1]
+        if busy:
+            a, pid = busy[int(rng.integers(0, len(busy)))]
+            return a, pid, "rollout"
+        time.sleep(0.01)
+    pids = sys_.actor_pids()
+    if not pids:
+        return None
+    a = int(rng.choice(sorted(pids)))
+    return a, pids[a], "any"
+
+
+# ---------------------------------------------------------------------------------------------- buffer
+def buffer_restart(sys_: LiveSystem, how: str = "kill", down_s: float = 3.0) -> dict:
+    s0, pids0 = sys_.stats(), _alive_pids(sys_)
+    v0 = s0["learner_version"]
+    t0 = time.monotonic()
+    if how == "kill":
+        sys_.kill("buffer")
+    else:
+        sys_.children["buffer"].stop(30)
+    time.sleep(down_s)
+    sys_.start_buffer()
+    t_up = time.monotonic()
+    n = sys_.cfg.actor.num_actors
+    s1 = sys_.wait(lambda: (s := sys_.stats()) and s["metrics"].get("perf/actors_alive", 0) >= n
+                   and s["received"] > 0 and s["learner_version"] > v0 and s, 120,
+                   "actors and learner back on the new buffer")
+    recovered_s = time.monotonic() - t_up
+    old = sys_.ledgers(archived_only=True)[-1]   # the dead incarnation's books, moved aside by the new one
+    pids1 = _alive_pids(sys_)
+    return {
+        "how": how, "down_s": down_s, "recovered_s": recovered_s, "total_s": time.monotonic() - t0,
+        "learner_same_pid": pids1["learner"] == pids0["learner"],
+        "actors_same_pids": pids1["actors"] == pids0["actors"],
+        "versions": [v0, s1["learner_version"]],
+        "old_ledger": {"received": old["received"], **old["ledger"]},
+        "pending_in_old_buffer": old["ledger"]["pending"], "new_received": s1["received"],
+        "new_duplicates": s1["ledger"]["duplicate"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- learner
+def learner_kill(sys_: LiveSystem, outage_s: float = 10.0, min_version: int = 3) -> dict:
+    ckpt_dir = sys_.run_dir / "checkpoints"
+    sys_.wait(lambda: latest_tag(ckpt_dir) is not None and sys_.version() >= min_version, 120, "a checkpoint")
+    deadline = time.monotonic() + 20   # kill past a checkpoint if we can: the resumed learner is then behind
+    while time.monotonic() < deadline and sys_.version() <= int(latest_tag(ckpt_dir)[1:]):
+        time.sleep(0.02)
+    actors0 = sys_.actor_status()
+    refused0 = (sys_.stats() or {}).get("service", {}).get("grants_refused", 0)
+    sys_.kill("learner")
+    t_kill = time.monotonic()
+    s_kill = sys_.stats()
+    k, c = s_kill["learner_version"], int(latest_tag(ckpt_dir)[1:])
+    rss0 = {a: _rss(st["pid"]) for a, st in actors0.items()}
+    held_max, versions_seen = 0, collections.defaultdict(set)
+    while time.monotonic() - t_kill < outage_s:
+        s = sys_.stats()
+        held_max = max(held_max, s["held_bytes"])
+        # After a grace period (a version published just before the kill may still be swapping in), an actor
+        # keeps the weights it has: its version must not change while no learner exists.
+        for a, st in sys_.actor_status().items():
+            if st.get("state") != "starting" and time.monotonic() - t_kill > 2.0:
+                versions_seen[a].add(st["version"])
+        time.sleep(0.5)
+    s_out = sys_.stats()
+    actors_out = sys_.actor_status()
+    rss1 = {a: _rss(st["pid"]) for a, st in actors_out.items()}
+    sys_.start_learner(resume=True)
+    new_pid = sys_.pid("learner")
+    report_path = sys_.run_dir / "learner_resume_rank00000.json"
+    import json
+
+    report = sys_.wait(lambda: report_path.is_file() and (r := json.loads(report_path.read_text()))["pid"] == new_pid
+                       and r, 120, "the resumed learner's report")
+    sys_.wait_version(k + 2, 180)
+    after = sys_.wait(lambda: (st := sys_.actor_status()) and all(x["version"] > c for x in st.values()) and st,
+                      60, "actors on the resumed learner's weights")
+    s_end = sys_.stats()
+    time.sleep(2 * sys_.cfg.buffer.ledger_every_s + 1)
+    fates = audit.fates_of_in_flight(sys_.run_dir, s_kill["recorded_records"], c, sys_.cfg)
+    return {
+        "version_at_kill": k, "checkpoint_version": c, "resumed_version": report["version"],
+        "bit_equal": report["bit_equal"], "outage_s": outage_s,
+        "actors_kept_weights": all(len(v) == 1 for v in versions_seen.values()),
+        "actor_rss_growth_mb": max((rss1.get(a, 0) - r) for a, r in rss0.items()),
+        "held_bytes_max": held_max,
+        "grants_refused_during": s_out.get("service", {}).get("grants_refused", 0) - refused0,
+        "actors_same_pids": {a: st["pid"] for a, st in actors0.items()} == {a: st["pid"] for a, st in after.items()},
+        "actor_versions_after": {a: st["version"] for a, st in after.items()},
+        "rollbacks": s_end.get("rollbacks", []), "versions": [k, s_end["learner_version"]],
+        "in_flight": fates,
+    }
+
+
+def _rss(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- audit
+def final_report(sys_: LiveSystem) -> dict:
+    """After ``sys_.stop()``: every incarnation's books, staleness and double admission."""
+    ledgers = sys_.ledgers()
+    twice = audit.admitted_twice(sys_.run_dir, sys_.cfg)
+    return {
+        "incarnations": len(ledgers), "received": sum(led["received"] for led in ledgers),
+        "trained": sum(led["ledger"]["trained"] for led in ledgers),
+        "malformed": sum(led["ledger"]["malformed"] for led in ledgers),
+        "unbalanced": unbalanced(ledgers), "beyond_eta": staleness_violations(ledgers),
+        "max_staleness": sys_.cfg.buffer.max_staleness,
+        "lag_max": max((led["lag_max"] for led in ledgers), default=0),
+        "admitted_twice": twice["admitted_twice"], "admitted": twice["admitted"],
+    }
+
+
+def run_all(sys_: LiveSystem, plan: Optional[dict] = None, log=print) -> dict:
+    """Every scenario in turn on one live system (``plan``: scenario -> kwargs; a missing one is skipped)."""
+    plan = plan if plan is not None else {"bad_input": {}, "flood": {}, "actor_kills": {}, "learner_kill": {},
+                                          "buffer_restart": {}}
+    out: dict[str, Any] = {}
+    for name, kwargs in plan.items():
+        log(f"[chaos] {name} {kwargs or ''}")
+        t0 = time.monotonic()
+        try:
+            out[name] = globals()[name](sys_, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - one failed scenario must not hide the others' figures
+            log(f"[chaos] {name} FAILED:\n{traceback.format_exc()}")
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        out[name]["wall_s"] = time.monotonic() - t0
+        log(f"[chaos] {name} done in {out[name]['wall_s']:.0f} s")
+    return out

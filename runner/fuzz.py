@@ -1,0 +1,140 @@
+"""Hostile input for the buffer's sockets (fault injection): every frame here must be counted as malformed.
+
+``hostile_frames(rng, run_id)`` returns one multipart message and the kind of damage done to it. The template is
+a well-formed trajectory of *another* run, so even a bit flip that still decodes ends up malformed ("wrong_run")
+in the ledger: each frame sent adds exactly one malformed entry, whatever its reason. Kinds (the issue's list):
+random bytes, truncated frames, bit flips, missing / extra frames, oversize headers, wrong schema version,
+unknown kind, wrong dtype, shape lies, huge shapes, NaN / inf / positive log-probs, negative versions, wrong
+scalar types, unknown / missing fields, unknown task ids, wrong run ids, valid non-trajectory messages, and
+msgpack bombs (a header that declares 2**31 elements in a few bytes). Messages larger than
+``transport.max_message_mb`` are not made here: ZeroMQ drops those before allocating (``send_oversize``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import msgpack
+import numpy as np
+import zmq
+
+from async_vla import messages as M
+
+KINDS = ("random_bytes", "truncated", "bit_flip", "frame_count", "oversize_header", "schema_version", "unknown_kind",
+         "dtype", "shape_lie", "huge_shape", "nan_logprob", "inf_logprob", "positive_logprob", "negative_version",
+         "type", "unknown_field", "missing_field", "unknown_task", "wrong_run", "not_trajectory", "msgpack_bomb")
+
+
+def template(run_id: str = "not-this-run", task_id: int = 0, calls: int = 2, side: int = 16,
+             seed: int = 0) -> M.Trajectory:
+    """A well-formed trajectory (actor 0, group "fuzz-g") to damage or to copy."""
+    rng = np.random.default_rng(seed)
+    tokens = 56
+    return M.Trajectory(
+        run_id=run_id, actor_id=0, group_id="fuzz-g", traj_id=f"fuzz-{seed}", task_id=task_id, init_state_id=0,
+        instruction="pick up the red block", behaviour_version=0, success=True, reward=1.0, env_steps=8 * calls,
+        t_start=0.0, t_end=1.0, group_size=4, chunk_versions=np.zeros(calls, np.int64),
+        images=rng.integers(0, 255, (calls, side, side, 3), dtype=np.uint8),
+        proprio=rng.standard_normal((calls, 8)).astype(np.float32),
+        action_tokens=rng.integers(31744, 32000, (calls, tokens)).astype(np.int64),
+        behav_logprobs=-rng.random((calls, tokens)).astype(np.float32), token_mask=np.ones((calls, tokens), bool))
+
+
+def _frames(msg: M.Message) -> list[bytes]:
+    return [bytes(f) for f in M.encode(msg)]
+
+
+def _reheader(frames: list[bytes], edit: Callable[[dict], None]) -> list[bytes]:
+    h = msgpack.unpackb(frames[0])
+    edit(h)
+    return [msgpack.packb(h)] + frames[1:]
+
+
+def hostile_frames(rng: np.random.Generator, base: M.Trajectory, run_id: str) -> tuple[str, list[bytes]]:
+    """(kind, frames) of one hostile message built from ``base`` (a trajectory of another run); unknown-task
+    frames carry the live ``run_id`` (so "unknown_task", not "wrong_run", is what catches them)."""
+    kind = KINDS[int(rng.integers(0, len(KINDS)))]
+    frames = _frames(base)
+    if kind == "random_bytes":
+        return kind, [rng.bytes(int(rng.integers(0, 512))) for _ in range(int(rng.integers(1, 5)))]
+    if kind == "truncated":
+        i = int(rng.integers(0, len(frames)))
+        frames[i] = frames[i][: int(rng.integers(0, max(1, len(frames[i]))))]
+        return kind, frames
+    if kind == "bit_flip":
+        head = bytearray(frames[0])
+        j = int(rng.integers(0, len(head)))
+        head[j] ^= 1 << int(rng.integers(0, 8))
+        return kind, [bytes(head)] + frames[1:]
+    if kind == "frame_count":
+        return kind, frames[:-1] if rng.random() < 0.5 else frames + [b"x" * 8]
+    if kind == "oversize_header":
+        return kind, [b"\x81" + msgpack.packb("v") + msgpack.packb("x" * (M.MAX_HEADER_BYTES + 10))]
+    if kind == "msgpack_bomb":  # array32 header claiming 2**31 - 1 elements, 5 bytes long
+        return kind, [b"\xdd\x7f\xff\xff\xff" + b"\x00" * 16]
+    if kind in ("nan_logprob", "inf_logprob", "positive_logprob"):
+        t = template(base.run_id, base.task_id, seed=int(rng.integers(0, 1000)))
+        t.behav_logprobs[0, int(rng.integers(0, 56))] = {"nan_logprob": np.nan, "inf_logprob": -np.inf,
+                                                         "positive_logprob": 3.0}[kind]
+        return kind, _frames(t)
+    if kind == "unknown_task":
+        return kind, _frames(template(run_id, task_id=10_000 + int(rng.integers(0, 99))))
+    if kind == "wrong_run":
+        return kind, _frames(base)
+    if kind == "not_trajectory":
+        return kind, _frames(M.Heartbeat(actor_id=int(rng.integers(0, 100)), pid=1))
+    edits: dict[str, Callable[[dict], None]] = {
+        "schema_version": lambda h: h.__setitem__("v", int(rng.integers(2, 1000))),
+        "unknown_kind": lambda h: h.__setitem__("k", "pickle"),
+        "dtype": lambda h: h["a"][1].__setitem__(1, str(rng.choice(["float64", "object", "<U8", "complex64"]))),
+        "shape_lie": lambda h: h["a"][1].__setitem__(2, [2, 16, 16, 4]),
+        "huge_shape": lambda h: h["a"][1].__setitem__(2, [2**30, 2**30, 2**30, 3]),
+        "negative_version": lambda h: h["f"].__setitem__("behaviour_version", -int(rng.integers(1, 10**6))),
+        "type": lambda h: h["f"].__setitem__("task_id", "zero"),
+        "unknown_field": lambda h: h["f"].__setitem__("__reduce__", "os.system"),
+        "missing_field": lambda h: h["f"].pop("traj_id"),
+    }
+    return kind, _reheader(frames, edits[kind])
+
+
+def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm: int = 1000) -> dict[str, int]:
+    """Send ``n`` hostile messages to a trajectory endpoint; returns how many of each kind were sent."""
+    from async_vla.transport import _secure_client
+
+    rng = np.random.default_rng(seed)
+    base = template(run_id="not-" + run_id)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.sndhwm = hwm
+    sock.linger = 30_000
+    _secure_client(sock, curve_keys)
+    sock.connect(endpoint)
+    sent: dict[str, int] = {}
+    try:
+        for _ in range(n):
+            kind, frames = hostile_frames(rng, base, run_id)
+            sock.send_multipart(frames)  # blocks (back-pressure) rather than drop: every frame must arrive
+            sent[kind] = sent.get(kind, 0) + 1
+    finally:
+        sock.close()   # linger: queued frames still leave
+        ctx.term()
+    return sent
+
+
+def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -> int:
+    """``count`` messages of ``nbytes`` each, every one from a fresh socket (ZeroMQ disconnects the sender)."""
+    from async_vla.transport import _secure_client
+
+    ctx = zmq.Context()
+    blob = b"\x00" * nbytes
+    for _ in range(count):
+        sock = ctx.socket(zmq.PUSH)
+        sock.linger = 2000
+        _secure_client(sock, curve_keys)
+        sock.connect(endpoint)
+        sock.send_multipart([blob])
+        time.sleep(0.5)
+        sock.close()
+    ctx.term()
+    return count

@@ -1,0 +1,87 @@
+"""Control sends never block: a DEALER whose buffer is unreachable for long fills its queue, and then a plain send
+would block forever (an actor stuck in a heartbeat send looks hung and gets restarted). Heartbeats and stats are
+dropped and counted; requests fail with ControlTimeout."""
+
+import time
+
+import pytest
+import zmq
+
+from async_vla.config import load_config
+from async_vla.messages import ActorStats, ControlCommand, GrantRequest, Heartbeat
+from async_vla.transport import ControlClient, ControlServer, ControlTimeout
+
+
+def unreachable() -> str:
+    """A TCP endpoint nobody listens on (bound, then closed)."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    s.close(0)
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_full_queue_drops_heartbeats_and_requests_time_out():
+    client = ControlClient(unreachable(), hwm=4)
+    t0 = time.monotonic()
+    results = [client.send(Heartbeat(actor_id=1, pid=2)) for _ in range(50)]
+    results += [client.send(ActorStats(actor_id=1)) for _ in range(10)]
+    assert time.monotonic() - t0 < 2.0                       # never blocked
+    assert results[:4] == [True] * 4                          # the queue took what fits (hwm)
+    assert results.count(False) == client.dropped.total >= 50
+    assert client.dropped.by_reason["heartbeat"] >= 40 and client.dropped.by_reason["actor_stats"] == 10
+    t0 = time.monotonic()
+    with pytest.raises(ControlTimeout, match="grant_request: the control queue .* stayed full for 0.3 s"):
+        client.request(GrantRequest(actor_id=1), timeout_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    client.close()
+
+
+def test_call_times_out_without_a_reply_and_succeeds_with_one():
+    client = ControlClient(unreachable())
+    t0 = time.monotonic()
+    with pytest.raises(ControlTimeout, match="no reply"):
+        client.call(ControlCommand("stats"), timeout_s=0.3)   # queued fine, but nobody answers
+    assert time.monotonic() - t0 < 2.0
+    client.close()
+    server = ControlServer("tcp://127.0.0.1:0")
+    client = ControlClient(server.endpoint)
+    client.send(Heartbeat(actor_id=3, pid=4))
+    peer, msg = server.recv(5)
+    assert isinstance(msg, Heartbeat) and client.dropped.total == 0
+    server.reply(peer, ControlCommand("ok", 1))
+    assert client.recv(5) == ControlCommand("ok", 1)
+    client.close()
+    server.close()
+
+
+def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path):
+    """The actor's own heartbeat path (tick) against a full queue: returns at once, counts the drops, and the
+    status file the fleet reads shows them (so the fleet sees a live actor, not a hung one)."""
+    from actors.actor import Actor
+    from actors.status import read_status, status_path
+
+    cfg = load_config(None, ["actor.heartbeat_s=0.001", "actor.stats_every_s=0.001"])
+    actor = Actor(cfg, 7, tmp_path, {"trajectory": unreachable(), "control": unreachable()})
+    actor._connect()
+    actor.control.close()
+    actor.control = ControlClient(unreachable(), hwm=2, ctx=actor._ctx)
+    t0 = time.monotonic()
+    for _ in range(200):
+        actor.tick()
+        time.sleep(0.002)
+    assert time.monotonic() - t0 < 10
+    st = read_status(status_path(tmp_path, 7))
+    assert st["pid"] and st["control_dropped"]["heartbeat"] >= 100
+    actor._retry_at = 0.0
+    from actors.rollout import RolloutStats
+
+    actor.core = type("Core", (), {"maybe_swap": lambda self: None, "version": 0, "totals": RolloutStats()})()
+    t0 = time.monotonic()
+    assert actor._next_group() is None                       # the grant request is dropped, not blocking
+    assert time.monotonic() - t0 < 2.0 and actor._grant_sent_at is None
+    assert actor.control.dropped.by_reason["grant_request"] == 1 and actor.control.dropped.by_reason["actor_stats"]
+    actor.core = None
+    actor.sender.close(flush_s=0)
+    actor.control.close()
+    actor._ctx.term()

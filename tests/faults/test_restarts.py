@@ -1,0 +1,102 @@
+"""Restarts, without the live system: a learner resumed from an older checkpoint (the buffer follows it back, the dead
+learner's parked request is voided, a batch already formed at the resumed version is served again), and a buffer
+restart (the old ledger is kept aside; a clean stop takes in what is queued on the socket instead of dropping it)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from test_buffer import RUN, add_group, make_cfg, make_traj
+from test_buffer_service import RUN as SVC_RUN
+from test_buffer_service import running, service_cfg, stats
+
+from async_vla.buffer import GroupBuffer
+from async_vla.buffer_service import BufferService
+from async_vla.config import write_resolved
+from async_vla.messages import BatchRequest, ControlCommand
+from async_vla.transport import ControlClient, TrajectorySender
+
+MIXED = (1, 0, 1, 0)
+
+
+def trained_up_to(buf: GroupBuffer, last: int) -> None:
+    """Versions 0..last, each consuming one batch of B=1 fresh group."""
+    for v in range(last + 1):
+        add_group(buf, f"g{v}", MIXED, bv=max(0, v - 1))
+        assert buf.next_batch(v) is not None
+
+
+def test_buffer_follows_a_learner_resumed_from_an_older_checkpoint():
+    journal: list = []
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN, journal=lambda t, m: journal.append(m))
+    trained_up_to(buf, 5)                        # batches 0..5 formed; the one of version 5 is still held
+    assert buf.ledger["trained"] == 24
+    capacity = buf.pacing_capacity()
+    # Killed while training batch 5, resumed from its checkpoint at version 3: the first request is for version 3.
+    batch3 = buf.next_batch(3)
+    assert buf.version == 3 and buf.rollbacks[-1]["from"] == 5 and buf.rollbacks[-1]["to"] == 3
+    assert buf.pacing_capacity() == capacity    # the rollback keeps the credit of the batches consumed
+    # Batch 5 went back to the queue untrained (its update died) and is the first one trained again.
+    assert batch3[0][0].group_id == "g5" and buf.ledger["trained"] == 24 and buf.lag_histogram[-1] == 4  # bv 4
+    # Data from the resumed policy is fresh: measured from 5, bv=3 would be 2 versions old (> eta=1).
+    add_group(buf, "r4", MIXED, bv=3)
+    assert buf.next_batch(4)[0][0].group_id == "r4"
+    assert buf.next_batch(4)[0][0].group_id == "r4"    # a repeated request: the same batch, counted once
+    add_group(buf, "r5", MIXED, bv=4)
+    assert buf.next_batch(5)[0][0].group_id == "r5"
+    assert buf.ledger["stale"] == 0 and buf.ledger["trained"] == 32 and buf.ledger["pending"] == 0
+    assert max(buf.lag_histogram) <= 1 and sum(buf.lag_histogram.values()) == 32
+    buf.check_invariants()
+    replayed = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
+    for m in journal:
+        replayed.apply_journal(m)                # "j.rollback" is journaled: a recording replays it
+    assert replayed.ledger == buf.ledger and replayed.version == buf.version == 5
+    assert replayed.lag_histogram == buf.lag_histogram
+
+
+def test_resumed_at_the_same_version_gets_the_same_batch():
+    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
+    trained_up_to(buf, 2)
+    first = buf.take_batch(2)                     # the learner took batch 2, then died before its step
+    again = buf.take_batch(2)                     # resumed from the checkpoint at version 2
+    assert again[0] == first[0] and buf.rollbacks == [] and buf.ledger["trained"] == 12   # counted once
+
+
+def test_the_dead_learners_parked_request_is_voided(tmp_path):
+    with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
+        dead, resumed = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
+        assert dead.call(ControlCommand("set_learner_version", 5), 10).value == 5
+        dead.send(BatchRequest(rank=0, world=1, version=5, timeout_s=60))   # parked: no data (then "killed")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        resumed.send(BatchRequest(rank=0, world=1, version=3, timeout_s=0.5))
+        header, _ = dead.recv_bundle(10)               # answered at once, not after 60 s
+        assert not header.ready and header.version == 5 and time.monotonic() - t0 < 5
+        assert not resumed.recv_bundle(10)[0].ready
+        s = stats(resumed)
+        assert s["learner_version"] == 3 and s["service"]["parked_voided"] == 1
+        assert s["service"]["learner_rollbacks"] == 1 and s["rollbacks"][-1]["to"] == 3
+        dead.close()
+        resumed.close()
+
+
+def test_buffer_restart_keeps_the_old_ledger_and_drains_its_socket(tmp_path):
+    cfg = service_cfg()
+    write_resolved(cfg, tmp_path)
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0])
+    sender = TrajectorySender(svc.trajectory_endpoint)
+    for i in range(3):                               # queued on the socket; the service never served
+        assert sender.send(make_traj("q", i, i % 2 == 0, G=4, run_id=SVC_RUN), timeout_s=5)
+    time.sleep(0.5)
+    svc.close()                                      # clean stop: takes them in, then writes the ledger
+    sender.close(flush_s=0)
+    first = json.loads((tmp_path / "ledger.json").read_text())
+    assert first["received"] == 3 and first["ledger"]["pending"] == 3 and first["service"]["drained_at_stop"] == 3
+    with running(tmp_path, cfg) as svc2:
+        client = ControlClient(svc2.control_endpoint)
+        assert stats(client)["received"] == 0
+        client.close()
+    assert json.loads((tmp_path / "ledger-1.json").read_text()) == first
+    second = json.loads((tmp_path / "ledger.json").read_text())
+    assert second["previous_ledger"] == "ledger-1.json" and second["received"] == 0

@@ -1,0 +1,179 @@
+"""Security: loopback by default, CURVE for remote actors (a peer without the key is rejected, for real), bounded
+msgpack decoding, nothing on the wire unpickled, TensorBoard from bin/train on loopback by default.
+(The live system's listening sockets are checked in test_live_faults.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import psutil
+import pytest
+import zmq
+from test_buffer import make_traj
+
+from async_vla import messages as M
+from async_vla.buffer_service import BufferService
+from async_vla.config import load_config, write_resolved
+from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, TrajectorySender, endpoints
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = "sec"
+
+
+def test_every_default_bind_is_loopback(tmp_path):
+    cfg = load_config()
+    assert cfg.transport.host == cfg.transport.connect_host == cfg.logging.tensorboard_host == "127.0.0.1"
+    assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints(cfg.transport, tmp_path).values())
+    from async_vla.weights import WeightPublisher
+
+    pub = WeightPublisher(load_config(None, ["transport.weights_port=0"]), tmp_path)
+    try:
+        mine = [c.laddr for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == pub.port]
+        assert mine and all(a.ip == "127.0.0.1" for a in mine)   # TCPStore alone would listen on every interface
+    finally:
+        pub.close()
+
+
+def test_binding_beyond_loopback_requires_curve(tmp_path):
+    from async_vla.config import ConfigError
+
+    for host in ("0.0.0.0", "10.1.2.3", "buffer.example.org"):
+        with pytest.raises(ConfigError, match="transport.curve=true"):
+            load_config(None, [f"transport.host={host}"])
+    with pytest.raises(ConfigError, match="transport.curve_dir"):
+        load_config(None, ["transport.host=0.0.0.0", "transport.curve=true"])
+    ok = load_config(None, ["transport.host=0.0.0.0", "transport.curve=true", f"transport.curve_dir={tmp_path}"])
+    assert ok.transport.curve
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        assert load_config(None, [f"transport.host={host}"]).transport.host == host
+
+
+def test_bin_train_serves_tensorboard_on_loopback_by_default(tmp_path, monkeypatch):
+    """What start_children (bin/train --tensorboard) runs, captured instead of started."""
+    import runner.launch as launch
+
+    started = {}
+
+    class FakeChild:
+        def __init__(self, name, argv, run_dir, **kw):
+            started[name] = argv
+
+        def alive(self):
+            return True
+
+    monkeypatch.setattr(launch, "Child", FakeChild)
+    monkeypatch.setattr(launch, "buffer_stats", lambda *a, **k: {})
+    cfg = launch.resolve_ports(load_config(None, ["logging.serve_tensorboard=true", "logging.tensorboard_port=0"]))
+    launch.start_children(cfg, tmp_path, write_resolved(cfg, tmp_path), resume=False)
+    argv = started["tensorboard"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------- CURVE
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys") / "curve"
+    out = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    again = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True)
+    assert again.returncode == 1 and "--force" in again.stderr      # never silently replaces keys
+    for f in ("server.key_secret", "client.key_secret"):
+        assert stat.S_IMODE((d / f).stat().st_mode) == 0o600
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and (d / "authorized" / "client.key").is_file()
+    return d
+
+
+@contextlib.contextmanager
+def curve_service(tmp_path, keys_dir):
+    cfg = load_config(None, [f"run.name={RUN}", "transport.curve=true", f"transport.curve_dir={keys_dir}"])
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0],
+                        keys=CurveKeys.load(str(keys_dir), "server"))
+    stop = threading.Event()
+    th = threading.Thread(target=svc.serve, args=(stop,), daemon=True)
+    th.start()
+    try:
+        yield svc
+    finally:
+        stop.set()
+        th.join(10)
+        svc.close()
+
+
+def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
+    import zmq.auth
+
+    client_keys = CurveKeys.load(str(keys), "client")
+    stranger_dir = tmp_path / "stranger"
+    stranger_dir.mkdir()
+    pub, sec = zmq.auth.load_certificate(zmq.auth.create_certificates(str(stranger_dir), "client")[1])
+    stranger = CurveKeys(client_keys.server_public, None, pub, sec, None)   # knows the server key, not authorized
+    with curve_service(tmp_path / "run", keys) as svc:
+        ok = ControlClient(svc.control_endpoint, keys=client_keys)
+        assert ok.call(M.ControlCommand("stats"), timeout_s=10).command == "stats"
+        for who in (None, stranger):   # a plain-text peer, and a CURVE peer whose key is not in authorized/
+            c = ControlClient(svc.control_endpoint, keys=who)
+            with pytest.raises(ControlTimeout, match="no reply"):
+                c.call(M.ControlCommand("stats"), timeout_s=1.5)
+            c.close()
+            s = TrajectorySender(svc.trajectory_endpoint, keys=who)
+            s.send(make_traj("x", 0, True, run_id=RUN), timeout_s=1.0)
+            s.close(flush_s=0.5)
+        good = TrajectorySender(svc.trajectory_endpoint, keys=client_keys)
+        assert good.send(make_traj("g", 0, True, run_id=RUN), timeout_s=5)
+        deadline = time.monotonic() + 10
+        while svc.buffer.received < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert svc.buffer.received == 1                        # only the key holder's trajectory got in
+        assert svc.buffer.ledger["pending"] == 1 and svc.buffer.ledger["malformed"] == 0
+        good.close()
+        ok.close()
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("header, reason", [
+    (b"\xdd\x7f\xff\xff\xff", "msgpack"),                                  # array32 of 2**31 - 1 elements
+    (b"\xdf\x7f\xff\xff\xff", "msgpack"),                                  # map32 of 2**31 - 1 pairs
+    (b"\xdb\x7f\xff\xff\xff" + b"x" * 10, "msgpack"),                      # str32 claiming 2 GiB
+    (b"\x91" * 2000 + b"\xc0", "msgpack"),                                 # 2000-deep nesting
+    (msgpack.packb({"v": 1, "k": "x" * 70_000}), "oversize"),              # header over MAX_HEADER_BYTES
+    (msgpack.packb(list(range(5000))), "msgpack"),                         # over max_array_len
+])
+def test_msgpack_decoding_is_size_limited(header, reason):
+    t0 = time.perf_counter()
+    with pytest.raises(M.MalformedMessage) as err:
+        M.decode([header])
+    assert err.value.reason == reason and time.perf_counter() - t0 < 0.5
+    with pytest.raises(M.MalformedMessage):
+        M.decode_bundle([header, b"x"])
+
+
+WIRE_MODULES = ["async_vla/messages.py", "async_vla/transport.py", "async_vla/buffer.py", "async_vla/buffer_service.py",
+                "async_vla/recording.py", "async_vla/weights.py", "async_vla/weight_buckets.py", "actors/actor.py",
+                "actors/status.py", "actors/vllm_weights.py", "learner/__main__.py", "runner/launch.py"]
+UNSAFE = [r"\bimport pickle\b", r"\bpickle\.loads?\b", r"\bcPickle\b", r"\bdill\b", r"\bmarshal\.loads?\b",
+          r"recv_pyobj", r"send_pyobj", r"recv_serialized", r"allow_pickle\s*=\s*True", r"(?<![.\w])eval\(",
+          r"(?<![.\w])exec\(", r"yaml\.load\((?![^)]*Loader=yaml\.SafeLoader)", r"yaml\.unsafe_load"]
+
+
+def test_nothing_on_the_wire_is_unpickled():
+    for rel in WIRE_MODULES:
+        path = REPO / rel
+        if not path.is_file():
+            continue
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        for pattern in UNSAFE:
+            assert not re.search(pattern, code), f"{rel}: {pattern}"
+        for call in re.finditer(r"torch\.load\(([^()]|\([^()]*\))*\)", code):   # only with weights_only=True
+            assert "weights_only=True" in call.group(0), f"{rel}: {call.group(0)}"
+    assert (REPO / "async_vla/messages.py").read_text().count("msgpack.unpackb(") == 2   # both calls bounded
+    assert "max_array_len" in (REPO / "async_vla/messages.py").read_text()
