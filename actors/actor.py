@@ -29,6 +29,7 @@ import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
 from actors.status import parse_share, status_path, write_status
+from actors.weight_loading import load_weights, load_weights_path  # noqa: F401 - part of this module's API
 from actors.vllm_weights import StaleWeights
 from async_vla.messages import (
     ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, Shutdown, Trajectory, encode,
@@ -69,52 +70,6 @@ def default_env_factory(cfg: Any, seed: int) -> Any:
 
         return make_env(cfg, seed)
     return make_isolated_env(cfg, seed)
-
-
-def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = None) -> None:
-    """Copy a full set of named tensors into the policy in place (between forward passes only).
-
-    Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
-    old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
-    ``named_parameters`` lists once) may be absent. A policy that holds weights outside the module (the vLLM
-    backend) installs them itself, with their ``version``; it raises ``StaleWeights`` for an old one.
-    """
-    install = getattr(policy, "install_weights", None)
-    if install is not None:
-        install(state, version)
-        return
-    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
-    own = set(policy.state_dict().keys())
-    missing = sorted({name for name, _ in policy.named_parameters()} - state.keys())
-    unexpected = sorted(state.keys() - own)
-    if missing or unexpected:  # checked before copying anything: a refused update leaves the policy intact
-        raise ValueError(f"weights do not match the policy: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    policy.load_state_dict(state, strict=False)
-
-
-def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
-    """Weights named by a grant: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
-    ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none, so the grant's is used."""
-    from async_vla.weight_buckets import read_latest
-
-    p = Path(path)
-    if p.is_dir() and (p / "async_vla_policy.json").is_file():
-        from async_vla.policy import load_policy
-
-        return fallback_version, load_policy(p).state_dict()
-    got = read_latest(p) if p.is_dir() else None
-    if got is None and p.is_file():
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(p), framework="pt") as f:
-            meta = f.metadata() or {}
-        m = re.match(r"^v(\d+)\.safetensors$", p.name)
-        version = int(meta.get("version", m.group(1) if m else fallback_version))
-        return version, load_file(str(p))
-    if got is None:
-        raise FileNotFoundError(f"no weights at {path}")
-    return got[0], got[1]
 
 
 class SerialActor:

@@ -141,7 +141,7 @@ class Evaluator:
             return -1
 
     def evaluate(self, use_latest: bool = True) -> tuple[int, dict]:
-        from actors.actor import load_weights, load_weights_path
+        from actors.weight_loading import load_weights, load_weights_path
         from async_vla.sft import evaluate_greedy
 
         if use_latest and (self.run_dir / "weights").exists():
