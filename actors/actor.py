@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 PolicyFactory = Callable[[Any], Any]
 EnvFactory = Callable[[Any, int], Any]
 COUNTER_RE = re.compile(r"g(\d+)$")
+QUICK_RETRY_S = 0.02     # re-ask this soon when a refusal predates the weights we hold (see _handle)
+QUICK_RETRIES = 10       # at most this many in a row, then the buffer's retry_after_s applies
 CATCH_UP_GRACE_S = 1.0  # behind by more than eta this long before reading the export (a broadcast takes ~10 ms)
 
 
@@ -208,7 +210,9 @@ class Actor:
         self._subscriber: Any = None
         self._eta = int(cfg.buffer.max_staleness)  # updated from every grant (eta can change live)
         self._behind_since: Optional[float] = None
-        self._refused_at_version = -1  # our version when the buffer last said "not now"
+        self._refused_at_version = -1  # the version we asked with when the buffer last said "not now"
+        self._asked_version = -1       # our version in the last GrantRequest sent
+        self._quick_retries = 0
         self._next_fetch = 0.0
         self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
         self._next_hb = self._next_stats = 0.0
@@ -340,8 +344,8 @@ class Actor:
         if now - self._behind_since < CATCH_UP_GRACE_S or now < self._next_fetch:
             return None  # the broadcast is probably on its way
         self._next_fetch = now + CATCH_UP_GRACE_S
-        got = self._subscriber.fetch_latest()
-        if got is None or int(got[0]) <= self._version():
+        got = self._subscriber.fetch_latest(newer_than=self._version())   # reads tensors only if newer
+        if got is None:
             return None
         self.fetched_exports += 1
         log.info("actor %d: caught up from the exported weights: v%d -> v%d (learner at v%d)", self.actor_id,
@@ -357,8 +361,19 @@ class Actor:
             self.pending.extend(msg.group_ids)
             self.groups_granted += len(msg.group_ids)
             if not msg.group_ids:
-                self._retry_at = time.monotonic() + min(max(msg.retry_after_s, 0.01), 5.0)
-                self._refused_at_version = self._version()
+                wait = min(max(msg.retry_after_s, 0.01), 5.0)
+                if msg.learner_version < self._asked_version and self._quick_retries < QUICK_RETRIES:
+                    # We asked with weights the buffer has not heard of yet (the broadcast outran the learner's
+                    # next BatchRequest): the refusal is about the old version's pacing, so ask again shortly
+                    # rather than sleep out retry_after_s.
+                    wait = min(wait, QUICK_RETRY_S)
+                    self._quick_retries += 1
+                else:
+                    self._quick_retries = 0
+                self._retry_at = time.monotonic() + wait
+                self._refused_at_version = self._asked_version
+            else:
+                self._quick_retries = 0
             if msg.weights_path and msg.learner_version > self._version():
                 self._path_weights = (msg.learner_version, msg.weights_path)
         elif isinstance(msg, Shutdown):
@@ -411,7 +426,7 @@ class Actor:
                 # Never blocks: with the control queue full (buffer unreachable) the request is dropped, counted
                 # in control.dropped, and asked again on the next pass.
                 if self.control.send(GrantRequest(self.actor_id, 1, self._version())):
-                    self._grant_sent_at = t0
+                    self._grant_sent_at, self._asked_version = t0, self._version()
                 else:
                     self._retry_at = t0 + self.cfg.buffer.grant_retry_s
         else:

@@ -392,9 +392,11 @@ def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTens
     return final
 
 
-def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu"
+def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1
                 ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
     """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
+    None when there is none, or when its version is ``<= newer_than`` (decided from the safetensors header
+    alone, so polling for a newer export costs a few hundred bytes, not a model's worth of reads).
     Retries when the file is pruned between reading the pointer and opening it."""
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -416,9 +418,11 @@ def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] 
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
+            version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
+            if version <= newer_than:
+                return None
             tensors = load_file(str(path), device=str(device))
         except FileNotFoundError:
             continue
-        version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
         return version, tensors, float(meta.get("checksum", "nan"))
     return None

@@ -340,9 +340,10 @@ class WeightSubscriber:
                 self._delivered = max(self._delivered, out[0])
             return out
 
-    def fetch_latest(self) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts)."""
-        got = read_latest(self.weights_dir)
+    def fetch_latest(self, newer_than: int = -1) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts);
+        None if there are none newer than ``newer_than`` (checked before any tensor is read)."""
+        got = read_latest(self.weights_dir, newer_than=newer_than)
         if got is None:
             return None
         version, tensors, _ = got

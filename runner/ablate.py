@@ -80,12 +80,15 @@ def result_from_summary(variant: str, seed: int, run_dir: Path, threshold: float
         return res
     ledger = s.get("ledger") or {}
     groups = ledger.get("groups") or {}  # per-group counts: accepted, filtered_uniform, stale, trained, ...
-    decided = sum(v for k, v in groups.items() if k != "trained")
+    # The outcome filters' verdicts only: a group accepted and later purged as stale is counted in both
+    # "accepted" and "stale", and "expired_empty" (grants never started) and "trained" are not verdicts at all.
+    decided = sum(v for k, v in groups.items() if k == "accepted" or k.startswith("filtered_"))
     res.final, res.best = s.get("final_eval_success"), s.get("best_eval_success")
     res.time_to_threshold_s = time_to(s.get("eval") or [], threshold)
     res.versions = s.get("final_version")
     res.admitted_frac = groups.get("accepted", 0) / decided if decided else None
     res.lag_max = ledger.get("lag_max")
+    res.extra["group_counts"] = dict(groups)
     return res
 
 

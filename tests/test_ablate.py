@@ -38,7 +38,8 @@ def _summary(tmp_path, name, evals, accepted, uniform, version, lag_max):
     (d / "summary.json").write_text(json.dumps({
         "final_eval_success": evals[-1]["success_rate"], "best_eval_success": max(e["success_rate"] for e in evals),
         "eval": evals, "final_version": version,
-        "ledger": {"groups": {"accepted": accepted, "filtered_uniform": uniform, "trained": accepted},
+        "ledger": {"groups": {"accepted": accepted, "filtered_uniform": uniform, "trained": accepted,
+                              "stale": 7, "expired_empty": 5},   # neither is a filter verdict: not counted
                    "lag_max": lag_max}}))
     return d
 

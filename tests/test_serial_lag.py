@@ -16,6 +16,8 @@ SMALL = ["run.mode=serial", "env.num_train_init_states=4", "env.num_eval_init_st
 def test_lag_beyond_eta_is_a_config_error():
     with pytest.raises(ConfigError, match="run.serial_lag"):
         load_config(None, SMALL + ["run.serial_lag=3", "buffer.max_staleness=2"])
+    with pytest.raises(ConfigError, match="only applies to run.mode=serial"):
+        load_config(None, SMALL + ["run.serial_lag=1", "buffer.max_staleness=2", "run.mode=async"])
 
 
 @pytest.mark.parametrize("lag", [0, 2])

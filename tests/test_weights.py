@@ -115,6 +115,7 @@ def test_export_pointer_pruning_and_standard_reader(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "v3.safetensors"
     version, tensors, csum = read_latest(tmp_path)
     assert version == 3 and csum == checksum(model) and checksum(tensors) == csum
+    assert read_latest(tmp_path, newer_than=3) is None and read_latest(tmp_path, newer_than=2)[0] == 3
     std = load_file(str(tmp_path / "v3.safetensors"))                 # the stock reader agrees
     assert all(torch.equal(std[k], model[k]) for k in model)
     (tmp_path / "latest").write_text("../../etc/passwd")               # an untrusted pointer is not followed

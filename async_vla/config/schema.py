@@ -85,6 +85,10 @@ class Config(Section):
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
                 f"({self.policy.patch_size})"
             )
+        if self.run.serial_lag and self.run.mode != "serial":
+            raise ValueError(
+                f"run.serial_lag ({self.run.serial_lag}) only applies to run.mode=serial (got {self.run.mode!r}): "
+                "in async mode lag comes from real concurrency; set run.serial_lag=0 or run.mode=serial")
         if self.run.serial_lag > self.buffer.max_staleness:
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "

@@ -2,10 +2,11 @@
 would block forever (an actor stuck in a heartbeat send looks hung and gets restarted). Heartbeats and stats are
 dropped and counted; requests fail with ControlTimeout."""
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-import zmq
 
 from async_vla.config import load_config
 from async_vla.messages import ActorStats, ControlCommand, GrantRequest, Heartbeat
@@ -13,37 +14,43 @@ from async_vla.transport import ControlClient, ControlServer, ControlTimeout
 
 
 def unreachable() -> str:
-    """A TCP endpoint nobody listens on (bound, then closed)."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.ROUTER)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    s.close(0)
-    return f"tcp://127.0.0.1:{port}"
+    """An endpoint nobody ever listens on: an IPC path that was never bound.
+
+    Not a TCP port bound and then closed: ZeroMQ closes asynchronously, so a connect racing the close can reach
+    the dying listener for a moment and drain the queue into its kernel buffer (seen on CI: the queue had room
+    again and the request did not time out).
+    """
+    path = Path(tempfile.mkdtemp(prefix="avla-unreachable-")) / "nobody.sock"
+    return f"ipc://{path}"
 
 
 def test_full_queue_drops_heartbeats_and_requests_time_out():
     client = ControlClient(unreachable(), hwm=4)
-    t0 = time.monotonic()
-    results = [client.send(Heartbeat(actor_id=1, pid=2)) for _ in range(50)]
-    results += [client.send(ActorStats(actor_id=1)) for _ in range(10)]
-    assert time.monotonic() - t0 < 2.0                       # never blocked
-    assert results[:4] == [True] * 4                          # the queue took what fits (hwm)
-    assert results.count(False) == client.dropped.total >= 50
-    assert client.dropped.by_reason["heartbeat"] >= 40 and client.dropped.by_reason["actor_stats"] == 10
-    t0 = time.monotonic()
-    with pytest.raises(ControlTimeout, match="grant_request: the control queue .* stayed full for 0.3 s"):
-        client.request(GrantRequest(actor_id=1), timeout_s=0.3)
-    assert 0.25 < time.monotonic() - t0 < 2.0
-    client.close()
+    try:
+        t0 = time.monotonic()
+        results = [client.send(Heartbeat(actor_id=1, pid=2)) for _ in range(50)]
+        results += [client.send(ActorStats(actor_id=1)) for _ in range(10)]
+        assert time.monotonic() - t0 < 2.0                       # never blocked
+        assert results[:4] == [True] * 4                          # the queue took what fits (hwm)
+        assert results.count(False) == client.dropped.total >= 50
+        assert client.dropped.by_reason["heartbeat"] >= 40 and client.dropped.by_reason["actor_stats"] == 10
+        t0 = time.monotonic()
+        with pytest.raises(ControlTimeout, match="grant_request: the control queue .* stayed full for 0.3 s"):
+            client.request(GrantRequest(actor_id=1), timeout_s=0.3)
+        assert 0.25 < time.monotonic() - t0 < 2.0
+    finally:
+        client.close()
 
 
 def test_call_times_out_without_a_reply_and_succeeds_with_one():
     client = ControlClient(unreachable())
-    t0 = time.monotonic()
-    with pytest.raises(ControlTimeout, match="no reply"):
-        client.call(ControlCommand("stats"), timeout_s=0.3)   # queued fine, but nobody answers
-    assert time.monotonic() - t0 < 2.0
-    client.close()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ControlTimeout, match="no reply"):
+            client.call(ControlCommand("stats"), timeout_s=0.3)   # queued fine, but nobody answers
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        client.close()
     server = ControlServer("tcp://127.0.0.1:0")
     client = ControlClient(server.endpoint)
     client.send(Heartbeat(actor_id=3, pid=4))
@@ -85,3 +92,33 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path):
     actor.sender.close(flush_s=0)
     actor.control.close()
     actor._ctx.term()
+
+
+def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
+    """A grant request sent right after new weights can reach the buffer before the learner's BatchRequest for
+    that version does: the refusal is about the old version's pacing. The actor asks again within ~20 ms (a
+    bounded number of times) instead of sleeping out retry_after_s; a refusal at its own version waits."""
+    from actors.actor import QUICK_RETRIES, Actor
+    from async_vla.messages import AdmissionGrant
+
+    cfg = load_config(None, [])
+    actor = Actor(cfg, 3, tmp_path, {"trajectory": unreachable(), "control": unreachable()})
+    actor._connect()
+    try:
+        actor._asked_version = 5
+        t0 = time.monotonic()
+        refusal = AdmissionGrant(actor_id=3, group_ids=[], learner_version=4, max_staleness=1, retry_after_s=0.5)
+        actor._handle(refusal)
+        assert actor._retry_at - t0 < 0.1 and actor._refused_at_version == 5
+        for _ in range(QUICK_RETRIES):
+            actor._handle(refusal)
+        assert actor._retry_at - time.monotonic() > 0.4          # bounded: the buffer's wait applies again
+        actor._handle(AdmissionGrant(actor_id=3, group_ids=[], learner_version=5, max_staleness=1,
+                                     retry_after_s=0.5))
+        assert actor._retry_at - time.monotonic() > 0.4          # refused at our own version: a real "not now"
+        actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"], learner_version=5, max_staleness=1))
+        assert list(actor.pending) == ["g1"] and actor._quick_retries == 0
+    finally:
+        actor.control.close()
+        actor.sender.close(flush_s=0)
+        actor._ctx.term()
