@@ -362,14 +362,15 @@ class Actor:
             self.groups_granted += len(msg.group_ids)
             if not msg.group_ids:
                 wait = min(max(msg.retry_after_s, 0.01), 5.0)
+                if self._refused_at_version != self._asked_version:
+                    self._quick_retries = 0       # new weights since the last refusal: a fresh allowance
                 if msg.learner_version < self._asked_version and self._quick_retries < QUICK_RETRIES:
                     # We asked with weights the buffer has not heard of yet (the broadcast outran the learner's
                     # next BatchRequest): the refusal is about the old version's pacing, so ask again shortly
-                    # rather than sleep out retry_after_s.
+                    # rather than sleep out retry_after_s. Bounded per version (a learner resumed from an older
+                    # checkpoint stays behind our weights for a while).
                     wait = min(wait, QUICK_RETRY_S)
                     self._quick_retries += 1
-                else:
-                    self._quick_retries = 0
                 self._retry_at = time.monotonic() + wait
                 self._refused_at_version = self._asked_version
             else:

@@ -116,6 +116,11 @@ def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
         actor._handle(AdmissionGrant(actor_id=3, group_ids=[], learner_version=5, max_staleness=1,
                                      retry_after_s=0.5))
         assert actor._retry_at - time.monotonic() > 0.4          # refused at our own version: a real "not now"
+        actor._handle(refusal)
+        assert actor._retry_at - time.monotonic() > 0.4          # the allowance is per version, not per refusal
+        actor._asked_version = 6                                 # new weights: a fresh allowance
+        actor._handle(refusal)
+        assert actor._retry_at - time.monotonic() < 0.1
         actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"], learner_version=5, max_staleness=1))
         assert list(actor.pending) == ["g1"] and actor._quick_retries == 0
     finally:
