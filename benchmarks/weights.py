@@ -148,11 +148,11 @@ def run(quick: bool = False) -> dict:
                 }
                 del model
         finally:
-            pub.close()
-            for p in procs:
+            for p in procs:   # receivers first: closing the publisher's store under them makes c10d log errors
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+            pub.close()
     return {"section": "weights", "results": results, "markdown": _markdown(results)}
 
 
