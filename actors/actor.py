@@ -356,7 +356,8 @@ class Actor:
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, AdmissionGrant):
             self._grant_sent_at = None
-            self.learner_version = max(self.learner_version, msg.learner_version)
+            # The buffer's view, not a running max: after a learner resume it rolls back with the learner.
+            self.learner_version = msg.learner_version
             self._eta = int(msg.max_staleness)
             self.pending.extend(msg.group_ids)
             self.groups_granted += len(msg.group_ids)

@@ -14,8 +14,9 @@ Ledger: every received trajectory is in exactly one state; ``received == sum(led
                         group completed or later, while it waited for a batch (the version moved on)
     expired_partial     its group stayed incomplete for group_timeout_s (an actor died), or it arrived after that
     duplicate           a trajectory id already seen in its group
-    malformed           failed validation here (wrong_run, unknown_task, group_mismatch, group_overfull) or was
-                        reported by the receiver via count_malformed(reason) (bad frames never become messages)
+    malformed           failed validation here (wrong_run, unknown_task, bad_action_token, group_mismatch,
+                        group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
+                        never become messages)
     pending             in an incomplete group, or in an admitted group not yet put in a batch
 ``received`` counts every add() and every count_malformed() call.
 
@@ -101,6 +102,9 @@ class GroupBuffer(LedgerReports):
         self.run_id = run_id
         self.clock = clock
         self.valid_task_ids = None if valid_task_ids is None else frozenset(int(t) for t in valid_task_ids)
+        # Action token ids the policy can score (the tokenizer's last num_bins ids); anything else would make the
+        # learner's token_logprobs raise on every retry of that batch.
+        self.token_range = (cfg.policy.vocab_size - cfg.policy.num_bins, cfg.policy.vocab_size - 1)
         self.journal = journal
         self.max_staleness = self.cfg.max_staleness
         self.version = 0
@@ -174,6 +178,9 @@ class GroupBuffer(LedgerReports):
             return "wrong_run"
         if not self.validate_task(traj.task_id):
             return "unknown_task"
+        tokens = traj.action_tokens[traj.token_mask]
+        if tokens.min() < self.token_range[0] or tokens.max() > self.token_range[1]:
+            return "bad_action_token"
         return ""
 
     def validate_task(self, task_id: int) -> bool:

@@ -260,7 +260,11 @@ class BufferService:
             self.check_control_file()
         if now >= due["ledger"]:
             due["ledger"] = now + bc.ledger_every_s
-            self.write_ledger()
+            try:
+                self.write_ledger()
+            except OSError as exc:   # a full disk must not take the buffer (and what it holds) down
+                self.counters["ledger_write_errors"] += 1
+                log.error("buffer: writing the ledger failed (%s); retrying in %.0f s", exc, bc.ledger_every_s)
         if now >= due["status"]:
             due["status"] = now + self.cfg.logging.status_every_s
             self.latest_metrics = self.metrics()  # one reference swap: safe to read from other threads
@@ -277,7 +281,11 @@ class BufferService:
         if sig == self._eta_file_sig:
             return
         self._eta_file_sig = sig
-        text = self._eta_file.read_text().strip()
+        try:   # deleted between stat and read, or not text: the file is user input and must not stop the buffer
+            text = self._eta_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("buffer: could not read %s (%s); ignored", self._eta_file, exc)
+            return
         try:
             self.buffer.set_max_staleness(int(text), source=f"file {self._eta_file}")
         except ValueError:

@@ -137,6 +137,9 @@ class Trajectory(Message):
             raise MalformedMessage("bad_logprob", "behaviour log-probs must be finite and <= 0")
         if not self.token_mask.any():
             raise MalformedMessage("value", "no valid action token")
+        if self.proprio.dtype.kind == "f" and not np.isfinite(self.proprio).all():
+            # A simulator blow-up: NaN state would make every learner step on this batch non-finite.
+            raise MalformedMessage("bad_proprio", "proprio must be finite")
         if self.env_steps < 0 or not math.isfinite(self.reward):
             raise MalformedMessage("value", "env_steps must be >= 0 and reward finite")
 

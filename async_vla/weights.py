@@ -316,6 +316,7 @@ class WeightSubscriber:
         self._hb_lock = threading.Lock()     # separate, so a slow store never blocks poll()
         self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
         self._delivered = -1
+        self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._group: Optional[BroadcastGroup] = None
         self._pool = BufferPool()
@@ -421,6 +422,17 @@ class WeightSubscriber:
             return
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
+        session = store.get("w/session").decode()
+        if session != self._publisher_session:
+            # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
+            # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
+            # of the old lineage not yet handed out.
+            with self._lock:
+                if self._publisher_session:
+                    log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
+                             self._delivered)
+                    self._delivered, self._latest = -1, None
+                self._publisher_session = session
         token = store.add("w/tokens", 1)
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
                                                    "host": socket.gethostname()}))

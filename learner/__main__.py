@@ -343,7 +343,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
 
     # actors (and a resumed run's actors) get this version
     log_weights(publish_weights(learner, publisher, cfg.weights.verify_ranks))
-    last_ckpt = learner.version
+    last_ckpt = last_published = learner.version
     t_mark, idle = time.monotonic(), 0.0
     groups = None
     try:
@@ -364,7 +364,10 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             groups = None
             version = learner.version
             t_pub = time.monotonic()
-            if version % cfg.weights.publish_every == 0:
+            # Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step
+            # over every multiple of p, and then nothing would ever be published again.
+            if version - last_published >= cfg.weights.publish_every:
+                last_published = version
                 wstats = publish_weights(learner, publisher, cfg.weights.verify_ranks)
                 if rank == 0:
                     log_weights(wstats)

@@ -194,6 +194,11 @@ class Learner(abc.ABC):
                 self.skipped_steps += 1
                 log.warning("learner: non-finite loss or gradient at version %d: step skipped (%d so far)",
                             self.version, self.skipped_steps)
+                if applied == 0:
+                    # The batch is consumed all the same (as DeepSpeed does on an fp16 overflow): the version moves
+                    # on with the weights bit-equal, so the buffer forms a fresh batch. Holding the version would
+                    # get this very batch served again, and a batch whose data is the cause would never end.
+                    self.version += 1
                 break
             applied += 1
             self.version += 1

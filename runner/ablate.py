@@ -24,7 +24,7 @@ class Variant:
 
 
 VARIANTS: tuple[Variant, ...] = (
-    Variant("default", (), "the config as given (quickstart: dynamic sampling, clip 0.2/0.28, eta 2, mis)"),
+    Variant("default", (), "the config as given (quickstart: dynamic sampling, clip 0.2/0.28, eta 2, none)"),
     Variant("no_dynamic_sampling", ("buffer.dynamic_sampling=false",),
             "uniform groups are trained on too (advantage 0)"),
     Variant("symmetric_clip", ("loss.eps_high=0.2",), "clip 0.2/0.2 instead of clip-higher 0.2/0.28"),

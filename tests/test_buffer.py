@@ -99,9 +99,16 @@ def test_validation_reasons():
     buf.add(make_traj("h", 0, True))
     assert buf.add(make_traj("h", 1, True, init_state_id=3)) == "malformed"   # not the same init state
     assert buf.add(make_traj("h", 2, True, G=5)) == "malformed"               # disagrees on G
+    bad = make_traj("k", 0, True)
+    bad.action_tokens[0, 0] = 5                                                # not an action token id
+    assert buf.add(bad) == "malformed"
+    padded = make_traj("k", 1, True)
+    padded.action_tokens[0, -1], padded.token_mask[0, -1] = 5, False          # padding may hold anything
+    assert buf.add(padded) == "pending"
     buf.count_malformed("msgpack")
-    assert dict(buf.malformed_by_reason) == {"wrong_run": 1, "unknown_task": 1, "group_mismatch": 2, "msgpack": 1}
-    assert buf.received == 6 and buf.ledger["malformed"] == 5 and buf.ledger["pending"] == 1
+    assert dict(buf.malformed_by_reason) == {"wrong_run": 1, "unknown_task": 1, "group_mismatch": 2, "msgpack": 1,
+                                             "bad_action_token": 1}
+    assert buf.received == 8 and buf.ledger["malformed"] == 6 and buf.ledger["pending"] == 2
     buf.check_invariants()
 
 

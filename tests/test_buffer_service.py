@@ -135,6 +135,9 @@ def test_eta_file_watch(tmp_path):
         (tmp_path / "control" / "max_staleness").write_text("not a number")
         time.sleep(0.3)
         assert stats(client)["max_staleness"] == 5
+        (tmp_path / "control" / "max_staleness").write_bytes(b"\xff\xfe\x00")   # not text: ignored, still serving
+        time.sleep(0.3)
+        assert stats(client)["max_staleness"] == 5
         client.send(GrantRequest(actor_id=0, want=100))
         assert client.recv(10).max_staleness == 5
         client.close()

@@ -56,6 +56,11 @@ def test_cross_field_checks():
         load_config(None, ["policy.arch=openvla_oft"])
     with pytest.raises(ConfigError, match="env.image_size"):
         load_config(None, ["env.image_size=30", "policy.patch_size=8"])
+    with pytest.raises(ConfigError, match=r"weights.publish_every \(4\) > buffer.max_staleness \+ 1 \(3\)"):
+        load_config(None, ["weights.publish_every=4", "buffer.max_staleness=2"])
+    with pytest.raises(ConfigError, match="weights.publish_every"):
+        load_config(None, ["weights.publish_every=2", "run.mode=sync"])
+    assert load_config(None, ["weights.publish_every=3", "buffer.max_staleness=2"]).weights.publish_every == 3
 
 
 def test_vllm_backend_without_vllm_fails_at_config_time():

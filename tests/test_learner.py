@@ -116,14 +116,14 @@ def test_deepspeed_single_rank_matches_torch_and_skips_nan(dist_env, stage, tmp_
     digest = tensors_digest(ds.full_state_items())
     ds.policy.poison = "grad"
     m = ds.train_step(groups)
-    assert m["learner/skipped_steps"] == 1 and ds.version == 1
+    assert m["learner/skipped_steps"] == 1 and ds.version == 2            # consumed, weights untouched
     assert tensors_digest(ds.full_state_items()) == digest
     ds.policy.poison = "logp"
     ds.train_step(groups)
-    assert ds.skipped_steps == 2 and tensors_digest(ds.full_state_items()) == digest
+    assert ds.skipped_steps == 2 and ds.version == 3 and tensors_digest(ds.full_state_items()) == digest
     ds.policy.poison = None
     ds.train_step(groups)
-    assert ds.version == 2 and finite_params(ds.full_state_items())
+    assert ds.version == 4 and finite_params(ds.full_state_items())
     out = ds.save_checkpoint(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == out.name
 

@@ -113,6 +113,10 @@ def mutate(case):
         t = make_traj()
         t.behav_logprobs[0, 0] = np.nan
         return [bytes(f) for f in M.encode(t)]
+    if case == "inf_proprio":
+        t = make_traj()
+        t.proprio[0, 0] = np.inf
+        return [bytes(f) for f in M.encode(t)]
     return _with_header(frames, h)
 
 
@@ -121,7 +125,7 @@ def mutate(case):
     ("shape_lie", "size_mismatch"), ("negative_version", "negative_version"), ("type", "type"),
     ("bool_as_int", "type"), ("unknown_field", "unknown_field"), ("missing_field", "missing_field"),
     ("frame_count", "frame_count"), ("object_dtype", "dtype"), ("huge_shape", "size_mismatch"),
-    ("nan_logprob", "bad_logprob"),
+    ("nan_logprob", "bad_logprob"), ("inf_proprio", "bad_proprio"),
 ])
 def test_malformed_inputs_raise_one_error_type_with_reason(case, reason):
     with pytest.raises(M.MalformedMessage) as err:

@@ -203,6 +203,12 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
         st = pub.publish(8, model.items())
         assert st["confirmed"] == 2, st
         assert all(s.poll(timeout=10)[0] == 8 for s in subs)
+        pub.close()
+        pub = WeightPublisher(cfg, tmp_path)        # resumed from an older checkpoint: its versions restart lower
+        assert pub.wait_for_actors(2, 30) == 2
+        assert pub.publish(6, _model(6).items())["confirmed"] == 2
+        got = [s.poll(timeout=10) for s in subs]
+        assert all(g is not None and g[0] == 6 and checksum(g[1]) == checksum(_model(6)) for g in got)
     finally:
         t0 = time.monotonic()
         for s in subs:

@@ -332,7 +332,8 @@ class WeightsConfig(Section):
     timeout_s: float = Field(30.0, gt=0)
     """A broadcast that takes longer (a dead or late actor) is abandoned and the group re-formed."""
     publish_every: int = Field(1, ge=1)
-    """Broadcast weights every this many versions."""
+    """Broadcast weights every this many versions (at most buffer.max_staleness + 1, or actors would hold
+    weights too old for any grant while the learner waits for their data)."""
     join_timeout_s: float = Field(3.0, gt=0)
     """How long the learner waits for invited actors to join a new broadcast group (epoch); an actor
     that misses it is left out, with back-off, and catches up from the exported file."""

@@ -1,5 +1,6 @@
 """Numerics: NaN or inf injected into the log-probs or only into the gradients -> the optimizer step is skipped and
-counted, parameters and optimizer state are untouched (bit-equal) and finite, and training goes on. NaN / inf
+counted, parameters and optimizer state are untouched (bit-equal) and finite, the batch is consumed (the version
+moves on, so a poisoned batch is never served again), and training goes on. NaN / inf
 behaviour log-probs from an actor never reach the learner: the wire rejects them (bad_logprob). The DeepSpeed
 engine's skip (every ZeRO stage) is covered by tests/test_learner.py."""
 
@@ -53,13 +54,14 @@ def test_non_finite_step_is_skipped_and_counted(where, value):
     for k in (1, 2):
         m = learner.train_step(groups)
         assert m["learner/skipped_steps"] == k and learner.skipped_steps == k
-        assert m["learner/steps_applied"] == 0 and learner.version == 1
+        # the batch is consumed (version moves on, the buffer serves a fresh one), the weights are not touched
+        assert m["learner/steps_applied"] == 0 and learner.version == 1 + k
     assert tensors_digest(learner.full_state_items()) == params and learner.optimizer_digest() == opt
     assert finite_params(learner.full_state_items())
     assert all(p.grad is None for p in policy.parameters())  # nothing left to leak into the next step
     policy.poison = None
     m = learner.train_step(groups)
-    assert learner.version == 2 and m["learner/steps_applied"] == 1 and finite_params(learner.full_state_items())
+    assert learner.version == 4 and m["learner/steps_applied"] == 1 and finite_params(learner.full_state_items())
     assert tensors_digest(learner.full_state_items()) != params
 
 
