@@ -307,6 +307,11 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
                  (extra.get("buffer_ledger") or {}).get("ledger", "n/a"))
         if cfg.learner.checkpoint_digest:
             write_resume_report(run_dir, ckpt_dir / tag, rank, learner.version, digests())
+    elif resume and any(ckpt_dir.glob("v*")):
+        # Checkpoints exist but none is usable: starting at 0 would roll the buffer (and the run) back silently.
+        raise SystemExit(f"--resume: {ckpt_dir} holds checkpoint directories but no complete one that "
+                         f"{ckpt_dir / 'latest'} points at; pass the run without --resume to start over, or fix "
+                         "the 'latest' file to name a complete checkpoint")
     elif resume:
         log.warning("--resume: no checkpoint in %s, starting at version 0", ckpt_dir)
 

@@ -26,6 +26,7 @@ import abc
 import hashlib
 import logging
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -118,12 +119,17 @@ def checkpoint_tag(version: int) -> str:
 
 
 def latest_tag(directory: Path | str) -> Optional[str]:
-    """The tag named by ``<directory>/latest`` if that checkpoint exists, else None."""
-    f = Path(directory) / LATEST_FILE
-    if not f.is_file():
-        return None
-    tag = f.read_text().strip()
-    return tag if (Path(directory) / tag).is_dir() else None
+    """The tag named by ``<directory>/latest`` if that checkpoint exists; else (the pointer is missing, or names a
+    directory a kill caught being replaced) the newest complete Torch checkpoint (``v<version>/learner.pt``,
+    written via a temp dir and a rename, so present means complete); else None."""
+    d = Path(directory)
+    f = d / LATEST_FILE
+    if f.is_file():
+        tag = f.read_text().strip()
+        if (d / tag).is_dir():
+            return tag
+    complete = sorted(p.name for p in d.glob("v*") if re.fullmatch(r"v\d{8}", p.name) and (p / "learner.pt").is_file())
+    return complete[-1] if complete else None
 
 
 # --------------------------------------------------------------------------------------- the learner

@@ -173,3 +173,20 @@ def test_real_tiny_policy_zero3_step_and_export(dist_env, tmp_path):
     assert tensors_digest(ds.full_state_items()) == tensors_digest(full.items())  # shards untouched by export
     ds.train_step(groups)
     assert ds.version == 2 and finite_params(ds.full_state_items())
+
+
+def test_latest_tag_falls_back_to_the_newest_complete_checkpoint(tmp_path):
+    """A kill between removing a re-saved checkpoint and renaming its replacement leaves 'latest' naming a missing
+    directory: resume takes the newest complete one (learner.pt present), never a half-written DeepSpeed dir."""
+    from learner.core import latest_tag
+
+    assert latest_tag(tmp_path) is None
+    for tag in ("v00000010", "v00000020"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "learner.pt").write_bytes(b"x")
+    (tmp_path / "v00000030").mkdir()                                   # partial: no learner.pt
+    (tmp_path / "v00000040.tmp").mkdir()
+    (tmp_path / "latest").write_text("v00000010")
+    assert latest_tag(tmp_path) == "v00000010"                         # a valid pointer wins
+    (tmp_path / "latest").write_text("v00000050")
+    assert latest_tag(tmp_path) == "v00000020"
