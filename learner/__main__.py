@@ -42,7 +42,6 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("learner")
-RECONNECT_AFTER_S = 10.0  # no reply this long past a batch request's own timeout: the buffer restarted
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -169,7 +168,7 @@ class _Batches:
         if got is None:
             if self.client.malformed.total > bad_before:
                 self.pending = False  # a reply we could not read (e.g. a refused request): ask again
-            elif time.monotonic() - self.sent_at > timeout + RECONNECT_AFTER_S:
+            elif time.monotonic() - self.sent_at > timeout + self.cfg.learner.reply_grace_s:
                 # No reply at all: the buffer restarted (our request died with it) or is gone.
                 log.warning("no reply from the buffer at %s for %.0f s: reconnecting", self.endpoint,
                             time.monotonic() - self.sent_at)

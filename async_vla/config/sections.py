@@ -267,6 +267,10 @@ class LearnerConfig(Section):
     the state per checkpoint: turn off for multi-GB models if that matters."""
     batch_timeout_s: float = Field(1.0, gt=0)
     """How long one BatchRequest waits at the buffer for a full batch before answering not-ready."""
+    reply_grace_s: float = Field(10.0, gt=0)
+    """No reply this long past batch_timeout_s: the learner assumes the buffer restarted (its request died with
+    it) and reconnects. Must exceed the time one rank's batch takes on the wire: LIBERO-sized batches over a slow
+    link (~1 GB at 1 GbE is ~10 s) need more, or the reply is dropped and asked for again, forever."""
     dist_timeout_s: float = Field(1800.0, gt=0)
     """torch.distributed timeout of the learner ranks' collectives (a rank that never arrives fails them)."""
     torch_threads: int = Field(1, ge=1)
