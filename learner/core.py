@@ -128,7 +128,8 @@ def latest_tag(directory: Path | str) -> Optional[str]:
         tag = f.read_text().strip()
         if (d / tag).is_dir():
             return tag
-    complete = sorted(p.name for p in d.glob("v*") if re.fullmatch(r"v\d{8}", p.name) and (p / "learner.pt").is_file())
+    complete = sorted(p.name for p in d.glob("v*")
+                      if re.fullmatch(r"v\d{8}", p.name) and (p / "learner.pt").is_file())
     return complete[-1] if complete else None
 
 
