@@ -128,13 +128,20 @@ class TrajectorySender:
     def send_frames(self, frames: Sequence, timeout_s: Optional[float] = None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait_ms = 100 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if self._sock.poll(min(wait_ms, 100), zmq.POLLOUT):
+            try:
+                # NOBLOCK: POLLOUT can be stale by the time we send (a peer whose CURVE handshake fails gets its
+                # pipe torn down in between), and a blocking send would then wait forever, past any timeout.
+                # A multipart message is queued atomically: it fails on the first frame or not at all.
                 # copy=False keeps images zero-copy; encode() made fresh contiguous views, never mutated later.
-                self._sock.send_multipart(list(frames), copy=False)
+                self._sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
+            except zmq.Again:
+                pass
+            wait_ms = 100 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if deadline is not None and wait_ms <= 0:
                 return False
+            if self._sock.poll(min(wait_ms, 100), zmq.POLLOUT):
+                time.sleep(0.001)   # ready but refused just now: do not spin on a pipe that comes and goes
 
     def close(self, flush_s: float = 5.0) -> None:
         """Close after giving queued trajectories up to ``flush_s`` to leave (a plain close would drop them).

@@ -116,18 +116,24 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
     stranger_dir.mkdir()
     pub, sec = zmq.auth.load_certificate(zmq.auth.create_certificates(str(stranger_dir), "client")[1])
     stranger = CurveKeys(client_keys.server_public, None, pub, sec, None)   # knows the server key, not authorized
-    with curve_service(tmp_path / "run", keys) as svc:
+    with curve_service(tmp_path / "run", keys) as svc, contextlib.ExitStack() as closing:
+        # Everything is closed even when an assertion fails: a leaked socket + context pair collected later in a
+        # reference cycle can block the garbage collector in Context.term() (seen on CI, in the next test).
         ok = ControlClient(svc.control_endpoint, keys=client_keys)
+        closing.callback(ok.close)
         assert ok.call(M.ControlCommand("stats"), timeout_s=10).command == "stats"
         for who in (None, stranger):   # a plain-text peer, and a CURVE peer whose key is not in authorized/
             c = ControlClient(svc.control_endpoint, keys=who)
+            closing.callback(c.close)
             with pytest.raises(ControlTimeout, match="no reply"):
                 c.call(M.ControlCommand("stats"), timeout_s=1.5)
-            c.close()
             s = TrajectorySender(svc.trajectory_endpoint, keys=who)
-            s.send(make_traj("x", 0, True, run_id=RUN), timeout_s=1.0)
-            s.close(flush_s=0.5)
+            closing.callback(s.close, flush_s=0.5)
+            t0 = time.monotonic()
+            s.send(make_traj("x", 0, True, run_id=RUN), timeout_s=1.0)   # queued or not: never blocks past it
+            assert time.monotonic() - t0 < 3.0
         good = TrajectorySender(svc.trajectory_endpoint, keys=client_keys)
+        closing.callback(good.close)
         assert good.send(make_traj("g", 0, True, run_id=RUN), timeout_s=5)
         deadline = time.monotonic() + 10
         while svc.buffer.received < 1 and time.monotonic() < deadline:
@@ -135,8 +141,6 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
         time.sleep(0.5)
         assert svc.buffer.received == 1                        # only the key holder's trajectory got in
         assert svc.buffer.ledger["pending"] == 1 and svc.buffer.ledger["malformed"] == 0
-        good.close()
-        ok.close()
 
 
 # ---------------------------------------------------------------------------------------------- decoding
