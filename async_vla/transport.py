@@ -16,9 +16,11 @@ message size with MAXMSGSIZE so oversize frames are dropped by ZeroMQ before all
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Deque, Optional, Sequence
@@ -86,6 +88,27 @@ def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
         sock.curve_secretkey = keys.client_secret
 
 
+def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context]) -> None:
+    with contextlib.suppress(Exception):
+        sock.close(linger=0)
+        if ctx is not None:
+            ctx.term()
+
+
+def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx: bool) -> weakref.finalize:
+    """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close().
+
+    Without this, a leaked socket and its context collected together in a reference cycle deadlock the garbage
+    collector: weakrefs are cleared before finalisers run, so pyzmq's Context.__del__ no longer sees the socket
+    and its term() waits for it for ever (seen: a test that failed before its close() hung a later test). A
+    weakref.finalize callback runs before any __del__, and holding the socket it keeps both out of that cycle.
+    ``close()`` detaches it; at interpreter exit it does nothing (an explicit close decides what is flushed).
+    """
+    fin = weakref.finalize(owner, _close_quietly, sock, ctx if own_ctx else None)
+    fin.atexit = False
+    return fin
+
+
 def _socket(ctx: zmq.Context, kind: int, hwm: int, max_bytes: Optional[int]) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.linger = LINGER_MS
@@ -117,6 +140,7 @@ class TrajectorySender:
                  keys: Optional[CurveKeys] = None):
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.PUSH, hwm, None)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
         _secure_client(self._sock, keys)
         self._sock.connect(endpoint)
         self.endpoint = endpoint
@@ -149,6 +173,7 @@ class TrajectorySender:
         Terminating our own context blocks until the queue is flushed: with zero-copy sends, exiting the
         process while ZeroMQ's I/O thread still reads the arrays would crash it (seen: SIGSEGV at exit).
         """
+        self._collect_guard.detach()
         self._sock.close(linger=int(flush_s * 1000))
         if self._own_ctx:
             self._ctx.term()
@@ -161,6 +186,7 @@ class TrajectoryReceiver:
                  ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.PULL, hwm, max_bytes)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
         self.max_bytes = max_bytes
@@ -184,6 +210,7 @@ class TrajectoryReceiver:
                 return None
 
     def close(self) -> None:
+        self._collect_guard.detach()
         self._sock.close()
         if self._own_ctx:
             self._ctx.term()
@@ -196,6 +223,7 @@ class ControlServer:
                  ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.ROUTER, hwm, max_bytes)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
         self._sock.router_mandatory = False  # a vanished peer's reply is dropped, never an error
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
@@ -223,6 +251,7 @@ class ControlServer:
         self._sock.send_multipart([peer, *encode_bundle(header, members)], copy=False)
 
     def close(self) -> None:
+        self._collect_guard.detach()
         self._sock.close()
         if self._own_ctx:
             self._ctx.term()
@@ -245,6 +274,7 @@ class ControlClient:
                  max_bytes: int = 1024**3, ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.DEALER, hwm, max_bytes)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
         if identity is not None:
             self._sock.identity = identity
         _secure_client(self._sock, keys)
@@ -315,6 +345,7 @@ class ControlClient:
         return self._sock.recv_multipart(copy=False)
 
     def close(self) -> None:
+        self._collect_guard.detach()
         self._sock.close()
         if self._own_ctx:
             self._ctx.term()

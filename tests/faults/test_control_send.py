@@ -127,3 +127,31 @@ def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
         actor.control.close()
         actor.sender.close(flush_s=0)
         actor._ctx.term()
+
+
+def test_a_leaked_client_in_a_reference_cycle_never_blocks_the_garbage_collector(tmp_path):
+    """A ControlClient (own context, a queued message, never closed) caught in a reference cycle, as a failed
+    test's traceback holds it: collecting it must not hang in Context.term(). Run in a subprocess with a timeout,
+    so that a regression fails here instead of hanging whichever test the collector happens to run in."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import gc, time
+from async_vla.messages import Heartbeat
+from async_vla.transport import ControlClient, TrajectorySender
+gc.disable()
+for cls in (ControlClient, TrajectorySender):
+    c = cls({unreachable()!r})
+    c.cycle = c                                  # the cycle
+    if cls is ControlClient:
+        c.send(Heartbeat(actor_id=1, pid=2))     # something queued for a peer that never comes
+    del c
+t0 = time.monotonic()
+gc.collect()
+print("collected in", round(time.monotonic() - t0, 3))
+"""
+    repo = Path(__file__).resolve().parent.parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "collected in" in out.stdout, out.stderr[-2000:]
