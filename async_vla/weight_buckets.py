@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64
 MANIFEST_SCHEMA = 1
@@ -390,6 +394,44 @@ def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTens
         if v != version:
             p.unlink(missing_ok=True)
     return final
+
+
+class Exporter:
+    """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
+    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns."""
+
+    def __init__(self, weights_dir: Union[str, Path], keep: int):
+        self.weights_dir, self.keep = Path(weights_dir), keep
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+              sync: bool) -> Optional[BaseException]:
+        """Wait for the previous export, then write this one; returns the previous export's error, if any."""
+        previous = self.wait()
+
+        def work():
+            try:
+                cpu = [b.cpu() for b in buckets]
+                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.keep)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
+                self._error = exc
+                log.error("weights: export of v%d failed: %s", version, exc)
+
+        if sync:
+            work()
+        else:
+            self._thread = threading.Thread(target=work, name=f"weights-export-v{version}", daemon=True)
+            self._thread.start()
+        return previous
+
+    def wait(self) -> Optional[BaseException]:
+        """Block until the last export is on disk (``latest`` points at it); returns its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
 
 
 def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1

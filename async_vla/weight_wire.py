@@ -1,7 +1,8 @@
 """Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
 version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
-manifest digest, sequence), the manifest when the layout changed, the buckets, then one (received, checksum
-ok) acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
+manifest digest, sequence, shared-memory generation or -1), the manifest when the layout changed, the buckets
+(or, on one host, only their offsets in a shared-memory segment: ``async_vla.weight_shm``), then one
+(received, checksum ok) acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
 ``async_vla.weight_buckets``; membership and epochs are ``async_vla.weights``.
 """
 
@@ -17,8 +18,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
 from async_vla.weight_buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack
+from async_vla.weight_shm import ShmReader
 
 MAGIC = 0x5745494748      # "WEIGH"
+HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm")
 ACK_TAG = 7
 
 
@@ -56,6 +59,8 @@ class BroadcastGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.layout: Optional[Layout] = None      # manifest this group has already seen
         self.seq = 0
+        self.use_shm = False                      # publisher: every member can read our segments
+        self.shm_reader: Optional[ShmReader] = None   # receiver: mappings of the publisher's segments
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
         elif backend == "nccl":
@@ -113,29 +118,36 @@ class BroadcastGroup:
             with contextlib.suppress(Exception):
                 self.pg.abort()
         self.pg = None   # dropping the gloo context closes its sockets: peers blocked in a receive fail now
+        if self.shm_reader is not None:
+            self.shm_reader.close()
+            self.shm_reader = None
 
 
 def parse_header(t: torch.Tensor) -> dict[str, int]:
-    keys = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
-    return dict(zip(keys, (int(x) for x in t.cpu().tolist())))
+    return dict(zip(HEADER_KEYS, (int(x) for x in t.cpu().tolist())))
 
 
 # One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
 # worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
 def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
-                 left: Callable[[], float], overlap: bool = True) -> int:
-    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the receivers'
-    (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
-    receivers confirmed the checksum."""
+                 left: Callable[[], float], overlap: bool = True,
+                 shm: Optional[tuple[int, list[int]]] = None) -> int:
+    """Rank 0: header int64[9], the manifest when this group has not seen it, the buckets - or, with ``shm`` =
+    (segment generation, byte offset of each bucket) already written there, just the offsets - then the
+    receivers' (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns
+    how many receivers confirmed the checksum."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
     header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
-                           layout.digest, g.seq], dtype=torch.int64, device=g.device)
+                           layout.digest, g.seq, shm[0] if shm else -1], dtype=torch.int64, device=g.device)
     g.seq += 1
     g.bcast(header, left())
     if manifest:
         g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
         g.layout = layout
-    g.bcast_many(list(buckets), left(), overlap)
+    if shm:
+        g.bcast(torch.tensor(shm[1], dtype=torch.int64, device=g.device), left())
+    else:
+        g.bcast_many(list(buckets), left(), overlap)
     return int(g.recv_acks(left)[1])
 
 
@@ -143,7 +155,7 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
                  ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
     """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
     into fresh (or pooled) buckets. The acknowledgement is sent whether or not the checksum matched."""
-    header = torch.zeros(8, dtype=torch.int64, device=g.device)
+    header = torch.zeros(len(HEADER_KEYS), dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
     if h["magic"] != MAGIC:
@@ -161,7 +173,14 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
     buckets = empty_buckets(layout, g.device, pool)
     if pool is not None:
         pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
-    g.bcast_many(buckets, timeout_s)
+    if h["shm"] >= 0:
+        offsets = torch.zeros(len(buckets), dtype=torch.int64, device=g.device)
+        g.bcast(offsets, timeout_s)
+        if g.shm_reader is None or g.device.type != "cpu":
+            raise ValueError("the publisher sent a shared-memory segment this receiver cannot read")
+        g.shm_reader.copy_out(h["shm"], offsets.tolist(), buckets)
+    else:
+        g.bcast_many(buckets, timeout_s)
     tensors = unpack(layout, buckets)
     ok = not verify or int(checksum(tensors)) == h["checksum"]
     g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)

@@ -1,35 +1,24 @@
-"""Weight broadcast from learner rank 0 to actor processes (design: docs/WEIGHTS.md).
+"""Weight broadcast from learner rank 0 to actor processes (the full design: docs/WEIGHTS.md).
 
 Why a separate process group: DeepSpeed's world is the learner ranks and must stay fixed for ZeRO-3
-collectives; actors come and go. Rank 0 therefore hosts its own ``TCPStore`` and builds a stand-alone
+collectives; actors come and go. Rank 0 hosts its own ``TCPStore`` and builds a stand-alone
 ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU, same code) over ``PrefixStore(f"w/e{n}/pg")`` with
-itself as rank 0 and the actors that are alive now. The group is never registered with
-``torch.distributed`` (``new_group`` would drag actors into the training world), so we call the backend
-directly: ``pg.broadcast([t], opts).wait()``.
+itself as rank 0 and the actors alive now, never registered with ``torch.distributed`` (``new_group`` would
+drag actors into the training world), so we call ``pg.broadcast([t], opts).wait()`` directly.
 
-Membership epochs (all through the store; no clocks compared across hosts):
-- an actor registers: ``token = add("w/tokens", 1)``, ``set("w/member/<token>", info)``, then a side thread
-  bumps ``w/hb/<token>`` every ``heartbeat_s`` (process liveness);
-- at ``publish()`` the publisher re-forms the group when the live set (heartbeat moved within
-  5 x heartbeat_s, not left, not superseded by a newer token of the same actor id, not suspended) differs
-  from the group or the group broke. Re-forming: bump the epoch n, queue an ``invite`` to each live
-  actor's mailbox (a store queue), wait up to ``join_timeout_s`` for ``w/e<n>/ack/<token>``, send a
-  ``roster`` (rank, world) to those that acked, and construct the group. An actor that misses the ack is
-  suspended with back-off, so a wedged actor costs at most one ``join_timeout_s`` now and then;
-- each broadcast is announced in the members' mailboxes, so an actor enters a collective only when one is
-  coming and otherwise sleeps in a blocking queue pop (an idle actor never times out of a collective);
-- wire: header int64[8] (magic, version, buckets, manifest bytes, data bytes, checksum, manifest digest,
-  seq), the manifest JSON when the group has not seen it, the buckets as raw bytes, then each actor
-  sends (received, checksum ok) to rank 0, so ``publish`` returns when receivers really hold (and have
-  verified) the weights.
+Membership epochs go through the store (no clocks compared across hosts): an actor registers a token and a
+side thread bumps its heartbeat; at ``publish()`` the publisher re-forms the group (invite -> ack within
+``join_timeout_s`` -> roster) when the live set changed or the group broke; an actor that misses the ack is
+suspended with back-off. Each broadcast is announced in the members' mailboxes (store queues), so an idle
+actor sleeps in a queue pop, never in a collective. One version on the wire: ``async_vla.weight_wire``; on
+one host the bulk bytes go through shared memory: ``async_vla.weight_shm``.
 
 Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
-actor makes the next op raise at once ("connection closed by peer"); a stopped one makes it time out. Then
-the publisher *deletes* its group (which closes the sockets, so survivors blocked in a receive fail at once
-as well - ``abort()`` does not do that for gloo), and retries once in the same ``publish`` with a new epoch
-if time is left. A late or restarted actor loads ``<run>/weights/latest`` (``fetch_latest``) and joins at
-the next publish. NCCL: the group's watchdog would kill the learner on a timeout by default, so it is
-built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) and aborted before it is dropped.
+actor makes the next op raise at once; a stopped one makes it time out. The publisher then *deletes* its
+group (which closes the sockets, so survivors blocked in a receive fail at once - gloo's ``abort()`` does
+not) and retries once with a new epoch if time is left. A late or restarted actor loads
+``<run>/weights/latest`` (``fetch_latest``) and joins at the next publish. NCCL groups are built with
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) and aborted before they are dropped.
 """
 
 from __future__ import annotations
@@ -50,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import BucketPacker, BufferPool, Layout, checksum, export_weights, read_latest, unpack
+from async_vla.weight_buckets import BucketPacker, BufferPool, Exporter, Layout, checksum, read_latest, unpack
+from async_vla.weight_shm import ShmPublisher, ShmReader, probe_ok
 from async_vla.weight_wire import BroadcastGroup, recv_version, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
@@ -66,6 +56,7 @@ class _Member:
     seen: float = field(default_factory=time.monotonic)
     fails: int = 0
     suspended_until: float = 0.0
+    shm: bool = False          # can read our shared-memory segments (same host, same /dev/shm, same user)
 
 
 class WeightPublisher:
@@ -90,6 +81,15 @@ class WeightPublisher:
                                wait_for_workers=False, master_listen_fd=sock.detach())
         self.session = uuid.uuid4().hex
         self._store.set("w/session", self.session)
+        self._pool = BufferPool()
+        self._shm: Optional[ShmPublisher] = None
+        if self.cfg.shm and self.backend == "gloo":
+            try:
+                self._shm = ShmPublisher(self.cfg.shm_dir, self.session, self._pool)
+            except OSError as exc:
+                log.warning("weights: no shared-memory path in %s (%s); broadcasting over gloo only",
+                            self.cfg.shm_dir, exc)
+        self._store.set("w/shm", self._shm.probe if self._shm is not None else "")
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
@@ -100,9 +100,7 @@ class WeightPublisher:
         self._known = 0
         self._epoch = 0
         self._group: Optional[BroadcastGroup] = None
-        self._export: Optional[threading.Thread] = None
-        self._export_error: Optional[BaseException] = None
-        self._pool = BufferPool()
+        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep)
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ membership
@@ -120,7 +118,7 @@ class WeightPublisher:
                 self._known = tok
                 continue
             info = json.loads(s.get(f"w/member/{tok}"))
-            self._members[tok] = _Member(int(info.get("actor_id", -tok)))
+            self._members[tok] = _Member(int(info.get("actor_id", -tok)), shm=bool(info.get("shm")))
             self._known = tok
         newest: dict[int, int] = {}
         for tok, m in list(self._members.items()):
@@ -179,13 +177,16 @@ class WeightPublisher:
         if not acked:
             return
         world = len(acked) + 1
+        use_shm = self._shm is not None and all(self._members[tok].shm for tok in acked)
         for rank, tok in enumerate(acked, 1):
             s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": world,
-                                                      "backend": self.backend}))
+                                                      "backend": self.backend,
+                                                      "shm": self._shm.prefix if use_shm else ""}))
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("no time left to form the group")
         self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked))
+        self._group.use_shm = use_shm
 
     # ------------------------------------------------------------------ publishing
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -193,12 +194,15 @@ class WeightPublisher:
         """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors.
 
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
-        group), confirmed (receivers whose checksum matched), epoch, formed, failures, error, checksum,
-        export_path. ``zero_copy`` lets tensors above the bucket cap be sent without a copy (they must stay
-        unchanged until this returns; export then runs synchronously).
+        group), confirmed (receivers whose checksum matched), transport (shm, gloo or nccl), epoch, formed,
+        failures, error, checksum, export_path. ``zero_copy`` lets tensors above the bucket cap be sent
+        without a copy over the wire (they must stay unchanged until this returns; export then runs
+        synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
-        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, self._pool)
+        shm = self._shm is not None and self.cfg.shm
+        into = self._shm.arena() if shm else self._pool
+        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy and not shm, into)
         for name, t in named_tensors:
             packer.add(name, t)
         layout, buckets = packer.finish()
@@ -207,7 +211,8 @@ class WeightPublisher:
         t_pack = time.monotonic()
         deadline = t_pack + self.timeout_s
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
-                                 "checksum": csum, "receivers": 0, "confirmed": 0, "epoch": self._epoch,
+                                 "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
+                                 "epoch": self._epoch,
                                  "formed": False, "failures": 0, "error": ""}
         for _attempt in range(2):
             if deadline - time.monotonic() < 0.05:
@@ -219,7 +224,8 @@ class WeightPublisher:
                     stats["formed"] = True
                 if self._group is None:
                     break
-                stats["confirmed"] = self._broadcast(self._group, version, layout, buckets, csum, deadline)
+                stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout, buckets,
+                                                                         csum, deadline)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
                 break
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
@@ -235,52 +241,39 @@ class WeightPublisher:
         self.last = stats
         if self.cfg.export:
             stats["export_path"] = str(self.weights_dir / f"v{version}.safetensors")
-            self._start_export(version, layout, buckets, csum, sync=zero_copy or not self.cfg.export_async)
+            error = self._exporter.start(version, layout, buckets, csum, zero_copy or not self.cfg.export_async)
+            if error is not None:
+                stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
     def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
-                   deadline: float) -> int:
+                   deadline: float) -> tuple[int, str]:
         def left() -> float:
             r = deadline - time.monotonic()
             if r <= 0:
                 raise TimeoutError("weight broadcast ran out of time")
             return r
 
+        shm = None
+        if g.use_shm and self.cfg.shm and self._shm is not None:
+            shm = self._shm.place(buckets)
+            if shm is None:
+                log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
         for tok in g.members:
             self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
-        return send_version(g, version, layout, buckets, csum, left, self.cfg.overlap)
-
-    def _start_export(self, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
-                      sync: bool) -> None:
-        error = self.wait_export()
-        if error is not None:
-            self.last["export_error"] = f"v{version - 1}: {error}"   # previous export; surfaced once
-
-        def work():
-            try:
-                cpu = [b.cpu() for b in buckets]
-                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.cfg.export_keep)
-            except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
-                self._export_error = exc
-                log.error("weights: export of v%d failed: %s", version, exc)
-
-        if sync:
-            work()
-        else:
-            self._export = threading.Thread(target=work, name=f"weights-export-v{version}", daemon=True)
-            self._export.start()
+        confirmed = send_version(g, version, layout, buckets, csum, left, self.cfg.overlap, shm)
+        return confirmed, "shm" if shm else self.backend
 
     def wait_export(self) -> Optional[BaseException]:
         """Block until the previous export is on disk (``latest`` points at it); returns its error, if any."""
-        if self._export is not None:
-            self._export.join()
-            self._export = None
-        error, self._export_error = self._export_error, None
-        return error
+        return self._exporter.wait()
 
     def close(self) -> None:
         self.wait_export()
         self._drop_group()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         with contextlib.suppress(OSError):
             if json.loads(self._endpoint.read_text()).get("session") == self.session:
                 self._endpoint.unlink()
@@ -423,6 +416,7 @@ class WeightSubscriber:
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         session = store.get("w/session").decode()
+        shm = self.cfg.shm and store.check(["w/shm"]) and probe_ok(store.get("w/shm").decode(), session)
         if session != self._publisher_session:
             # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
             # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
@@ -435,7 +429,7 @@ class WeightSubscriber:
                 self._publisher_session = session
         token = store.add("w/tokens", 1)
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
-                                                   "host": socket.gethostname()}))
+                                                   "host": socket.gethostname(), "shm": bool(shm)}))
         mbox = f"w/mbox/{token}"
         with self._hb_lock:
             if self._stop.is_set():
@@ -468,6 +462,8 @@ class WeightSubscriber:
                 try:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+                    if msg.get("shm"):
+                        self._group.shm_reader = ShmReader(str(msg["shm"]))
                     self.stats["epochs"] += 1
                 except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
                     self.stats["failures"] += 1

@@ -330,12 +330,14 @@ def world(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_actor_processes_receive_versions_with_matching_checksums(world):
-    pub, actors = world(2)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
+def test_two_actor_processes_receive_versions_with_matching_checksums(world, shm):
+    pub, actors = world(2, shm=shm)
     for version in (1, 2):
         model = _model(10 + version)
         st = pub.publish(version, model.items())
         assert st["receivers"] == 2 and st["confirmed"] == 2 and st["failures"] == 0, st
+        assert st["transport"] == ("shm" if shm else "gloo")
         assert st["bytes"] == sum(t.numel() * t.element_size() for t in model.values())
         for a in (1, 2):
             assert actors.got(a, version)[3] == st["checksum"] == checksum(model)
