@@ -10,23 +10,33 @@ this (it uses NVLink / shared memory itself), so only the gloo path uses it.
 Safety:
 - capability is tested, not assumed: the publisher writes a probe file holding its session id; a subscriber
   that can read it (same host, same ``/dev/shm`` namespace, same user) registers with ``shm`` set, and a
-  group uses the segment only when every member did;
-- two arenas alternate, because the asynchronous export of version v-1 may still read the previous one;
-- an arena is rewritten only by a later publish, which starts after every receiver acknowledged or after the
-  group was dropped; a receiver still copying then fails its acknowledgement (the group is gone), so a torn
-  copy is never handed out (and the checksum would catch it too);
-- space is reserved with ``posix_fallocate`` (a sparse tmpfs file on a small ``/dev/shm`` - Docker's 64 MB
-  default - would SIGBUS on write); when it cannot be reserved, that version goes over the wire;
-- names carry the publisher's pid: a new publisher removes segments whose process is gone (kill -9).
+  group uses the segment only when every member did. A member that later fails to read a segment re-registers
+  without it (``ShmUnreadable``), which re-forms the group on the wire;
+- two segments alternate, because the asynchronous export of version v-1 may still read the previous one;
+- each segment starts with a control word (a seqlock): -1 while it is being rewritten, the version once sealed.
+  A receiver checks it before and after copying, so a copy overlapped by a rewrite (a receiver stalled past
+  the publisher's timeout) is refused (``ShmTorn``) even with checksum verification off;
+- space is checked (``statvfs``) and reserved (``posix_fallocate``): a sparse tmpfs file on a small
+  ``/dev/shm`` (Docker's 64 MB default) would SIGBUS on write. Without room the version goes over the wire,
+  and the same size is not tried again for ``RETRY_S``;
+- a publisher holds an ``flock`` on its probe for its lifetime: a new publisher deletes every segment whose
+  probe is not locked (a kill -9'd learner's), whatever pid namespace it ran in; segments are never
+  ``munmap``ped under a live view (``torch.frombuffer`` keeps a reference to the ``mmap``; dropping references
+  unmaps with the last view, while ``mm.close()`` would unmap under the tensors: a segfault).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import time
 import warnings
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -37,8 +47,19 @@ from async_vla.weight_buckets import BufferPool
 log = logging.getLogger(__name__)
 
 ALIGN = 64
+CTL = ALIGN          # bytes at the start of each segment: int64 control word (version sealed, -1 = rewriting)
 NAME = "async_vla_w_"
-GROWTH = 1.25       # headroom when an arena is (re)made, so a slightly larger layout does not re-make it
+GROWTH = 1.25        # headroom when a segment is (re)made, so a slightly larger layout does not re-make it
+RETRY_S = 60.0       # after "no room", the same or a larger size is not tried again for this long
+MAX_MAPS = 3         # segments a reader keeps mapped (two alternate; one more while a re-made one replaces)
+
+
+class ShmUnreadable(ValueError):
+    """This receiver cannot use the publisher's segment (missing, unmappable, offsets outside it)."""
+
+
+class ShmTorn(ValueError):
+    """The segment was rewritten while this receiver copied it: the copy is discarded."""
 
 
 def _aligned(n: int) -> int:
@@ -49,34 +70,56 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _pid_alive(pid: int) -> bool:
+def _prefix_of(name: str) -> str:
+    """``async_vla_w_<pid>_<session>`` of a probe, probe temp file or segment name."""
+    return NAME + "_".join(name[len(NAME):].split(".")[0].split("_")[:2])
+
+
+def _locked(path: Path) -> bool:
+    """True when a live process holds the flock on ``path`` (its publisher is running)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)
 
 
 def remove_stale_segments(shm_dir: Union[str, Path]) -> int:
-    """Delete segments and probes left by publishers that no longer run (kill -9); returns how many."""
+    """Delete segments, probes and temp files whose publisher no longer holds its probe lock; returns how many."""
+    d = Path(shm_dir)
     removed = 0
-    for p in Path(shm_dir).glob(NAME + "*"):
-        try:
-            pid = int(p.name[len(NAME):].split("_")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
+    for p in d.glob(NAME + "*"):
+        own = p if p.name.endswith(".tmp") else d / (_prefix_of(p.name) + ".probe")
+        if not _locked(own):
             with contextlib.suppress(OSError):
                 p.unlink()
                 removed += 1
     return removed
 
 
-def probe_ok(probe_path: str, session: str) -> bool:
+def _remove_own(shm_dir: Path, prefix: str, lock_fd: int) -> None:
+    for p in shm_dir.glob(prefix + "*"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
+
+
+def valid_path(path: str, shm_dir: Union[str, Path]) -> bool:
+    """A probe or segment prefix received from the store must name one of ours in our shm_dir."""
+    p = Path(path)
+    return p.parent == Path(shm_dir) and p.name.startswith(NAME)
+
+
+def probe_ok(probe_path: str, session: str, shm_dir: Union[str, Path]) -> bool:
     """True when this process can read the publisher's probe file and it names the publisher's session."""
-    if not probe_path:
+    if not probe_path or not valid_path(probe_path, shm_dir):
         return False
     try:
         return Path(probe_path).read_text() == session
@@ -85,32 +128,38 @@ def probe_ok(probe_path: str, session: str) -> bool:
 
 
 class ShmArena:
-    """A writable segment handed out as bucket buffers (``BufferPool.get``'s signature), bump-allocated from
-    the start after each ``reset()``; a request that does not fit (or is not on the CPU) comes from
+    """A writable segment handed out as bucket buffers (``BufferPool.get``'s signature), bump-allocated after
+    the control word from each ``reset()``; a request that does not fit (or is not on the CPU) comes from
     ``fallback`` and is copied in by ``place``."""
 
     def __init__(self, path: str, nbytes: int, fallback: BufferPool):
-        nbytes = _aligned(max(ALIGN, int(nbytes)))
+        nbytes = _aligned(CTL + max(ALIGN, int(nbytes)))
+        st = os.statvfs(os.path.dirname(path) or ".")
+        if st.f_bavail * st.f_frsize < nbytes:     # do not even briefly fill a shared /dev/shm
+            raise OSError(errno.ENOSPC, f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)   # reserve the pages now: ENOSPC here, not SIGBUS later
-            except OSError:
-                os.close(fd)
-                fd = -1
+            os.posix_fallocate(fd, 0, nbytes)      # reserve the pages now: ENOSPC here, not SIGBUS later
+            self._mm: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
+            self._base: Optional[torch.Tensor] = torch.frombuffer(self._mm, dtype=torch.uint8)
+        except BaseException:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-                raise
-            self._mm = mmap.mmap(fd, nbytes)
+            raise
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
         self.path, self.nbytes = path, nbytes
-        self._base: Optional[torch.Tensor] = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._ctl = self._base.narrow(0, 0, 8).view(torch.int64)
         self._fallback = fallback
-        self._used = 0
+        self.reset()
 
     def reset(self) -> None:
-        self._used = 0
+        """Start rewriting: readers now refuse whatever they copy until ``seal``."""
+        self._ctl[0] = -1
+        self._used = CTL
+
+    def seal(self, version: int) -> None:
+        self._ctl[0] = version
 
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
         n = numel * dtype.itemsize
@@ -124,7 +173,7 @@ class ShmArena:
         if self._base is None or t.device.type != "cpu":
             return None
         off = t.data_ptr() - self._base.data_ptr()
-        return off if 0 <= off and off + _nbytes(t) <= self.nbytes else None
+        return off if CTL <= off and off + _nbytes(t) <= self.nbytes else None
 
     def place(self, buckets: Sequence[torch.Tensor]) -> Optional[list[int]]:
         """Offsets of every bucket in the arena, copying in those packed elsewhere; None if they do not fit."""
@@ -139,40 +188,50 @@ class ShmArena:
         return [int(o) for o in offsets]
 
     def close(self) -> None:
-        # Never mm.close(): it unmaps even while tensors view the memory (torch.frombuffer keeps a reference
-        # to the mmap, not a buffer export), and a bucket still being exported would then segfault. Dropping
-        # our references unmaps when the last view is gone; the unlinked file's pages are freed with it.
+        # Never mm.close() (see the module docstring): drop our references, unlink the name.
         self._base = self._mm = None
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
 
 class ShmPublisher:
-    """The publisher's side: the probe file and two alternating arenas named ``<prefix>_<generation>``."""
+    """The publisher's side: the locked probe file and two alternating arenas ``<prefix>_<generation>``."""
 
     def __init__(self, shm_dir: Union[str, Path], session: str, fallback: BufferPool):
         self.dir = Path(shm_dir)
         if remove_stale_segments(self.dir):
             log.info("weights: removed shared-memory segments of dead publishers from %s", self.dir)
-        self.prefix = str(self.dir / f"{NAME}{os.getpid()}_{session[:16]}")
+        name = f"{NAME}{os.getpid()}_{session[:16]}"
+        self.prefix = str(self.dir / name)
         self.probe = self.prefix + ".probe"
         tmp = self.probe + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(session)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.probe)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:   # locked before it appears under its real name, so no other publisher ever sees it unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, session.encode())
+            os.replace(tmp, self.probe)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        # Normal exit and garbage collection remove our files too; kill -9 leaves them to the next publisher.
+        self._finalizer = weakref.finalize(self, _remove_own, self.dir, name, fd)
         self._fallback = fallback
         self._arenas: list[Optional[ShmArena]] = [None, None]
         self._gens = [-1, -1]
         self._turn = 0
         self._next_gen = 0
         self._requested = 0       # bytes the packer asked for this version (open buckets come at the cap)
+        self._placed: Optional[tuple[int, int, list[int]]] = None    # (version, generation, offsets)
+        self._no_room: tuple[int, float] = (0, 0.0)                   # (bytes that did not fit, until when)
         self.failed = ""          # why the last placement went over the wire instead ("" = it did not)
 
     def arena(self) -> "ShmPublisher":
         """Flip to the other slot and reset its arena; pack into the returned allocator (``get``)."""
         self._turn ^= 1
         self._requested = 0
+        self._placed = None
         a = self._arenas[self._turn]
         if a is not None:
             a.reset()
@@ -184,75 +243,94 @@ class ShmPublisher:
         a = self._arenas[self._turn]
         return (a or self._fallback).get(numel, dtype, device)
 
-    def place(self, buckets: Sequence[torch.Tensor]) -> Optional[tuple[int, list[int]]]:
-        """(generation, offsets) of this version's buckets in the current slot's segment, re-making the
-        segment when they do not fit (sized by what the packer requested: open buckets come at the cap, so
-        packing straight into it next time fits); None when shared memory cannot hold them (the wire)."""
+    @property
+    def in_place(self) -> bool:
+        """Both slots have a segment (packing no longer touches the fallback pool)."""
+        return all(a is not None for a in self._arenas)
+
+    def place(self, buckets: Sequence[torch.Tensor], version: int) -> Optional[tuple[int, list[int]]]:
+        """(generation, offsets) of this version's buckets in the current slot's segment, sealed with
+        ``version``; re-makes the segment when they do not fit (sized by what the packer requested, so packing
+        straight into it next time fits). None when shared memory cannot hold them (go over the wire).
+        Idempotent per version (a retried broadcast re-sends the same placement)."""
+        if self._placed is not None and self._placed[0] == version:
+            return self._placed[1], self._placed[2]
         slot = self._turn
         a = self._arenas[slot]
         offsets = a.place(buckets) if a is not None else None
-        if offsets is not None:
-            return self._gens[slot], offsets
-        need = max(sum(_aligned(_nbytes(b)) for b in buckets), self._requested)
-        gen = self._next_gen
-        self._next_gen += 1
-        try:
-            new = ShmArena(f"{self.prefix}_{gen}", int(need * GROWTH), self._fallback)
-        except OSError as exc:
-            self.failed = f"cannot reserve {need / 2**20:.0f} MiB in {self.dir}: {exc.strerror or exc}"
-            return None
-        offsets = new.place(buckets)      # copies from the old arena (or the pool) before it is closed
-        if a is not None:
-            a.close()
-        self._arenas[slot], self._gens[slot] = new, gen
+        if offsets is None:
+            need = max(sum(_aligned(_nbytes(b)) for b in buckets), self._requested)
+            if need >= self._no_room[0] > 0 and time.monotonic() < self._no_room[1]:
+                return None                        # self.failed still says why
+            try:
+                new = ShmArena(f"{self.prefix}_{self._next_gen}", int(need * GROWTH), self._fallback)
+            except OSError as exc:
+                self._no_room = (need, time.monotonic() + RETRY_S)
+                self.failed = f"cannot reserve {need / 2**20:.0f} MiB in {self.dir}: {exc.strerror or exc}"
+                return None
+            offsets = new.place(buckets)  # copies from the old arena (or the pool) before that is closed
+            if a is not None:
+                a.close()
+            self._arenas[slot], self._gens[slot] = new, self._next_gen
+            self._next_gen += 1
+            if offsets is None:
+                return None
+        self._arenas[slot].seal(version)
         self.failed = ""
-        return (gen, offsets) if offsets is not None else None
+        self._placed = (version, self._gens[slot], offsets)
+        return self._gens[slot], offsets
 
     def close(self) -> None:
         for a in self._arenas:
             if a is not None:
                 a.close()
         self._arenas = [None, None]
-        with contextlib.suppress(OSError):
-            os.unlink(self.probe)
+        self._finalizer()
 
 
 class ShmReader:
-    """A receiver's read-only mappings of the publisher's segments (the two newest generations)."""
+    """A receiver's read-only mappings of the publisher's segments (the ``MAX_MAPS`` most recently used)."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self._maps: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     def _view(self, gen: int) -> torch.Tensor:
-        if gen not in self._maps:
+        if gen in self._maps:
+            self._maps.move_to_end(gen)
+            return self._maps[gen]
+        try:
             fd = os.open(f"{self.prefix}_{int(gen)}", os.O_RDONLY)
             try:
                 mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
-            with warnings.catch_warnings():   # read-only on purpose: we never write through it
-                warnings.simplefilter("ignore", UserWarning)
-                base = torch.frombuffer(mm, dtype=torch.uint8)
-            self._maps[gen] = (mm, base)
-            for old in sorted(self._maps)[:-2]:
-                self._unmap(old)
-        return self._maps[gen][1]
+        except (OSError, ValueError) as exc:
+            raise ShmUnreadable(f"cannot map shared-memory segment {gen}: {exc}") from exc
+        with warnings.catch_warnings():   # read-only on purpose: we never write through it
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(mm, dtype=torch.uint8)
+        self._maps[gen] = base            # the tensor keeps the mmap alive; dropping it unmaps
+        while len(self._maps) > MAX_MAPS:
+            self._maps.popitem(last=False)
+        return base
 
-    def copy_out(self, gen: int, offsets: Sequence[int], buckets: Sequence[torch.Tensor]) -> None:
-        """Copy each bucket from its offset in segment ``gen`` into ``buckets`` (CPU tensors)."""
+    def copy_out(self, gen: int, version: int, offsets: Sequence[int], buckets: Sequence[torch.Tensor]) -> None:
+        """Copy each bucket from its offset in segment ``gen`` into ``buckets`` (CPU tensors); the segment must
+        be sealed with ``version`` before and after the copy."""
         base = self._view(gen)
-        if len(offsets) != len(buckets):
-            raise ValueError("shared-memory offsets do not match the bucket count")
+        if len(offsets) != len(buckets) or base.numel() < CTL:
+            raise ShmUnreadable("shared-memory offsets do not match the buckets or the segment")
+        ctl = base.narrow(0, 0, 8).view(torch.int64)
+        if int(ctl[0]) != version:
+            raise ShmTorn(f"segment {gen} holds {int(ctl[0])}, not v{version}")
         for off, b in zip(offsets, buckets):
             n = _nbytes(b)
-            if not 0 <= off <= base.numel() - n:
-                raise ValueError(f"shared-memory offset {off} (+{n} bytes) outside the segment")
+            if not CTL <= off <= base.numel() - n:
+                raise ShmUnreadable(f"shared-memory offset {off} (+{n} bytes) outside the segment")
             b.view(-1).view(torch.uint8).copy_(base.narrow(0, int(off), n))
-
-    def _unmap(self, gen: int) -> None:
-        self._maps.pop(gen)     # unmapped when the last reference goes (see ShmArena.close)
+        if int(ctl[0]) != version:
+            raise ShmTorn(f"segment {gen} was rewritten during the copy of v{version}")
 
     def close(self) -> None:
-        for gen in list(self._maps):
-            self._unmap(gen)
+        self._maps.clear()

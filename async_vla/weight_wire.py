@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
 from async_vla.weight_buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack
-from async_vla.weight_shm import ShmReader
+from async_vla.weight_shm import ShmReader, ShmUnreadable
 
 MAGIC = 0x5745494748      # "WEIGH"
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm")
@@ -31,6 +32,15 @@ def resolve_backend(name: str) -> str:
     if name == "zmq":
         raise NotImplementedError("weights.backend=zmq is not implemented yet; use auto, gloo or nccl")
     return name
+
+
+def port_open(host: str, port: int) -> bool:
+    """Plain probe first: a TCPStore client aimed at a dead port retries for its whole timeout, loudly."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -118,9 +128,7 @@ class BroadcastGroup:
             with contextlib.suppress(Exception):
                 self.pg.abort()
         self.pg = None   # dropping the gloo context closes its sockets: peers blocked in a receive fail now
-        if self.shm_reader is not None:
-            self.shm_reader.close()
-            self.shm_reader = None
+        self.shm_reader = None   # owned by the subscriber: kept mapped across epochs
 
 
 def parse_header(t: torch.Tensor) -> dict[str, int]:
@@ -177,8 +185,8 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
         offsets = torch.zeros(len(buckets), dtype=torch.int64, device=g.device)
         g.bcast(offsets, timeout_s)
         if g.shm_reader is None or g.device.type != "cpu":
-            raise ValueError("the publisher sent a shared-memory segment this receiver cannot read")
-        g.shm_reader.copy_out(h["shm"], offsets.tolist(), buckets)
+            raise ShmUnreadable("the publisher sent a shared-memory segment this receiver cannot read")
+        g.shm_reader.copy_out(h["shm"], h["version"], offsets.tolist(), buckets)
     else:
         g.bcast_many(buckets, timeout_s)
     tensors = unpack(layout, buckets)

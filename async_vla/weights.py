@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from async_vla.weight_buckets import BucketPacker, BufferPool, Exporter, Layout, checksum, read_latest, unpack
-from async_vla.weight_shm import ShmPublisher, ShmReader, probe_ok
-from async_vla.weight_wire import BroadcastGroup, recv_version, resolve_backend, send_version, td
+from async_vla.weight_shm import ShmPublisher, ShmReader, ShmUnreadable, probe_ok, valid_path
+from async_vla.weight_wire import BroadcastGroup, port_open, recv_version, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +202,13 @@ class WeightPublisher:
         t0 = time.monotonic()
         shm = self._shm is not None and self.cfg.shm
         into = self._shm.arena() if shm else self._pool
-        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy and not shm, into)
+        zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
+        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into)
         for name, t in named_tensors:
             packer.add(name, t)
         layout, buckets = packer.finish()
-        self._pool.trim(3 * layout.wire_bytes + 2 * packer.cap)   # one version exporting, one packing
+        # One version exporting, one packing; none once both shared-memory segments take the packing.
+        self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
         csum = checksum(unpack(layout, buckets))
         t_pack = time.monotonic()
         deadline = t_pack + self.timeout_s
@@ -256,7 +258,7 @@ class WeightPublisher:
 
         shm = None
         if g.use_shm and self.cfg.shm and self._shm is not None:
-            shm = self._shm.place(buckets)
+            shm = self._shm.place(buckets, version)
             if shm is None:
                 log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
         for tok in g.members:
@@ -284,15 +286,6 @@ class _Stop(Exception):
     pass
 
 
-def _port_open(host: str, port: int) -> bool:
-    """Plain probe first: a TCPStore client aimed at a dead port retries for its whole timeout, loudly."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 class WeightSubscriber:
     """Actor side: a background thread joins the learner's broadcasts; ``poll()`` hands over new weights."""
 
@@ -313,6 +306,8 @@ class WeightSubscriber:
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._group: Optional[BroadcastGroup] = None
         self._pool = BufferPool()
+        self._shm_reader: Optional[ShmReader] = None
+        self._shm_refused = False      # a segment of this learner session could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
                       "last_version": -1, "last_recv_s": 0.0, "bytes": 0}
@@ -411,12 +406,13 @@ class WeightSubscriber:
 
     def _session(self) -> None:
         port = self._resolve_port()
-        if port is None or not _port_open(self.host, port):
+        if port is None or not port_open(self.host, port):
             return
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         session = store.get("w/session").decode()
-        shm = self.cfg.shm and store.check(["w/shm"]) and probe_ok(store.get("w/shm").decode(), session)
+        shm = (self.cfg.shm and not self._shm_refused and store.check(["w/shm"])
+               and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
         if session != self._publisher_session:
             # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
             # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
@@ -427,6 +423,7 @@ class WeightSubscriber:
                              self._delivered)
                     self._delivered, self._latest = -1, None
                 self._publisher_session = session
+                self._shm_refused, self._shm_reader = False, None
         token = store.add("w/tokens", 1)
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
                                                    "host": socket.gethostname(), "shm": bool(shm)}))
@@ -462,8 +459,11 @@ class WeightSubscriber:
                 try:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
-                    if msg.get("shm"):
-                        self._group.shm_reader = ShmReader(str(msg["shm"]))
+                    prefix = str(msg.get("shm") or "")
+                    if prefix and valid_path(prefix, self.cfg.shm_dir):
+                        if self._shm_reader is None or self._shm_reader.prefix != prefix:
+                            self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
+                        self._group.shm_reader = self._shm_reader
                     self.stats["epochs"] += 1
                 except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
                     self.stats["failures"] += 1
@@ -471,6 +471,14 @@ class WeightSubscriber:
             elif kind == "bcast" and self._group is not None and epoch == self._group.epoch:
                 try:
                     self._receive(self._group)
+                except ShmUnreadable as exc:
+                    # Registered as able to read the learner's segments, but cannot: register again without
+                    # (a new token re-forms the group on the wire) and do not claim it again for this learner.
+                    self.stats["failures"] += 1
+                    self._shm_refused, self._shm_reader = True, None
+                    log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
+                                "for the wire", self.actor_id, exc)
+                    raise
                 except (RuntimeError, ValueError) as exc:
                     self.stats["failures"] += 1
                     log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,

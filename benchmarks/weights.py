@@ -100,7 +100,7 @@ def run(quick: bool = False) -> dict:
     from async_vla.weights import WeightPublisher
 
     sizes = [10_000_000] if quick else [10_000_000, 100_000_000]
-    repeats = {10_000_000: 3 if quick else 7, 100_000_000: 3}
+    repeats = {10_000_000: 3 if quick else 7, 100_000_000: 5}
     torch.set_num_threads(1)
     memcpy = memcpy_gbps()
     ctx = mp.get_context("spawn")

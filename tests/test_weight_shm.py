@@ -14,7 +14,9 @@ import torch
 
 from async_vla.config import Config
 from async_vla.weight_buckets import BufferPool, checksum, pack
-from async_vla.weight_shm import NAME, ShmArena, ShmPublisher, ShmReader, probe_ok, remove_stale_segments
+from async_vla.weight_shm import (
+    NAME, ShmArena, ShmPublisher, ShmReader, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
+)
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
 
@@ -44,17 +46,26 @@ def test_arena_packs_in_place_and_a_reader_copies_the_same_bytes_out(tmp_path):
     arena = ShmArena(str(tmp_path / f"{NAME}{os.getpid()}_t_0"), 1 << 20, BufferPool())
     layout, buckets = pack(model, 64 * 1024, pool=arena)
     offsets = arena.place(buckets)
-    assert offsets is not None and all(o % 64 == 0 for o in offsets)
+    assert offsets is not None and all(o % 64 == 0 and o >= 64 for o in offsets)
     assert [arena.offset_of(b) for b in buckets] == offsets          # packed straight into the segment
     received = [torch.empty_like(b) for b in buckets]
     reader = ShmReader(str(tmp_path / f"{NAME}{os.getpid()}_t"))
-    reader.copy_out(0, offsets, received)
+    with pytest.raises(ShmTorn):                                     # not sealed yet: being written
+        reader.copy_out(0, 3, offsets, received)
+    arena.seal(3)
+    reader.copy_out(0, 3, offsets, received)
     from async_vla.weight_buckets import unpack
     assert checksum(unpack(layout, received)) == checksum(model)
-    with pytest.raises(ValueError, match="outside the segment"):
-        reader.copy_out(0, [arena.nbytes - 8], [torch.empty(4, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="bucket count"):
-        reader.copy_out(0, offsets[:1], received)
+    with pytest.raises(ShmTorn):                                     # sealed with another version
+        reader.copy_out(0, 4, offsets, received)
+    with pytest.raises(ShmUnreadable, match="outside the segment"):
+        reader.copy_out(0, 3, [arena.nbytes - 8], [torch.empty(4, dtype=torch.int64)])
+    with pytest.raises(ShmUnreadable, match="outside the segment"):
+        reader.copy_out(0, 3, [0], [torch.empty(4, dtype=torch.int64)])     # the control word is not data
+    with pytest.raises(ShmUnreadable, match="do not match"):
+        reader.copy_out(0, 3, offsets[:1], received)
+    with pytest.raises(ShmUnreadable, match="cannot map"):
+        reader.copy_out(9, 3, offsets, received)
     reader.close()
     arena.close()
     assert not Path(arena.path).exists()
@@ -66,8 +77,8 @@ def test_arena_copies_in_what_was_packed_elsewhere_and_refuses_what_does_not_fit
     assert arena.offset_of(big) is None
     small = torch.arange(10, dtype=torch.float32)
     offsets = arena.place([small])
-    assert offsets == [0]
-    assert torch.equal(arena._base.narrow(0, 0, 40).view(torch.float32), small)
+    assert offsets == [64]
+    assert torch.equal(arena._base.narrow(0, 64, 40).view(torch.float32), small)
     assert arena.place([big]) is None
     arena.close()
 
@@ -75,35 +86,59 @@ def test_arena_copies_in_what_was_packed_elsewhere_and_refuses_what_does_not_fit
 def test_publisher_alternates_two_segments_and_grows_one_when_the_layout_outgrows_it(tmp_path):
     pool = BufferPool()
     side = ShmPublisher(tmp_path, "s" * 32, pool)
-    assert probe_ok(side.probe, "s" * 32) and not probe_ok(side.probe, "other") and not probe_ok("", "x")
+    assert probe_ok(side.probe, "s" * 32, tmp_path) and not probe_ok(side.probe, "other", tmp_path)
+    assert not probe_ok("", "x", tmp_path) and not probe_ok(side.probe, "s" * 32, tmp_path / "elsewhere")
     gens = []
-    for rows in (64, 64, 64, 64, 512):
+    for version, rows in enumerate((64, 64, 64, 64, 512)):
         _, buckets = pack(_model(rows, rows), 64 * 1024, pool=side.arena())
-        gen, offsets = side.place(buckets)
+        gen, offsets = side.place(buckets, version)
+        assert side.place(buckets, version) == (gen, offsets)          # a retried broadcast: same placement
         gens.append(gen)
         reader = ShmReader(side.prefix)
         got = [torch.empty_like(b) for b in buckets]
-        reader.copy_out(gen, offsets, got)
+        reader.copy_out(gen, version, offsets, got)
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, buckets))
         reader.close()
     assert gens[:4] == [0, 1, 0, 1] and gens[4] == 2                 # reused, then one re-made larger
-    assert all(side._arenas[i].offset_of(side._arenas[i]._base[:1]) == 0 for i in (0, 1))
+    assert side.in_place                                              # both slots pack in place now
     assert len(list(tmp_path.glob(NAME + "*"))) == 3                 # two segments + the probe
     side.close()
     assert not list(tmp_path.glob(NAME + "*"))
 
 
-def test_segments_of_dead_publishers_are_removed_and_live_ones_kept(tmp_path):
-    proc = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+def _hold_a_publisher(shm_dir, ready, done) -> None:
+    side = ShmPublisher(shm_dir, "b" * 32, BufferPool())
+    _, buckets = pack(_model(1), 64 * 1024, pool=side.arena())
+    side.place(buckets, 1)
+    ready.set()
+    done.wait(60)
+    os.kill(os.getpid(), 9)                                           # dies without close(): files stay
+
+
+def test_segments_are_removed_once_their_publisher_is_gone_and_never_while_it_lives(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_a_publisher, args=(str(tmp_path), ready, done))
     proc.start()
-    proc.join()
-    dead = tmp_path / f"{NAME}{proc.pid}_abc_0"
-    live = tmp_path / f"{NAME}{os.getppid()}_abc_0"
-    other = tmp_path / "unrelated"
-    for p in (dead, live, other):
-        p.write_bytes(b"x")
-    assert remove_stale_segments(tmp_path) == 1
-    assert not dead.exists() and live.exists() and other.exists()
+    try:
+        assert ready.wait(60)
+        theirs = sorted(p.name for p in tmp_path.glob(NAME + "*"))
+        assert len(theirs) == 2                                       # probe + one segment
+        other = tmp_path / "unrelated"
+        other.write_bytes(b"x")
+        mine = ShmPublisher(tmp_path, "a" * 32, BufferPool())         # cleans on start: theirs is locked, kept
+        assert all((tmp_path / n).exists() for n in theirs)
+        done.set()
+        proc.join(30)
+        assert proc.exitcode == -9
+        assert remove_stale_segments(tmp_path) == 2                   # their lock died with them
+        assert not any((tmp_path / n).exists() for n in theirs)
+        assert Path(mine.probe).exists() and other.exists()           # ours is locked; foreign names untouched
+        mine.close()
+        assert not Path(mine.probe).exists()
+    finally:
+        done.set()
+        proc.join(5)
 
 
 # ----------------------------------------------------------------------------------- publishes
@@ -152,7 +187,10 @@ def test_a_member_that_cannot_read_the_segment_puts_the_group_on_the_wire(tmp_pa
 
 
 def test_no_room_in_shared_memory_falls_back_to_the_wire_without_losing_a_version(tmp_path, monkeypatch, caplog):
+    calls = []
+
     def full(fd, offset, length):
+        calls.append(length)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
@@ -161,8 +199,9 @@ def test_no_room_in_shared_memory_falls_back_to_the_wire_without_losing_a_versio
     subs = [WeightSubscriber(cfg, 1, tmp_path)]
     try:
         assert pub.wait_for_actors(1, 20) == 1
-        assert {s["transport"] for s in _publish_and_check(pub, subs, [1, 2])} == {"gloo"}
+        assert {s["transport"] for s in _publish_and_check(pub, subs, [1, 2, 3, 4])} == {"gloo"}
         assert "No space left" in caplog.text
+        assert len(calls) == 1                                        # not retried on every publish
         assert not [p for p in (tmp_path / "shm").glob(NAME + "*") if not p.name.endswith(".probe")]
     finally:
         for s in subs:
@@ -191,3 +230,53 @@ def test_bench_weights_times_every_path_and_each_went_where_it_says(tmp_path):
     assert min(r["per_tensor_naive_s"], r["per_tensor_s"], r["bucketed_gloo_s"], r["bucketed_s"]) > 0
     assert r["speedup"] == pytest.approx(r["per_tensor_s"] / r["bucketed_s"])
     assert "bucketed gloo" in out["markdown"] and "| 10M" in out["markdown"]
+
+
+def test_a_reader_keeps_the_segments_in_use_mapped_when_one_slot_is_remade(tmp_path):
+    """Slot A stays on generation 0 while slot B is re-made twice (1 -> 2 -> 3): 0 must stay readable."""
+    arenas = {}
+    for gen in range(4):
+        arenas[gen] = ShmArena(str(tmp_path / f"{NAME}{os.getpid()}_r_{gen}"), 4096, BufferPool())
+        arenas[gen].place([torch.full((4,), float(gen))])
+        arenas[gen].seal(gen)
+    reader = ShmReader(str(tmp_path / f"{NAME}{os.getpid()}_r"))
+    for gen in (0, 1, 0, 2, 0, 3, 0, 3, 0):
+        out = torch.empty(4)
+        reader.copy_out(gen, gen, [64], [out])
+        assert torch.equal(out, torch.full((4,), float(gen)))
+    assert len(reader._maps) <= 3
+    for a in arenas.values():
+        a.close()
+
+
+def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the_group_to_the_wire(
+        tmp_path, monkeypatch, caplog):
+    import async_vla.weights as weights_mod
+
+    class Unreadable(ShmReader):
+        def copy_out(self, *args, **kwargs):
+            raise ShmUnreadable("segment vanished")
+
+    monkeypatch.setattr(weights_mod, "ShmReader", Unreadable)
+    cfg = _cfg(tmp_path, timeout_s=10.0)
+    pub = WeightPublisher(cfg, tmp_path)
+    subs = [WeightSubscriber(cfg, i, tmp_path) for i in (1, 2)]
+    try:
+        assert pub.wait_for_actors(2, 20) == 2
+        first = pub.publish(1, _model(1).items())
+        assert first["transport"] != "shm" or first["confirmed"] == 0   # never confirmed through the segment
+        end, st = time.monotonic() + 30, {}
+        version = 1
+        while time.monotonic() < end:                                  # they re-register for the wire ...
+            version += 1
+            st = pub.publish(version, _model(version).items())
+            if st["confirmed"] == 2:
+                break
+            time.sleep(0.2)
+        assert st["confirmed"] == 2 and st["transport"] == "gloo", st
+        assert _publish_and_check(pub, subs, [version + 1])[0]["transport"] == "gloo"   # ... and stay there
+        assert "cannot read the learner's shared memory" in caplog.text
+    finally:
+        for s in subs:
+            s.close()
+        pub.close()
