@@ -340,6 +340,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
         values = {"weights/sync_s": float(stats.get("sync_s", 0.0)), "weights/bytes": float(stats.get("bytes", 0)),
                   "weights/receivers": float(stats.get("receivers", 0)),
                   "weights/confirmed": float(stats.get("confirmed", 0)),
+                  "weights/shared_memory": float(stats.get("transport") == "shm"),
                   "weights/version": float(learner.version)}
         if "rank_checksum_ok" in stats:
             values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]
