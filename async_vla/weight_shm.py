@@ -51,7 +51,7 @@ CTL = ALIGN          # bytes at the start of each segment: int64 control word (v
 NAME = "async_vla_w_"
 GROWTH = 1.25        # headroom when a segment is (re)made, so a slightly larger layout does not re-make it
 RETRY_S = 60.0       # after "no room", the same or a larger size is not tried again for this long
-MAX_MAPS = 3         # segments a reader keeps mapped (two alternate; one more while a re-made one replaces)
+MAX_MAPS = 2         # segments a reader keeps mapped (the two that alternate; an unlinked old one is let go)
 
 
 class ShmUnreadable(ValueError):
@@ -79,8 +79,10 @@ def _locked(path: Path) -> bool:
     """True when a live process holds the flock on ``path`` (its publisher is running)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError:      # out of descriptors, no permission: cannot tell, so never delete
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
@@ -159,6 +161,8 @@ class ShmArena:
         self._used = CTL
 
     def seal(self, version: int) -> None:
+        if version < 0:
+            raise ValueError("a sealed segment holds a version >= 0 (-1 marks a rewrite)")
         self._ctl[0] = version
 
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
@@ -204,17 +208,7 @@ class ShmPublisher:
         name = f"{NAME}{os.getpid()}_{session[:16]}"
         self.prefix = str(self.dir / name)
         self.probe = self.prefix + ".probe"
-        tmp = self.probe + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:   # locked before it appears under its real name, so no other publisher ever sees it unlocked
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, session.encode())
-            os.replace(tmp, self.probe)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        fd = self._locked_probe(session)
         # Normal exit and garbage collection remove our files too; kill -9 leaves them to the next publisher.
         self._finalizer = weakref.finalize(self, _remove_own, self.dir, name, fd)
         self._fallback = fallback
@@ -226,6 +220,29 @@ class ShmPublisher:
         self._placed: Optional[tuple[int, int, list[int]]] = None    # (version, generation, offsets)
         self._no_room: tuple[int, float] = (0, 0.0)                   # (bytes that did not fit, until when)
         self.failed = ""          # why the last placement went over the wire instead ("" = it did not)
+
+    def _locked_probe(self, session: str) -> int:
+        """Write the probe locked before it appears under its name, so no other publisher sees it unlocked.
+        The lock is blocking (a cleaner's shared probe is brief); a cleaner that removed the still-unlocked
+        temp file in between makes us try again."""
+        tmp = self.probe + ".tmp"
+        for attempt in range(3):
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.write(fd, session.encode())
+                os.replace(tmp, self.probe)
+                return fd
+            except FileNotFoundError:
+                os.close(fd)
+                if attempt == 2:
+                    raise
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        raise AssertionError("unreachable")
 
     def arena(self) -> "ShmPublisher":
         """Flip to the other slot and reset its arena; pack into the returned allocator (``get``)."""

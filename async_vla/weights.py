@@ -411,8 +411,6 @@ class WeightSubscriber:
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         session = store.get("w/session").decode()
-        shm = (self.cfg.shm and not self._shm_refused and store.check(["w/shm"])
-               and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
         if session != self._publisher_session:
             # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
             # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
@@ -424,6 +422,8 @@ class WeightSubscriber:
                     self._delivered, self._latest = -1, None
                 self._publisher_session = session
                 self._shm_refused, self._shm_reader = False, None
+        shm = (self.cfg.shm and not self._shm_refused and store.check(["w/shm"])
+               and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
         token = store.add("w/tokens", 1)
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
                                                    "host": socket.gethostname(), "shm": bool(shm)}))
@@ -476,6 +476,7 @@ class WeightSubscriber:
                     # (a new token re-forms the group on the wire) and do not claim it again for this learner.
                     self.stats["failures"] += 1
                     self._shm_refused, self._shm_reader = True, None
+                    store.set(f"w/leave/{token}", "1")   # so a retry does not invite this token again
                     log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
                                 "for the wire", self.actor_id, exc)
                     raise
