@@ -214,8 +214,7 @@ class WeightPublisher:
         deadline = t_pack + self.timeout_s
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
                                  "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
-                                 "epoch": self._epoch,
-                                 "formed": False, "failures": 0, "error": ""}
+                                 "epoch": self._epoch, "formed": False, "failures": 0, "error": ""}
         for _attempt in range(2):
             if deadline - time.monotonic() < 0.05:
                 break
@@ -282,7 +281,7 @@ class WeightPublisher:
         self._store = None
 
 
-class _Stop(Exception):
+class _Stop(Exception):   # close() was called: leave the session for good
     pass
 
 
