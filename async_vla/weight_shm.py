@@ -278,7 +278,8 @@ class ShmPublisher:
         if offsets is None:
             need = max(sum(_aligned(_nbytes(b)) for b in buckets), self._requested)
             if need >= self._no_room[0] > 0 and time.monotonic() < self._no_room[1]:
-                return None                        # self.failed still says why
+                self.failed = f"no room for {need / 2**20:.0f} MiB in {self.dir} (retrying after {RETRY_S:.0f} s)"
+                return None
             try:
                 new = ShmArena(f"{self.prefix}_{self._next_gen}", int(need * GROWTH), self._fallback)
             except OSError as exc:
