@@ -1,6 +1,6 @@
-"""Data plane of the weight broadcast: bucket layout, packing, checksums, exported files, and the
-wire format of one version is ``async_vla.weight_wire``; the control plane - membership, epochs, publisher
-and subscriber - is ``async_vla.weights``).
+"""Data plane of the weight broadcast: bucket layout, packing and checksums (the wire format of one version
+is ``async_vla.weight_wire``; exported files ``async_vla.weight_export``; the control plane - membership,
+epochs, publisher and subscriber - is ``async_vla.weights``).
 
 A *manifest* is the ordered list of (name, dtype, shape) of the tensors a learner publishes. From the
 manifest and a size cap both sides derive the same *layout* with one deterministic greedy rule, so only
@@ -28,18 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
-import os
-import re
-import threading
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
-
-log = logging.getLogger(__name__)
 
 ALIGN = 64
 MANIFEST_SCHEMA = 1
@@ -54,11 +48,6 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_SAFETENSORS_CODES = {
-    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
-_EXPORT_RE = re.compile(r"^v(\d+)\.safetensors$")
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -209,7 +198,7 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
 
 
-def _storage_free(t: torch.Tensor) -> bool:
+def storage_free(t: torch.Tensor) -> bool:
     """True when nothing but ``t`` itself references its storage (no view handed out is still alive)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:   # private API gone: never reuse, always allocate (correct, just slower)
@@ -230,7 +219,7 @@ class BufferPool:
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
         device = torch.device(device)
         for b in self._bufs:
-            if b.numel() == numel and b.dtype == dtype and b.device == device and _storage_free(b):
+            if b.numel() == numel and b.dtype == dtype and b.device == device and storage_free(b):
                 return b[:]
         b = torch.empty(numel, dtype=dtype, device=device)
         self._bufs.append(b)
@@ -241,11 +230,47 @@ class BufferPool:
         total = sum(b.numel() * b.element_size() for b in self._bufs)
         keep = []
         for b in self._bufs:
-            if total > max_bytes and _storage_free(b):
+            if total > max_bytes and storage_free(b):
                 total -= b.numel() * b.element_size()
             else:
                 keep.append(b)
         self._bufs = keep
+
+
+class _Summer:
+    """Per-tensor sums of ``checksum`` computed on a helper thread while the packer goes on copying: both
+    release the GIL, so the checksum pass overlaps the copy instead of following it (reading what was just
+    written, often still in cache). Work is handed over in batches of ~``BATCH`` bytes: a hand-off per small
+    tensor would cost more than its sum."""
+
+    BATCH = 4 * 2**20
+
+    def __init__(self, executor: Executor):
+        self._ex = executor
+        self._futures: list[Future] = []
+        self._batch: list[tuple[str, torch.Tensor]] = []
+        self._bytes = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self._batch.append((name, t))
+        self._bytes += t.numel() * t.element_size()
+        if self._bytes >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            batch, self._batch, self._bytes = self._batch, [], 0
+            self._futures.append(self._ex.submit(lambda: [(n, tensor_sum(t), t.numel()) for n, t in batch]))
+
+    def result(self) -> float:
+        """Equal to ``checksum`` of every tensor added."""
+        self._flush()
+        sums = sorted(item for f in self._futures for item in f.result())
+        self._futures = []
+        h = 0
+        for _, s, numel in sums:
+            h = (h * 1_000_003 + s + numel) % _MOD
+        return float(h)
 
 
 class BucketPacker:
@@ -253,11 +278,12 @@ class BucketPacker:
 
     Each tensor is copied as soon as it is added, so the caller may free or re-partition it right after
     (ZeRO-3 gathers). With ``zero_copy`` a contiguous tensor that gets its own bucket is referenced instead
-    of copied: only safe if it stays unchanged until the broadcast (and any export) is done.
+    of copied: only safe if it stays unchanged until the broadcast (and any export) is done. With ``summer``
+    (a one-thread executor; CPU only) the checksum of what was packed is computed alongside (``checksum()``).
     """
 
     def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
-                 pool: Optional[BufferPool] = None):
+                 pool: Optional[BufferPool] = None, summer: Optional[Executor] = None):
         self.cap = int(cap_bytes)
         self.device = torch.device(device)
         self.zero_copy = zero_copy
@@ -266,6 +292,8 @@ class BucketPacker:
         self._planner = _Planner(self.cap)
         self._store: dict[str, list[torch.Tensor]] = {}
         self._names: set[str] = set()
+        self._summer = _Summer(summer) if summer is not None and self.device.type == "cpu" else None
+        self._packed: list[tuple[str, torch.Tensor]] = []     # what to sum when there is no helper thread
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
@@ -282,11 +310,19 @@ class BucketPacker:
             else:
                 bufs.append(self._alloc(spec.numel, dtype, self.device))
                 bufs[-1].view(spec.shape).copy_(t)
-            return
-        if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
-            bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
-        n = spec.numel
-        bufs[local].narrow(0, off // dtype.itemsize, n).view(spec.shape).copy_(t)
+            dst = bufs[-1]
+        else:
+            if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
+                bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
+            dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
+            dst.view(spec.shape).copy_(t)
+        (self._summer.add if self._summer is not None else lambda *a: self._packed.append(a))(name, dst)
+
+    def checksum(self) -> float:
+        """``checksum`` of everything packed (by name), from the helper thread's sums when there is one."""
+        if self._summer is not None:
+            return self._summer.result()
+        return checksum(self._packed)
 
     def finish(self) -> tuple[Layout, list[torch.Tensor]]:
         layout = self._planner.finish(self.cap)
@@ -299,7 +335,7 @@ class BucketPacker:
 def pack(named: NamedTensors, cap_bytes: int, device: Union[str, torch.device] = "cpu",
          zero_copy: bool = False, pool: Optional[BufferPool] = None) -> tuple[Layout, list[torch.Tensor]]:
     packer = BucketPacker(cap_bytes, device, zero_copy, pool)
-    for name, t in _items(named):
+    for name, t in named_items(named):
         packer.add(name, t)
     return packer.finish()
 
@@ -322,17 +358,21 @@ def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.T
             for e in layout.entries}
 
 
-def _items(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+def named_items(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
     return named.items() if isinstance(named, Mapping) else named
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def tensor_sum(t: torch.Tensor) -> int:
     """Wrap-around int64 sum of the tensor's bytes as 8-byte words (+ trailing bytes), as unsigned."""
-    b = _bytes_of(t)
+    t = t.detach()
+    size = t.element_size()
+    if t.is_contiguous() and t.numel() * size % 8 == 0 and t.storage_offset() * size % 8 == 0 and t.numel():
+        return int(t.reshape(-1).view(torch.int64).sum()) & _U64     # the common case, with fewer Python steps
+    b = bytes_of(t)
     n8 = b.numel() // 8 * 8
     total = 0
     if n8:
@@ -348,123 +388,6 @@ def tensor_sum(t: torch.Tensor) -> int:
 def checksum(named: NamedTensors) -> float:
     """Order-independent, exact checksum of a set of named tensors (module docstring); < 2**52."""
     h = 0
-    for name, t in sorted(_items(named), key=lambda kv: kv[0]):
+    for name, t in sorted(named_items(named), key=lambda kv: kv[0]):
         h = (h * 1_000_003 + tensor_sum(t) + t.numel()) % _MOD
     return float(h)
-
-
-# ------------------------------------------------------------------------------------------ safetensors
-def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Optional[dict[str, str]] = None) -> int:
-    """Write a standard safetensors file tensor by tensor (views into shared buckets are fine here,
-    unlike ``safetensors.torch.save_file`` which refuses tensors sharing storage). Returns bytes written."""
-    items = [(n, t.detach()) for n, t in _items(named)]
-    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}}
-    off = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_CODES[dtype_name(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [off, off + nbytes]}
-        off += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)             # the format allows space padding; keeps data 8-aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, t in items:
-            if t.numel():
-                f.write(_bytes_of(t.cpu()).numpy().data)
-    return 8 + len(raw) + off
-
-
-def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
-                   keep: int = 2) -> Path:
-    """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
-    older exports down to ``keep``. A reader never sees a partial file under either name."""
-    d = Path(weights_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"v{version}.safetensors"
-    tmp = d / f".v{version}.safetensors.tmp{os.getpid()}"
-    write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt"})
-    os.replace(tmp, final)
-    ptr = d / f".latest.tmp{os.getpid()}"
-    ptr.write_text(final.name + "\n")
-    os.replace(ptr, d / "latest")
-    exports = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _EXPORT_RE.match(p.name)))
-    for v, p in exports[:-max(1, keep)]:
-        if v != version:
-            p.unlink(missing_ok=True)
-    return final
-
-
-class Exporter:
-    """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
-    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns."""
-
-    def __init__(self, weights_dir: Union[str, Path], keep: int):
-        self.weights_dir, self.keep = Path(weights_dir), keep
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-
-    def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
-              sync: bool) -> Optional[BaseException]:
-        """Wait for the previous export, then write this one; returns the previous export's error, if any."""
-        previous = self.wait()
-
-        def work():
-            try:
-                cpu = [b.cpu() for b in buckets]
-                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.keep)
-            except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
-                self._error = exc
-                log.error("weights: export of v%d failed: %s", version, exc)
-
-        if sync:
-            work()
-        else:
-            self._thread = threading.Thread(target=work, name=f"weights-export-v{version}", daemon=True)
-            self._thread.start()
-        return previous
-
-    def wait(self) -> Optional[BaseException]:
-        """Block until the last export is on disk (``latest`` points at it); returns its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        return error
-
-
-def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1
-                ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
-    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
-    None when there is none, or when its version is ``<= newer_than`` (decided from the safetensors header
-    alone, so polling for a newer export costs a few hundred bytes, not a model's worth of reads).
-    Retries when the file is pruned between reading the pointer and opening it."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    d = Path(weights_dir)
-    for _ in range(5):
-        name = None
-        try:
-            name = (d / "latest").read_text().strip()
-        except FileNotFoundError:
-            pass
-        if name is None or not _EXPORT_RE.match(name):   # never follow an untrusted path
-            found = sorted((int(m.group(1)), p.name) for p in d.glob("v*.safetensors")
-                           if (m := _EXPORT_RE.match(p.name))) if d.is_dir() else []
-            if not found:
-                return None
-            name = found[-1][1]
-        path = d / name
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
-            if version <= newer_than:
-                return None
-            tensors = load_file(str(path), device=str(device))
-        except FileNotFoundError:
-            continue
-        return version, tensors, float(meta.get("checksum", "nan"))
-    return None

@@ -4,8 +4,10 @@ Why: gloo has no shared-memory transport, so on one host every byte of a broadca
 ~1 GB/s per receiver at 100M fp32 parameters (15% of memcpy), and bucketing cannot help once tensors are
 large. When every receiver of a group can read the publisher's segment, the publisher packs its buckets
 straight into a file in ``/dev/shm`` and the group carries only the header, the bucket offsets and the
-acknowledgements; each receiver copies its buckets out (one memcpy each, in parallel). NCCL needs none of
-this (it uses NVLink / shared memory itself), so only the gloo path uses it.
+acknowledgements. Receivers do not copy: they map the segment read-only, *pin* it and hand out views into it;
+the one copy an actor makes is its own ``load_state_dict`` into its model (before, the bytes were copied twice:
+out of the segment, then into the model). NCCL needs none of this (it uses NVLink / shared memory itself), so
+only the gloo path uses it.
 
 Safety:
 - capability is tested, not assumed: the publisher writes a probe file holding its session id; a subscriber
@@ -13,16 +15,22 @@ Safety:
   group uses the segment only when every member did. A member that later fails to read a segment re-registers
   without it (``ShmUnreadable``), which re-forms the group on the wire;
 - two segments alternate, because the asynchronous export of version v-1 may still read the previous one;
-- each segment starts with a control word (a seqlock): -1 while it is being rewritten, the version once sealed.
-  A receiver checks it before and after copying, so a copy overlapped by a rewrite (a receiver stalled past
-  the publisher's timeout) is refused (``ShmTorn``) even with checksum verification off;
+- pinning is an ``flock``: a receiver holds a shared lock on a segment while any view it handed out is alive
+  (the views' storage use count says so; checked at every receive), and the publisher takes the exclusive lock,
+  without waiting, before it rewrites one. A segment still pinned (an actor that has not loaded an older version
+  yet) is left to its readers - unlinked, it lives until they let go - and the slot gets a fresh segment;
+- each segment also starts with a control word (a seqlock): -1 while it is being rewritten, the version once
+  sealed. A receiver checks it after pinning and again after verifying, so it never acknowledges bytes of
+  another version, even with checksum verification off;
 - space is checked (``statvfs``) and reserved (``posix_fallocate``): a sparse tmpfs file on a small
   ``/dev/shm`` (Docker's 64 MB default) would SIGBUS on write. Without room the version goes over the wire,
   and the same size is not tried again for ``RETRY_S``;
 - a publisher holds an ``flock`` on its probe for its lifetime: a new publisher deletes every segment whose
   probe is not locked (a kill -9'd learner's), whatever pid namespace it ran in; segments are never
   ``munmap``ped under a live view (``torch.frombuffer`` keeps a reference to the ``mmap``; dropping references
-  unmaps with the last view, while ``mm.close()`` would unmap under the tensors: a segfault).
+  unmaps with the last view, while ``mm.close()`` would unmap under the tensors: a segfault);
+- the views are read-only memory: writing into a received tensor faults (copy it first). A private
+  copy-on-write mapping would not fault, but a page once written would never show a later version again.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -42,7 +51,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from async_vla.weight_buckets import BufferPool
+from async_vla.weight_buckets import BufferPool, storage_free
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +60,7 @@ CTL = ALIGN          # bytes at the start of each segment: int64 control word (v
 NAME = "async_vla_w_"
 GROWTH = 1.25        # headroom when a segment is (re)made, so a slightly larger layout does not re-make it
 RETRY_S = 60.0       # after "no room", the same or a larger size is not tried again for this long
-MAX_MAPS = 2         # segments a reader keeps mapped (the two that alternate; an unlinked old one is let go)
+MAX_MAPS = 2         # unpinned segments a reader keeps mapped (the two that alternate; an old one is let go)
 
 
 class ShmUnreadable(ValueError):
@@ -59,7 +68,7 @@ class ShmUnreadable(ValueError):
 
 
 class ShmTorn(ValueError):
-    """The segment was rewritten while this receiver copied it: the copy is discarded."""
+    """The segment holds another version (being rewritten, or already rewritten): nothing is handed out."""
 
 
 def _aligned(n: int) -> int:
@@ -132,7 +141,7 @@ def probe_ok(probe_path: str, session: str, shm_dir: Union[str, Path]) -> bool:
 class ShmArena:
     """A writable segment handed out as bucket buffers (``BufferPool.get``'s signature), bump-allocated after
     the control word from each ``reset()``; a request that does not fit (or is not on the CPU) comes from
-    ``fallback`` and is copied in by ``place``."""
+    ``fallback`` and is copied in by ``place``. Holds the exclusive ``flock`` from ``reset()`` to ``seal()``."""
 
     def __init__(self, path: str, nbytes: int, fallback: BufferPool):
         nbytes = _aligned(CTL + max(ALIGN, int(nbytes)))
@@ -145,25 +154,34 @@ class ShmArena:
             self._mm: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
             self._base: Optional[torch.Tensor] = torch.frombuffer(self._mm, dtype=torch.uint8)
         except BaseException:
+            os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        finally:
-            os.close(fd)
+        self._fd: Optional[int] = fd      # kept open: the exclusive lock that keeps pinning readers out
         self.path, self.nbytes = path, nbytes
         self._ctl = self._base.narrow(0, 0, 8).view(torch.int64)
         self._fallback = fallback
-        self.reset()
+        if not self.reset():
+            raise AssertionError("a new segment cannot be pinned")
 
-    def reset(self) -> None:
-        """Start rewriting: readers now refuse whatever they copy until ``seal``."""
+    def reset(self) -> bool:
+        """Start rewriting: take the exclusive lock and mark the segment -1. False (nothing changed) when a
+        reader still pins it."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
         self._ctl[0] = -1
         self._used = CTL
+        return True
 
     def seal(self, version: int) -> None:
+        """Mark the segment as holding ``version`` and let readers pin it."""
         if version < 0:
             raise ValueError("a sealed segment holds a version >= 0 (-1 marks a rewrite)")
         self._ctl[0] = version
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
         n = numel * dtype.itemsize
@@ -192,10 +210,15 @@ class ShmArena:
         return [int(o) for o in offsets]
 
     def close(self) -> None:
-        # Never mm.close() (see the module docstring): drop our references, unlink the name.
+        # Never mm.close() (see the module docstring): drop our references, unlink the name. Readers that pin it
+        # keep their mapping (and the memory) until they let go.
         self._base = self._mm = None
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
 
 class ShmPublisher:
@@ -220,6 +243,7 @@ class ShmPublisher:
         self._placed: Optional[tuple[int, int, list[int]]] = None    # (version, generation, offsets)
         self._no_room: tuple[int, float] = (0, 0.0)                   # (bytes that did not fit, until when)
         self.failed = ""          # why the last placement went over the wire instead ("" = it did not)
+        self.remade_pinned = 0    # slots given a fresh segment because a reader still pinned the old one
 
     def _locked_probe(self, session: str) -> int:
         """Write the probe locked before it appears under its name, so no other publisher sees it unlocked.
@@ -245,13 +269,25 @@ class ShmPublisher:
         raise AssertionError("unreachable")
 
     def arena(self) -> "ShmPublisher":
-        """Flip to the other slot and reset its arena; pack into the returned allocator (``get``)."""
+        """Flip to the other slot and reset its arena; pack into the returned allocator (``get``). When a reader
+        still pins the slot's segment, the slot gets a fresh one of the same size (or none: pack into the pool,
+        ``place`` tries again) and the old one is left to its readers."""
         self._turn ^= 1
         self._requested = 0
         self._placed = None
         a = self._arenas[self._turn]
-        if a is not None:
-            a.reset()
+        if a is not None and not a.reset():
+            self.remade_pinned += 1
+            log.info("weights: a receiver still holds shared-memory generation %d; packing into a new one",
+                     self._gens[self._turn])
+            self._arenas[self._turn] = None
+            try:
+                self._arenas[self._turn] = ShmArena(f"{self.prefix}_{self._next_gen}", a.nbytes, self._fallback)
+                self._gens[self._turn] = self._next_gen
+                self._next_gen += 1
+            except OSError as exc:
+                log.warning("weights: no fresh shared-memory segment (%s); packing into memory", exc)
+            a.close()
         return self
 
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
@@ -306,14 +342,41 @@ class ShmPublisher:
         self._finalizer()
 
 
+class _Mapping:
+    """One mapped segment on the reader's side: the read-only view of it and the fd that carries our lock."""
+
+    def __init__(self, base: torch.Tensor, fd: int):
+        self.base, self.fd, self.pinned = base, fd, False
+
+    def unpin(self) -> None:
+        if self.pinned:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.pinned = False
+
+    def close(self) -> None:
+        self.pinned = False
+        with contextlib.suppress(OSError):
+            os.close(self.fd)       # drops the lock; the mmap lives on in any view still held
+
+
+def _close_all(maps: "OrderedDict[int, _Mapping]") -> None:
+    for m in maps.values():
+        m.close()
+    maps.clear()
+
+
 class ShmReader:
-    """A receiver's read-only mappings of the publisher's segments (the ``MAX_MAPS`` most recently used)."""
+    """A receiver's read-only mappings of the publisher's segments, and the pins on those it handed views of.
+    Thread-safe: the subscriber's thread pins, the actor's ``poll()`` releases what its last load let go of."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self._maps: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._maps: OrderedDict[int, _Mapping] = OrderedDict()
+        self._lock = threading.RLock()
+        self._finalizer = weakref.finalize(self, _close_all, self._maps)
 
-    def _view(self, gen: int) -> torch.Tensor:
+    def _mapping(self, gen: int) -> _Mapping:
         if gen in self._maps:
             self._maps.move_to_end(gen)
             return self._maps[gen]
@@ -321,34 +384,71 @@ class ShmReader:
             fd = os.open(f"{self.prefix}_{int(gen)}", os.O_RDONLY)
             try:
                 mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
         except (OSError, ValueError) as exc:
             raise ShmUnreadable(f"cannot map shared-memory segment {gen}: {exc}") from exc
         with warnings.catch_warnings():   # read-only on purpose: we never write through it
             warnings.simplefilter("ignore", UserWarning)
             base = torch.frombuffer(mm, dtype=torch.uint8)
-        self._maps[gen] = base            # the tensor keeps the mmap alive; dropping it unmaps
-        while len(self._maps) > MAX_MAPS:
-            self._maps.popitem(last=False)
-        return base
+        self._maps[gen] = _Mapping(base, fd)      # the tensor keeps the mmap alive; dropping it unmaps
+        self._evict(keep=gen)
+        return self._maps[gen]
 
-    def copy_out(self, gen: int, version: int, offsets: Sequence[int], buckets: Sequence[torch.Tensor]) -> None:
-        """Copy each bucket from its offset in segment ``gen`` into ``buckets`` (CPU tensors); the segment must
-        be sealed with ``version`` before and after the copy."""
-        base = self._view(gen)
-        if len(offsets) != len(buckets) or base.numel() < CTL:
+    def _evict(self, keep: int = -1) -> None:
+        free = [g for g, m in self._maps.items() if not m.pinned and g != keep]
+        for g in free[:max(0, len(self._maps) - MAX_MAPS)]:
+            self._maps.pop(g).close()
+
+    def pin(self, gen: int, version: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
+        """Byte views of each bucket (``nbytes[i]`` bytes at ``offsets[i]``) in segment ``gen``, which must be
+        sealed with ``version``; the segment stays pinned (the publisher will not rewrite it) while any view of
+        it is alive. Read-only memory: copy before modifying."""
+        with self._lock:
+            return self._pin(gen, version, offsets, nbytes)
+
+    def _pin(self, gen: int, version: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
+        m = self._mapping(gen)
+        if len(offsets) != len(nbytes) or m.base.numel() < CTL:
             raise ShmUnreadable("shared-memory offsets do not match the buckets or the segment")
-        ctl = base.narrow(0, 0, 8).view(torch.int64)
-        if int(ctl[0]) != version:
-            raise ShmTorn(f"segment {gen} holds {int(ctl[0])}, not v{version}")
-        for off, b in zip(offsets, buckets):
-            n = _nbytes(b)
-            if not CTL <= off <= base.numel() - n:
+        for off, n in zip(offsets, nbytes):
+            if not CTL <= off <= m.base.numel() - n:
                 raise ShmUnreadable(f"shared-memory offset {off} (+{n} bytes) outside the segment")
-            b.view(-1).view(torch.uint8).copy_(base.narrow(0, int(off), n))
-        if int(ctl[0]) != version:
-            raise ShmTorn(f"segment {gen} was rewritten during the copy of v{version}")
+        if not m.pinned:
+            try:
+                fcntl.flock(m.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ShmTorn(f"segment {gen} is being rewritten (wanted v{version})") from None
+            m.pinned = True
+        try:
+            self.check(gen, version)
+        except ShmTorn:
+            self.release_unused()
+            raise
+        return [m.base.narrow(0, int(off), int(n)) for off, n in zip(offsets, nbytes)]
+
+    def check(self, gen: int, version: int) -> None:
+        """Raise ``ShmTorn`` unless segment ``gen`` is sealed with ``version``."""
+        with self._lock:
+            got = int(self._mapping(gen).base.narrow(0, 0, 8).view(torch.int64)[0])
+        if got != version:
+            raise ShmTorn(f"segment {gen} holds {got}, not v{version}")
+
+    def release_unused(self) -> None:
+        """Unpin every segment no handed-out view refers to any more (then the publisher may rewrite it)."""
+        with self._lock:
+            for m in self._maps.values():
+                if m.pinned and storage_free(m.base):
+                    m.unpin()
+            self._evict()
+
+    @property
+    def pinned(self) -> list[int]:
+        with self._lock:
+            return [g for g, m in self._maps.items() if m.pinned]
 
     def close(self) -> None:
-        self._maps.clear()
+        """Drop every mapping and pin (views already handed out stay readable, but are no longer protected)."""
+        with self._lock:
+            self._finalizer()

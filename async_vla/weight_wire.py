@@ -1,9 +1,10 @@
 """Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
 version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
-manifest digest, sequence, shared-memory generation or -1), the manifest when the layout changed, the buckets
-(or, on one host, only their offsets in a shared-memory segment: ``async_vla.weight_shm``), then one
-(received, checksum ok) acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
-``async_vla.weight_buckets``; membership and epochs are ``async_vla.weights``.
+manifest digest, sequence, shared-memory generation or -1, then room for 64 shared-memory offsets), the
+manifest when the layout changed, the buckets (or, on one host, only their offsets in a shared-memory segment:
+``async_vla.weight_shm``), then one (received, checksum ok) acknowledgement per receiver sent point-to-point
+to rank 0. Layout, packing and checksums are ``async_vla.weight_buckets``; membership and epochs are
+``async_vla.weights``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
-from async_vla.weight_buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack
+from async_vla.weight_buckets import (
+    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack,
+)
 from async_vla.weight_shm import ShmReader, ShmUnreadable
 
 MAGIC = 0x5745494748      # "WEIGH"
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm")
+INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header itself (the rest in one more op)
 ACK_TAG = 7
 
 
@@ -140,32 +144,42 @@ def parse_header(t: torch.Tensor) -> dict[str, int]:
 def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
                  left: Callable[[], float], overlap: bool = True,
                  shm: Optional[tuple[int, list[int]]] = None) -> int:
-    """Rank 0: header int64[9], the manifest when this group has not seen it, the buckets - or, with ``shm`` =
-    (segment generation, byte offset of each bucket) already written there, just the offsets - then the
-    receivers' (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns
-    how many receivers confirmed the checksum."""
+    """Rank 0: header int64[9 + INLINE_OFFSETS], the manifest when this group has not seen it, the buckets - or,
+    with ``shm`` = (segment generation, byte offset of each bucket) already written there, just the offsets
+    (the first ``INLINE_OFFSETS`` inside the header: one collective for a whole version) - then the receivers'
+    (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
+    receivers confirmed the checksum."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
+    offsets = list(shm[1]) if shm else []
+    inline = offsets[:INLINE_OFFSETS]
     header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
-                           layout.digest, g.seq, shm[0] if shm else -1], dtype=torch.int64, device=g.device)
+                           layout.digest, g.seq, shm[0] if shm else -1] + inline
+                          + [0] * (INLINE_OFFSETS - len(inline)), dtype=torch.int64, device=g.device)
     g.seq += 1
     g.bcast(header, left())
     if manifest:
         g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
         g.layout = layout
     if shm:
-        g.bcast(torch.tensor(shm[1], dtype=torch.int64, device=g.device), left())
+        if len(offsets) > INLINE_OFFSETS:
+            g.bcast(torch.tensor(offsets[INLINE_OFFSETS:], dtype=torch.int64, device=g.device), left())
     else:
         g.bcast_many(list(buckets), left(), overlap)
     return int(g.recv_acks(left)[1])
 
 
-def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True
+def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True,
+                 before_ack: Optional[Callable[[dict[str, int], dict[str, torch.Tensor], bool], None]] = None
                  ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
     """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
-    into fresh (or pooled) buckets. The acknowledgement is sent whether or not the checksum matched."""
-    header = torch.zeros(len(HEADER_KEYS), dtype=torch.int64, device=g.device)
+    into fresh (or pooled) buckets, or - through shared memory - read-only views into the publisher's pinned
+    segment. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the subscriber hands the version
+    over and unpins what nobody holds any more there, so the publisher may rewrite it next). The acknowledgement
+    is sent whether or not the checksum matched."""
+    header = torch.zeros(len(HEADER_KEYS) + INLINE_OFFSETS, dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
+    inline = header[len(HEADER_KEYS):].cpu().tolist()
     if h["magic"] != MAGIC:
         raise ValueError("bad weight header")
     if h["manifest"]:
@@ -178,18 +192,26 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
     if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
             or layout.wire_bytes != h["nbytes"]):
         raise ValueError("weight header does not match the manifest")
-    buckets = empty_buckets(layout, g.device, pool)
-    if pool is not None:
-        pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
     if h["shm"] >= 0:
-        offsets = torch.zeros(len(buckets), dtype=torch.int64, device=g.device)
-        g.bcast(offsets, timeout_s)
+        offsets = inline[:len(layout.buckets)]
+        if len(layout.buckets) > INLINE_OFFSETS:
+            rest = torch.zeros(len(layout.buckets) - INLINE_OFFSETS, dtype=torch.int64, device=g.device)
+            g.bcast(rest, timeout_s)
+            offsets += rest.cpu().tolist()
         if g.shm_reader is None or g.device.type != "cpu":
             raise ShmUnreadable("the publisher sent a shared-memory segment this receiver cannot read")
-        g.shm_reader.copy_out(h["shm"], h["version"], offsets.tolist(), buckets)
+        views = g.shm_reader.pin(h["shm"], h["version"], offsets, [b.nbytes for b in layout.buckets])
+        buckets = [v.view(DTYPES[b.dtype]) for v, b in zip(views, layout.buckets)]
     else:
+        buckets = empty_buckets(layout, g.device, pool)
+        if pool is not None:
+            pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
         g.bcast_many(buckets, timeout_s)
     tensors = unpack(layout, buckets)
     ok = not verify or int(checksum(tensors)) == h["checksum"]
+    if h["shm"] >= 0:
+        g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version
+    if before_ack is not None:
+        before_ack(h, tensors, ok)
     g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
     return h, layout, tensors, ok

@@ -341,6 +341,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
                   "weights/receivers": float(stats.get("receivers", 0)),
                   "weights/confirmed": float(stats.get("confirmed", 0)),
                   "weights/shared_memory": float(stats.get("transport") == "shm"),
+                  "weights/shm_pinned_remakes": float(stats.get("shm_remade", 0)),
                   "weights/version": float(learner.version)}
         if "rank_checksum_ok" in stats:
             values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]

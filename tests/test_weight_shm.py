@@ -41,34 +41,72 @@ def _cfg(tmp_path: Path, **weights) -> Config:
 
 
 # ----------------------------------------------------------------------------------- arena and reader
-def test_arena_packs_in_place_and_a_reader_copies_the_same_bytes_out(tmp_path):
+def _nbytes(buckets):
+    return [b.numel() * b.element_size() for b in buckets]
+
+
+def test_arena_packs_in_place_and_a_reader_pins_views_of_the_same_bytes(tmp_path):
     model = _model(1)
     arena = ShmArena(str(tmp_path / f"{NAME}{os.getpid()}_t_0"), 1 << 20, BufferPool())
     layout, buckets = pack(model, 64 * 1024, pool=arena)
     offsets = arena.place(buckets)
     assert offsets is not None and all(o % 64 == 0 and o >= 64 for o in offsets)
     assert [arena.offset_of(b) for b in buckets] == offsets          # packed straight into the segment
-    received = [torch.empty_like(b) for b in buckets]
     reader = ShmReader(str(tmp_path / f"{NAME}{os.getpid()}_t"))
-    with pytest.raises(ShmTorn):                                     # not sealed yet: being written
-        reader.copy_out(0, 3, offsets, received)
+    with pytest.raises(ShmTorn, match="being rewritten"):            # not sealed yet: the writer holds the lock
+        reader.pin(0, 3, offsets, _nbytes(buckets))
     arena.seal(3)
-    reader.copy_out(0, 3, offsets, received)
+    views = reader.pin(0, 3, offsets, _nbytes(buckets))
+    received = [v.view(b.dtype) for v, b in zip(views, buckets)]
     from async_vla.weight_buckets import unpack
     assert checksum(unpack(layout, received)) == checksum(model)
-    with pytest.raises(ShmTorn):                                     # sealed with another version
-        reader.copy_out(0, 4, offsets, received)
+    assert reader.pinned == [0] and not arena.reset()                # pinned: the writer cannot start over
+    with pytest.raises(ShmTorn, match="not v4"):                     # sealed with another version
+        reader.pin(0, 4, offsets, _nbytes(buckets))
+    assert reader.pinned == [0]                                       # a refused pin keeps the held views safe
     with pytest.raises(ShmUnreadable, match="outside the segment"):
-        reader.copy_out(0, 3, [arena.nbytes - 8], [torch.empty(4, dtype=torch.int64)])
+        reader.pin(0, 3, [arena.nbytes - 8], [32])
     with pytest.raises(ShmUnreadable, match="outside the segment"):
-        reader.copy_out(0, 3, [0], [torch.empty(4, dtype=torch.int64)])     # the control word is not data
+        reader.pin(0, 3, [0], [32])                                   # the control word is not data
     with pytest.raises(ShmUnreadable, match="do not match"):
-        reader.copy_out(0, 3, offsets[:1], received)
+        reader.pin(0, 3, offsets[:1], _nbytes(buckets))
     with pytest.raises(ShmUnreadable, match="cannot map"):
-        reader.copy_out(9, 3, offsets, received)
+        reader.pin(9, 3, offsets, _nbytes(buckets))
+    del views, received
+    reader.release_unused()                                           # nothing refers to it any more
+    assert reader.pinned == [] and arena.reset()
     reader.close()
     arena.close()
     assert not Path(arena.path).exists()
+
+
+def test_a_pinned_segment_is_never_rewritten_and_its_slot_gets_a_fresh_one(tmp_path):
+    side = ShmPublisher(tmp_path, "p" * 32, BufferPool())
+    reader = ShmReader(side.prefix)
+    held = {}
+    for version in range(6):
+        model = _model(version)
+        _, buckets = pack(model, 64 * 1024, pool=side.arena())
+        gen, offsets = side.place(buckets, version)
+        views = reader.pin(gen, version, offsets, _nbytes(buckets))
+        if version in (0, 1):                       # an actor that holds versions 0 and 1 without loading them
+            held[version] = ([v.clone() for v in views], views)
+        del views
+        reader.release_unused()
+    assert side.remade_pinned == 2                  # v2 and v3 found their slots pinned: fresh segments
+    for expected, views in held.values():           # what the holder sees never changed under it
+        assert all(torch.equal(a, b) for a, b in zip(expected, views))
+    assert sorted(reader.pinned) == [0, 1]
+    del expected, views                             # (the loop's names still hold version 1)
+    held.clear()
+    reader.release_unused()
+    assert reader.pinned == [] and len(reader._maps) <= 2
+    _, buckets = pack(_model(9), 64 * 1024, pool=side.arena())
+    assert side.place(buckets, 9) is not None and side.remade_pinned == 2   # free again: reused in place
+    segments = [p for p in tmp_path.glob(NAME + "*") if not p.name.endswith(".probe")]
+    assert len(segments) == 2                       # the pinned ones were unlinked, not leaked
+    reader.close()
+    side.close()
 
 
 def test_arena_copies_in_what_was_packed_elsewhere_and_refuses_what_does_not_fit(tmp_path):
@@ -95,9 +133,8 @@ def test_publisher_alternates_two_segments_and_grows_one_when_the_layout_outgrow
         assert side.place(buckets, version) == (gen, offsets)          # a retried broadcast: same placement
         gens.append(gen)
         reader = ShmReader(side.prefix)
-        got = [torch.empty_like(b) for b in buckets]
-        reader.copy_out(gen, version, offsets, got)
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, buckets))
+        got = reader.pin(gen, version, offsets, _nbytes(buckets))
+        assert all(torch.equal(a, b.view(-1).view(torch.uint8)) for a, b in zip(got, buckets))
         reader.close()
     assert gens[:4] == [0, 1, 0, 1] and gens[4] == 2                 # reused, then one re-made larger
     assert side.in_place                                              # both slots pack in place now
@@ -151,6 +188,7 @@ def _publish_and_check(pub, subs, versions, rows=64) -> list[dict]:
         for s in subs:
             got = s.poll(timeout=10)
             assert got is not None and got[0] == v and checksum(got[1]) == checksum(model)
+            del got                                 # loaded and let go of, as an actor does
         stats.append(st)
     return stats
 
@@ -171,6 +209,27 @@ def test_same_host_subscribers_receive_through_shared_memory_across_reuse_and_gr
             s.close()
         pub.close()
     assert not list((tmp_path / "shm").glob(NAME + "*"))               # close() removes segments and probe
+
+
+def test_more_buckets_than_the_header_carries_offsets_for(tmp_path):
+    from async_vla.weight_wire import INLINE_OFFSETS
+
+    cfg = _cfg(tmp_path)
+    pub = WeightPublisher(cfg, tmp_path)
+    subs = [WeightSubscriber(cfg, 1, tmp_path)]
+    try:
+        assert pub.wait_for_actors(1, 20) == 1
+        for v in (1, 2):
+            g = torch.Generator().manual_seed(v)
+            model = {f"w{i:03d}": torch.randn(20000, generator=g) for i in range(INLINE_OFFSETS + 6)}   # own buckets
+            st = pub.publish(v, model.items())
+            assert st["transport"] == "shm" and st["confirmed"] == 1 and st["num_buckets"] > INLINE_OFFSETS, st
+            got = subs[0].poll(timeout=10)
+            assert got[0] == v and all(torch.equal(got[1][k], t) for k, t in model.items())
+            del got
+    finally:
+        subs[0].close()
+        pub.close()
 
 
 def test_a_member_that_cannot_read_the_segment_puts_the_group_on_the_wire(tmp_path):
@@ -241,9 +300,10 @@ def test_a_reader_keeps_the_segments_in_use_mapped_when_one_slot_is_remade(tmp_p
         arenas[gen].seal(gen)
     reader = ShmReader(str(tmp_path / f"{NAME}{os.getpid()}_r"))
     for gen in (0, 1, 0, 2, 0, 3, 0, 3, 0):
-        out = torch.empty(4)
-        reader.copy_out(gen, gen, [64], [out])
+        out = reader.pin(gen, gen, [64], [16])[0].view(torch.float32)
         assert torch.equal(out, torch.full((4,), float(gen)))
+        del out
+        reader.release_unused()
     assert len(reader._maps) <= 2
     for a in arenas.values():
         a.close()
@@ -251,10 +311,10 @@ def test_a_reader_keeps_the_segments_in_use_mapped_when_one_slot_is_remade(tmp_p
 
 def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the_group_to_the_wire(
         tmp_path, monkeypatch, caplog):
-    import async_vla.weights as weights_mod
+    import async_vla.weight_subscriber as weights_mod
 
     class Unreadable(ShmReader):
-        def copy_out(self, *args, **kwargs):
+        def pin(self, *args, **kwargs):
             raise ShmUnreadable("segment vanished")
 
     monkeypatch.setattr(weights_mod, "ShmReader", Unreadable)
@@ -284,4 +344,26 @@ def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the
     finally:
         for s in subs:
             s.close()
+        pub.close()
+
+
+def test_an_actor_holding_an_old_version_keeps_it_intact_while_newer_ones_arrive(tmp_path):
+    cfg = _cfg(tmp_path)
+    pub = WeightPublisher(cfg, tmp_path)
+    subs = [WeightSubscriber(cfg, 1, tmp_path)]
+    try:
+        assert pub.wait_for_actors(1, 20) == 1
+        first = _model(1)
+        assert pub.publish(1, first.items())["confirmed"] == 1
+        held = subs[0].poll(timeout=10)             # taken, not loaded yet: its segment stays pinned
+        assert held is not None and held[0] == 1
+        stats = _publish_and_check(pub, subs, [2, 3, 4])
+        assert {s["transport"] for s in stats} == {"shm"}
+        assert pub._shm.remade_pinned == 1          # v3 could not reuse v1's segment: it got a fresh one
+        assert checksum(held[1]) == checksum(first)  # and v1 was never overwritten under its holder
+        del held
+        _publish_and_check(pub, subs, [5, 6, 7])
+        assert pub._shm.remade_pinned == 1          # let go: segments are reused again
+    finally:
+        subs[0].close()
         pub.close()

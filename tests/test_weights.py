@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from async_vla.config import Config
-from async_vla.weight_buckets import (
-    BufferPool, Layout, checksum, export_weights, pack, plan, read_latest, spec_of, unpack, write_safetensors,
-)
+from async_vla.weight_buckets import BufferPool, Layout, checksum, pack, plan, spec_of, unpack
+from async_vla.weight_export import export_weights, read_latest, write_safetensors
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
 FAST = {"timeout_s": 5.0, "join_timeout_s": 1.0, "heartbeat_s": 0.2, "bucket_mb": 0.25}
@@ -90,6 +89,28 @@ def test_checksum_is_exact_order_independent_and_sensitive():
     # A view at an unaligned offset gives the same value as its copy.
     base = torch.randn(1001)
     assert checksum({"x": base[1:]}) == checksum({"x": base[1:].clone()})
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("cap", [256, 64 * 1024, 1 << 30])
+def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap, zero_copy):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from async_vla.weight_buckets import BucketPacker, _Summer
+
+    model = _model(3, scale=2)
+    with ThreadPoolExecutor(1) as ex:
+        for summer in (None, ex):
+            packer = BucketPacker(cap, zero_copy=zero_copy, summer=summer)
+            for name, t in reversed(list(model.items())):      # any order in, the same value out
+                packer.add(name, t)
+            layout, buckets = packer.finish()
+            assert packer.checksum() == checksum(model) == checksum(unpack(layout, buckets))
+        small = BucketPacker(cap, summer=ex)
+        small._summer.BATCH = 1                                  # one hand-off per tensor: same value
+        for name, t in model.items():
+            small.add(name, t)
+        assert small.checksum() == checksum(model)
 
 
 def test_manifest_validation_rejects_malformed():
@@ -239,9 +260,9 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
     torch.set_num_threads(1)
     cfg = _cfg(**overrides)
     if die_in:   # kill -9 ourselves in the middle of the die_in-th broadcast: header in, buckets in flight
-        import async_vla.weight_wire as weights_mod   # recv_version (the receive path) allocates through it
+        import async_vla.weight_wire as weights_mod   # recv_version (the receive path) parses through it
 
-        real, calls = weights_mod.empty_buckets, []
+        real, calls = weights_mod.parse_header, []
 
         def dying(*args, **kwargs):
             calls.append(1)
@@ -249,7 +270,7 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
 
-        weights_mod.empty_buckets = dying
+        weights_mod.parse_header = dying
     sub = WeightSubscriber(cfg, actor_id, run_dir, "127.0.0.1", port)
     if fetch:
         got = sub.fetch_latest()
@@ -363,11 +384,12 @@ def test_kill9_between_broadcasts_learner_continues_and_survivor_receives(world)
 
 
 @pytest.mark.slow
-def test_kill9_during_broadcast_never_hangs_the_learner(world):
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
+def test_kill9_during_broadcast_never_hangs_the_learner(world, shm):
     # actor 1 dies inside broadcast 2. join_timeout_s at the production default (3 s, not FAST's 1 s): the
     # survivor must notice the broken epoch and answer the re-forming invite in time; under a loaded CI machine
     # 1 s was once too short (it then misses only this publish, which this test asserts it does not).
-    pub, actors = world(2, die={1: 2}, bucket_mb=4.0, join_timeout_s=3.0)
+    pub, actors = world(2, die={1: 2}, bucket_mb=4.0, join_timeout_s=3.0, shm=shm)
     model = {f"w{i}": torch.randn(1024, 1024) for i in range(12)}        # 48 MiB in 12 buckets
     st = pub.publish(1, model.items())
     assert st["confirmed"] == 2, st

@@ -162,7 +162,8 @@ def test_msgpack_decoding_is_size_limited(header, reason):
 
 
 WIRE_MODULES = ["async_vla/messages.py", "async_vla/transport.py", "async_vla/buffer.py", "async_vla/buffer_service.py",
-                "async_vla/recording.py", "async_vla/weights.py", "async_vla/weight_buckets.py", "actors/actor.py",
+                "async_vla/recording.py", "async_vla/weights.py", "async_vla/weight_subscriber.py",
+                "async_vla/weight_buckets.py", "async_vla/weight_export.py", "async_vla/weight_wire.py", "async_vla/weight_shm.py", "actors/actor.py",
                 "actors/status.py", "actors/vllm_weights.py", "learner/__main__.py", "runner/launch.py"]
 UNSAFE = [r"\bimport pickle\b", r"\bpickle\.loads?\b", r"\bcPickle\b", r"\bdill\b", r"\bmarshal\.loads?\b",
           r"recv_pyobj", r"send_pyobj", r"recv_serialized", r"allow_pickle\s*=\s*True", r"(?<![.\w])eval\(",

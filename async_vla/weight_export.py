@@ -1,0 +1,140 @@
+"""Exported weights: ``<run>/weights/v<N>.safetensors`` written tile by tile from the broadcast's buckets, the
+``latest`` pointer, and the reader an actor (re)starting or missing broadcasts loads from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from async_vla.weight_buckets import Layout, NamedTensors, bytes_of, dtype_name, named_items, unpack
+
+log = logging.getLogger(__name__)
+
+_SAFETENSORS_CODES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+_EXPORT_RE = re.compile(r"^v(\d+)\.safetensors$")
+
+
+def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Optional[dict[str, str]] = None) -> int:
+    """Write a standard safetensors file tensor by tensor (views into shared buckets are fine here,
+    unlike ``safetensors.torch.save_file`` which refuses tensors sharing storage). Returns bytes written."""
+    items = [(n, t.detach()) for n, t in named_items(named)]
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}}
+    off = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_CODES[dtype_name(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)             # the format allows space padding; keeps data 8-aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in items:
+            if t.numel():
+                f.write(bytes_of(t.cpu()).numpy().data)
+    return 8 + len(raw) + off
+
+
+def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
+                   keep: int = 2) -> Path:
+    """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
+    older exports down to ``keep``. A reader never sees a partial file under either name."""
+    d = Path(weights_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"v{version}.safetensors"
+    tmp = d / f".v{version}.safetensors.tmp{os.getpid()}"
+    write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt"})
+    os.replace(tmp, final)
+    ptr = d / f".latest.tmp{os.getpid()}"
+    ptr.write_text(final.name + "\n")
+    os.replace(ptr, d / "latest")
+    exports = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _EXPORT_RE.match(p.name)))
+    for v, p in exports[:-max(1, keep)]:
+        if v != version:
+            p.unlink(missing_ok=True)
+    return final
+
+
+class Exporter:
+    """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
+    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns."""
+
+    def __init__(self, weights_dir: Union[str, Path], keep: int):
+        self.weights_dir, self.keep = Path(weights_dir), keep
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+              sync: bool) -> Optional[BaseException]:
+        """Wait for the previous export, then write this one; returns the previous export's error, if any."""
+        previous = self.wait()
+
+        def work():
+            try:
+                cpu = [b.cpu() for b in buckets]
+                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.keep)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
+                self._error = exc
+                log.error("weights: export of v%d failed: %s", version, exc)
+
+        if sync:
+            work()
+        else:
+            self._thread = threading.Thread(target=work, name=f"weights-export-v{version}", daemon=True)
+            self._thread.start()
+        return previous
+
+    def wait(self) -> Optional[BaseException]:
+        """Block until the last export is on disk (``latest`` points at it); returns its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
+
+
+def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1
+                ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
+    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
+    None when there is none, or when its version is ``<= newer_than`` (decided from the safetensors header
+    alone, so polling for a newer export costs a few hundred bytes, not a model's worth of reads).
+    Retries when the file is pruned between reading the pointer and opening it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    d = Path(weights_dir)
+    for _ in range(5):
+        name = None
+        try:
+            name = (d / "latest").read_text().strip()
+        except FileNotFoundError:
+            pass
+        if name is None or not _EXPORT_RE.match(name):   # never follow an untrusted path
+            found = sorted((int(m.group(1)), p.name) for p in d.glob("v*.safetensors")
+                           if (m := _EXPORT_RE.match(p.name))) if d.is_dir() else []
+            if not found:
+                return None
+            name = found[-1][1]
+        path = d / name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
+            if version <= newer_than:
+                return None
+            tensors = load_file(str(path), device=str(device))
+        except FileNotFoundError:
+            continue
+        return version, tensors, float(meta.get("checksum", "nan"))
+    return None

@@ -1,0 +1,263 @@
+"""Actor side of the weight broadcast (the publisher and the design: ``async_vla.weights``, docs/WEIGHTS.md).
+
+A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
+membership epoch's process group and receives every announced version; ``poll()`` hands the newest one to the
+actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
+(``async_vla.weight_shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
+crash and ``--resume``) is followed even when its versions restart lower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from async_vla.weight_buckets import BufferPool
+from async_vla.weight_export import read_latest
+from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
+from async_vla.weight_wire import BroadcastGroup, port_open, recv_version, td
+
+log = logging.getLogger(__name__)
+
+POP_TIMEOUT_S = 60.0      # a mailbox wait wakes this often with nothing to do (close() wakes it at once)
+CONNECT_TIMEOUT_S = 5.0
+
+
+class _Stop(Exception):   # close() was called: leave the session for good
+    pass
+
+
+class WeightSubscriber:
+    """Actor side: a background thread joins the learner's broadcasts; ``poll()`` hands over new weights."""
+
+    def __init__(self, cfg, actor_id: int, run_dir: Union[str, Path], connect_host: Optional[str] = None,
+                 port: Optional[int] = None, device: Optional[Union[str, torch.device]] = None):
+        self.cfg = cfg.weights
+        self.actor_id = int(actor_id)
+        self.weights_dir = Path(run_dir) / "weights"
+        self.host = connect_host or cfg.transport.connect_host
+        self._port = port if port is not None else (cfg.transport.weights_port or None)
+        self.timeout_s = float(cfg.weights.timeout_s)
+        self.device = device
+        self._lock = threading.Condition()
+        self._hb_lock = threading.Lock()     # separate, so a slow store never blocks poll()
+        self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+        self._delivered = -1
+        self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
+        self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
+        self._group: Optional[BroadcastGroup] = None
+        self._pool = BufferPool()
+        self._shm_reader: Optional[ShmReader] = None
+        self._shm_refused = False      # a segment of this learner session could not be read: use the wire
+        self._stop = threading.Event()
+        self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
+                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0}
+        self._thread = threading.Thread(target=self._run, name=f"weights-sub-{actor_id}", daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, name=f"weights-hb-{actor_id}", daemon=True)
+        self._thread.start()
+        self._beat.start()
+
+    # ------------------------------------------------------------------ public
+    def poll(self, timeout: float = 0.0) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """The newest received (version, tensors) not handed out yet, or None. Non-blocking by default."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._latest is None and timeout > 0 and not self._stop.is_set():
+                if not self._lock.wait(max(0.0, end - time.monotonic())) and time.monotonic() >= end:
+                    break
+            out, self._latest = self._latest, None
+            if out is not None:
+                self._delivered = max(self._delivered, out[0])
+        reader = self._shm_reader
+        if reader is not None:   # the version our caller loaded last time is let go of by now: unpin it
+            reader.release_unused()
+        return out
+
+    def fetch_latest(self, newer_than: int = -1) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts);
+        None if there are none newer than ``newer_than`` (checked before any tensor is read)."""
+        got = read_latest(self.weights_dir, newer_than=newer_than)
+        if got is None:
+            return None
+        version, tensors, _ = got
+        with self._lock:
+            self._delivered = max(self._delivered, version)
+            if self._latest is not None and self._latest[0] <= version:
+                self._latest = None
+        return version, tensors
+
+    @property
+    def version(self) -> int:
+        """Newest version handed out by poll() / fetch_latest() (-1 = none yet)."""
+        return self._delivered
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        with self._hb_lock:
+            hb, self._hb = self._hb, None
+        if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
+            with contextlib.suppress(Exception):
+                hb[0].set(hb[1].replace("/hb/", "/leave/"), "1")
+                hb[0].queue_push(hb[2], json.dumps({"t": "stop"}))
+        self._thread.join(timeout)
+        self._beat.join(timeout)
+
+    # ------------------------------------------------------------------ thread
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            with self._hb_lock:
+                hb = self._hb
+                if hb is not None:
+                    with contextlib.suppress(Exception):
+                        hb[0].add(hb[1], 1)
+
+    def _resolve_port(self) -> Optional[int]:
+        if self._port:
+            return self._port
+        try:
+            return int(json.loads((self.weights_dir / "endpoint.json").read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _run(self) -> None:
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(torch.device(self.device))   # the CUDA device is per thread
+        backoff = 0.2
+        while not self._stop.is_set():
+            connects = self.stats["connects"]
+            try:
+                self._session()
+            except _Stop:
+                break
+            except Exception as exc:  # noqa: BLE001 - the publisher went away, or a bad message: reconnect
+                if not self._stop.is_set():
+                    log.info("weights: actor %d reconnecting (%s)", self.actor_id, str(exc).splitlines()[0][:160]
+                             if str(exc) else type(exc).__name__)
+            finally:
+                self._leave_group()
+                with self._hb_lock:
+                    self._hb = None
+            backoff = 0.2 if self.stats["connects"] > connects else min(backoff * 2, 5.0)
+            if self._stop.wait(backoff):
+                break
+
+    def _leave_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def _session(self) -> None:
+        port = self._resolve_port()
+        if port is None or not port_open(self.host, port):
+            return
+        store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
+        hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
+        session = store.get("w/session").decode()
+        if session != self._publisher_session:
+            # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
+            # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
+            # of the old lineage not yet handed out.
+            with self._lock:
+                if self._publisher_session:
+                    log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
+                             self._delivered)
+                    self._delivered, self._latest = -1, None
+                self._publisher_session = session
+                self._shm_refused, self._shm_reader = False, None
+        shm = (self.cfg.shm and not self._shm_refused and store.check(["w/shm"])
+               and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
+        token = store.add("w/tokens", 1)
+        store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
+                                                   "host": socket.gethostname(), "shm": bool(shm)}))
+        mbox = f"w/mbox/{token}"
+        with self._hb_lock:
+            if self._stop.is_set():
+                return
+            self._hb = (hb_store, f"w/hb/{token}", mbox)
+        self.stats["connects"] += 1
+        store.set_timeout(td(POP_TIMEOUT_S))
+        pending = -1
+        while True:
+            try:
+                raw = store.queue_pop(mbox, True)
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:   # idle timeout
+                if self._stop.is_set():
+                    raise _Stop()
+                continue
+            if self._stop.is_set():
+                raise _Stop()
+            msg = json.loads(raw)
+            kind, epoch = msg.get("t"), int(msg.get("e", -1))
+            if kind == "stop":
+                raise _Stop()
+            if kind == "invite":
+                self._leave_group()
+                pending = epoch
+                store.set(f"w/e{epoch}/ack/{token}", "1")
+            elif kind == "roster" and epoch == pending:
+                pending = -1
+                try:
+                    self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
+                                                 int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+                    prefix = str(msg.get("shm") or "")
+                    if prefix and valid_path(prefix, self.cfg.shm_dir):
+                        if self._shm_reader is None or self._shm_reader.prefix != prefix:
+                            self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
+                        self._group.shm_reader = self._shm_reader
+                    self.stats["epochs"] += 1
+                except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
+                    self.stats["failures"] += 1
+                    log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
+            elif kind == "bcast" and self._group is not None and epoch == self._group.epoch:
+                try:
+                    self._receive(self._group)
+                except ShmUnreadable as exc:
+                    # Registered as able to read the learner's segments, but cannot: register again without
+                    # (a new token re-forms the group on the wire) and do not claim it again for this learner.
+                    self.stats["failures"] += 1
+                    self._shm_refused, self._shm_reader = True, None
+                    store.set(f"w/leave/{token}", "1")   # so a retry does not invite this token again
+                    log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
+                                "for the wire", self.actor_id, exc)
+                    raise
+                except (RuntimeError, ValueError) as exc:
+                    self.stats["failures"] += 1
+                    log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
+                             str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
+                    self._leave_group()
+
+    def _receive(self, g: BroadcastGroup) -> None:
+        t0 = time.monotonic()
+
+        def hand_over(h: dict, tensors: dict, ok: bool) -> None:   # runs before the acknowledgement
+            if not ok:
+                self.stats["checksum_errors"] += 1
+                log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, h["version"])
+            else:
+                self.stats.update(received=self.stats["received"] + 1, last_version=h["version"],
+                                  last_recv_s=time.monotonic() - t0,
+                                  bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
+                with self._lock:
+                    if h["version"] > self._delivered:
+                        self._latest = (h["version"], tensors)   # drops an older one nobody took
+            if g.shm_reader is not None:   # so the publisher may rewrite what no one holds any more
+                g.shm_reader.release_unused()
+
+        recv_version(g, self.timeout_s, self._pool, self.cfg.verify, hand_over)
+        with self._lock:   # wake a waiting poll() only now: its copy would hold up our acknowledgement (GIL)
+            self._lock.notify_all()
