@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from async_vla.weight_buckets import Layout, NamedTensors, bytes_of, dtype_name, named_items, unpack
+from async_vla.weight_buckets import Layout, NamedTensors, bytes_of, checksum, dtype_name, named_items, unpack
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,16 @@ class Exporter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+    def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: Optional[float],
               sync: bool) -> Optional[BaseException]:
-        """Wait for the previous export, then write this one; returns the previous export's error, if any."""
+        """Wait for the previous export, then write this one (computing its checksum when ``csum`` is None);
+        returns the previous export's error, if any."""
         previous = self.wait()
 
         def work():
             try:
-                cpu = [b.cpu() for b in buckets]
-                export_weights(self.weights_dir, version, unpack(layout, cpu), csum, self.keep)
+                named = unpack(layout, [b.cpu() for b in buckets])
+                export_weights(self.weights_dir, version, named, checksum(named) if csum is None else csum, self.keep)
             except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
                 self._error = exc
                 log.error("weights: export of v%d failed: %s", version, exc)

@@ -202,6 +202,7 @@ class WeightSubscriber:
             if self._stop.is_set():
                 raise _Stop()
             msg = json.loads(raw)
+            log.debug("weights: actor %d mailbox %s", self.actor_id, msg)
             kind, epoch = msg.get("t"), int(msg.get("e", -1))
             if kind == "stop":
                 raise _Stop()
@@ -214,6 +215,7 @@ class WeightSubscriber:
                 try:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+                    self._group.dropped = lambda e=epoch: store.check([f"w/e{e}/drop"])
                     prefix = str(msg.get("shm") or "")
                     if prefix and valid_path(prefix, self.cfg.shm_dir):
                         if self._shm_reader is None or self._shm_reader.prefix != prefix:
@@ -259,5 +261,6 @@ class WeightSubscriber:
                 g.shm_reader.release_unused()
 
         recv_version(g, self.timeout_s, self._pool, self.cfg.verify, hand_over)
+        log.debug("weights: actor %d received in %.3f s", self.actor_id, time.monotonic() - t0)
         with self._lock:   # wake a waiting poll() only now: its copy would hold up our acknowledgement (GIL)
             self._lock.notify_all()

@@ -13,6 +13,8 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -26,6 +28,7 @@ from async_vla.weight_shm import ShmReader, ShmUnreadable
 
 MAGIC = 0x5745494748      # "WEIGH"
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm")
+DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up
 INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header itself (the rest in one more op)
 ACK_TAG = 7
 
@@ -75,6 +78,7 @@ class BroadcastGroup:
         self.seq = 0
         self.use_shm = False                      # publisher: every member can read our segments
         self.shm_reader: Optional[ShmReader] = None   # receiver: mappings of the publisher's segments
+        self.dropped: Optional[Callable[[], bool]] = None   # receiver: has the publisher given up on this epoch?
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
         elif backend == "nccl":
@@ -90,8 +94,19 @@ class BroadcastGroup:
         if self.backend == "nccl":
             work.wait(td(timeout_s))
             torch.cuda.current_stream(self.device).synchronize()
-        else:
+        elif self.dropped is None:
             work.wait()
+        else:   # wait in slices, giving up as soon as the publisher says it dropped this epoch
+            end = time.monotonic() + timeout_s
+            while True:
+                try:
+                    work.wait(td(max(0.001, min(DROP_POLL_S, end - time.monotonic()))))
+                    return
+                except RuntimeError:
+                    if work.is_completed() or time.monotonic() >= end:
+                        raise          # the op itself failed (or our time is up)
+                    if self.dropped():
+                        raise RuntimeError(f"the publisher dropped epoch {self.epoch}") from None
 
     def bcast(self, t: torch.Tensor, timeout_s: float) -> None:
         opts = BroadcastOptions()
@@ -131,8 +146,18 @@ class BroadcastGroup:
         if self.backend == "nccl":
             with contextlib.suppress(Exception):
                 self.pg.abort()
-        self.pg = None   # dropping the gloo context closes its sockets: peers blocked in a receive fail now
+        pg, self.pg = self.pg, None
         self.shm_reader = None   # owned by the subscriber: kept mapped across epochs
+        if pg is not None and self.backend == "gloo":
+            # Destroying a gloo group joins its worker threads, which first finish their in-flight ops - up to
+            # the ops' timeout when a peer is gone or stalled. Let that happen on a thread of its own: once it
+            # is destroyed its sockets close (peers blocked in a receive fail then, if no drop notice reached
+            # them first), and we are free to join the next epoch now. Not a daemon: an interpreter exiting
+            # under a destructor still running aborts ("terminate called without an active exception"), so
+            # exit waits for it instead (bounded by the ops' timeout).
+            box = [pg]
+            del pg          # the box holds the only reference now, so the destructor runs where it is emptied
+            threading.Thread(target=box.clear, name=f"weights-drop-e{self.epoch}").start()
 
 
 def parse_header(t: torch.Tensor) -> dict[str, int]:
@@ -141,18 +166,20 @@ def parse_header(t: torch.Tensor) -> dict[str, int]:
 
 # One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
 # worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
-def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: float,
+def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor],
+                 csum: Optional[float],
                  left: Callable[[], float], overlap: bool = True,
                  shm: Optional[tuple[int, list[int]]] = None) -> int:
     """Rank 0: header int64[9 + INLINE_OFFSETS], the manifest when this group has not seen it, the buckets - or,
     with ``shm`` = (segment generation, byte offset of each bucket) already written there, just the offsets
     (the first ``INLINE_OFFSETS`` inside the header: one collective for a whole version) - then the receivers'
     (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
-    receivers confirmed the checksum."""
+    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt)."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
     offsets = list(shm[1]) if shm else []
     inline = offsets[:INLINE_OFFSETS]
-    header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes, int(csum),
+    header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes,
+                           -1 if csum is None else int(csum),
                            layout.digest, g.seq, shm[0] if shm else -1] + inline
                           + [0] * (INLINE_OFFSETS - len(inline)), dtype=torch.int64, device=g.device)
     g.seq += 1
@@ -208,7 +235,7 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
             pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
         g.bcast_many(buckets, timeout_s)
     tensors = unpack(layout, buckets)
-    ok = not verify or int(checksum(tensors)) == h["checksum"]
+    ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: the sender sent none
     if h["shm"] >= 0:
         g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version
     if before_ack is not None:

@@ -14,9 +14,11 @@ actor sleeps in a queue pop, never in a collective. One version on the wire: ``a
 one host the bulk bytes go through shared memory: ``async_vla.weight_shm``.
 
 Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
-actor makes the next op raise at once; a stopped one makes it time out. The publisher then *deletes* its
-group (which closes the sockets, so survivors blocked in a receive fail at once - gloo's ``abort()`` does
-not) and retries once with a new epoch if time is left. A late or restarted actor loads
+actor makes the next op raise at once; a stopped one makes it time out. The publisher then drops its group -
+it sets ``w/e<n>/drop`` in the store, which members blocked in one of that epoch's receives check every
+``DROP_POLL_S`` (its sockets alone may stay open until the failed ops are collected; gloo's ``abort()`` does
+not close them) - and retries once with a new epoch if time is left. A gloo group is destroyed on a thread of
+its own: its destructor waits for in-flight ops, up to their timeout. A late or restarted actor loads
 ``<run>/weights/latest`` (``fetch_latest``) and joins at the next publish. NCCL groups are built with
 TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) and aborted before they are dropped.
 """
@@ -101,6 +103,7 @@ class WeightPublisher:
         self._epoch = 0
         self._group: Optional[BroadcastGroup] = None
         self._exporter = Exporter(self.weights_dir, self.cfg.export_keep)
+        self._last_pack_s = 0.0
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ membership
@@ -148,6 +151,11 @@ class WeightPublisher:
 
     def _drop_group(self) -> None:
         if self._group is not None:
+            # Tell members still blocked in this epoch's receive to give up now. Closing our side is not
+            # enough: the failed ops can keep gloo's context (and its sockets) open until our garbage
+            # collector runs, and a member would wait out its own timeout and miss the re-forming invite.
+            with contextlib.suppress(RuntimeError, ValueError):
+                self._store.set(f"w/e{self._group.epoch}/drop", "1")
             self._group.close()
             self._group = None
 
@@ -195,39 +203,52 @@ class WeightPublisher:
 
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
         group), confirmed (receivers whose checksum matched), transport (shm, gloo or nccl), epoch, formed,
-        failures, error, checksum, export_path, shm_remade (shared-memory segments re-made so far because a
-        receiver still held views of them: should stay near 0). ``zero_copy`` lets tensors above the bucket cap be sent
+        failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
+        before packing), shm_remade (shared-memory segments re-made so far because a receiver still held views
+        of them: should stay near 0). ``zero_copy`` lets tensors above the bucket cap be sent
         without a copy over the wire (they must stay unchanged until this returns; export then runs
         synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
         shm = self._shm is not None and self.cfg.shm
-        into = self._shm.arena() if shm else self._pool
-        zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
-        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer)
-        for name, t in named_tensors:
-            packer.add(name, t)
-        layout, buckets = packer.finish()
-        # One version exporting, one packing; none once both shared-memory segments take the packing.
-        self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
-        csum = packer.checksum()
+        early = self._announce_early(version)
+        try:
+            into = self._shm.arena() if shm else self._pool
+            zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
+            # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
+            summing = self.cfg.verify or self.cfg.verify_ranks
+            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into,
+                                  self._summer if summing else None)
+            for name, t in named_tensors:
+                packer.add(name, t)
+            layout, buckets = packer.finish()
+            # One version exporting, one packing; none once both shared-memory segments take the packing.
+            self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
+            csum = packer.checksum() if summing else None
+        except BaseException:
+            if early:   # the members wait in the header broadcast: closing the group fails them at once
+                self._drop_group()
+            raise
         t_pack = time.monotonic()
+        self._last_pack_s = t_pack - t0
         deadline = t_pack + self.timeout_s
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
                                  "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
-                                 "epoch": self._epoch, "formed": False, "failures": 0, "error": ""}
+                                 "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
+                                 "announced_early": early}
         for _attempt in range(2):
             if deadline - time.monotonic() < 0.05:
                 break
             try:
-                live = self._live_tokens()
-                if self._group is None or set(live) != set(self._group.members):
-                    self._form(live, deadline)
-                    stats["formed"] = True
+                if not early:   # (an announced group broadcasts as it is; a newcomer joins at the next publish)
+                    live = self._live_tokens()
+                    if self._group is None or set(live) != set(self._group.members):
+                        self._form(live, deadline)
+                        stats["formed"] = True
                 if self._group is None:
                     break
                 stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout, buckets,
-                                                                         csum, deadline)
+                                                                         csum, deadline, announce=not early)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
                 break
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
@@ -236,6 +257,7 @@ class WeightPublisher:
                 log.warning("weights: broadcast of v%d failed in epoch %d (%s); re-forming",
                             version, self._epoch, stats["error"])
                 self._drop_group()
+                early = False
         stats["epoch"] = self._epoch
         stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
         stats["pack_s"] = t_pack - t0
@@ -249,8 +271,29 @@ class WeightPublisher:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
-    def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor], csum: float,
-                   deadline: float) -> tuple[int, str]:
+    def _announce_early(self, version: int) -> bool:
+        """Announce ``version`` before packing it when the gloo group stands as the live set is: its members wake
+        and wait in the header broadcast while we pack, instead of after (their wake-up leaves the critical
+        path). Not when packing took long last time (a member's own timeout must not run out while it waits),
+        nor on NCCL (a waiting collective would hold the actor's CUDA stream)."""
+        g = self._group
+        if g is None or self.backend != "gloo" or self._last_pack_s > 0.25 * self.timeout_s:
+            return False
+        try:
+            if set(self._live_tokens()) != set(g.members):
+                return False
+            self._announce(g, version)
+        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
+            log.debug("weights: early announcement of v%d failed: %s", version, exc)
+            return False
+        return True
+
+    def _announce(self, g: BroadcastGroup, version: int) -> None:
+        for tok in g.members:
+            self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
+
+    def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor],
+                   csum: Optional[float], deadline: float, announce: bool = True) -> tuple[int, str]:
         def left() -> float:
             r = deadline - time.monotonic()
             if r <= 0:
@@ -262,8 +305,8 @@ class WeightPublisher:
             shm = self._shm.place(buckets, version)
             if shm is None:
                 log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
-        for tok in g.members:
-            self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
+        if announce:
+            self._announce(g, version)
         confirmed = send_version(g, version, layout, buckets, csum, left, self.cfg.overlap, shm)
         return confirmed, "shm" if shm else self.backend
 

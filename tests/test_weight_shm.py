@@ -367,3 +367,38 @@ def test_an_actor_holding_an_old_version_keeps_it_intact_while_newer_ones_arrive
     finally:
         subs[0].close()
         pub.close()
+
+
+def _slow(model: dict, delay: float, fail: bool = False):
+    time.sleep(delay)                        # a learner gathering ZeRO-3 partitions takes a while
+    if fail:
+        raise RuntimeError("gather failed")
+    yield from model.items()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
+def test_members_announced_before_packing_wait_it_out_or_leave_when_it_fails(tmp_path, shm):
+    cfg = _cfg(tmp_path, shm=shm)
+    pub = WeightPublisher(cfg, tmp_path)
+    subs = [WeightSubscriber(cfg, i, tmp_path) for i in (1, 2)]
+    try:
+        assert pub.wait_for_actors(2, 20) == 2
+        _publish_and_check(pub, subs, [1])
+        model = _model(2)
+        st = pub.publish(2, _slow(model, 0.8))          # announced first: members wait in slices meanwhile
+        assert st["announced_early"] and st["confirmed"] == 2 and not st["formed"] and st["failures"] == 0, st
+        for s in subs:
+            got = s.poll(timeout=10)
+            assert got[0] == 2 and checksum(got[1]) == checksum(model)
+            del got
+        with pytest.raises(RuntimeError, match="gather failed"):
+            pub.publish(3, _slow(model, 0.3, fail=True))    # announced, then packing fails: group dropped
+        t0 = time.monotonic()
+        stats = _publish_and_check(pub, subs, [4])        # the members left at once and join the new epoch
+        assert stats[0]["formed"] and not stats[0]["announced_early"] and time.monotonic() - t0 < 2.0
+        assert all(s.stats["failures"] >= 1 for s in subs)
+        assert all(s.stats["checksum_errors"] == 0 for s in subs)
+    finally:
+        for s in subs:
+            s.close()
+        pub.close()
