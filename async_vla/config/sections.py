@@ -344,7 +344,9 @@ class WeightsConfig(Section):
     heartbeat_s: float = Field(0.5, gt=0)
     """Actor heartbeat into the weight store; an actor silent for 5x this is left out of the next group."""
     verify: bool = True
-    """Receivers check the checksum before acknowledging a broadcast (publish reports how many matched)."""
+    """The learner computes each version's checksum (on a helper thread while packing) and receivers check it
+    before acknowledging (publish reports how many matched). False: no checksum on the broadcast path (the
+    export still records one); `confirmed` then counts receipts."""
     verify_ranks: bool = False
     """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
     with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).
