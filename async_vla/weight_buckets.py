@@ -198,6 +198,11 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
 
 
+def views_tracked() -> bool:
+    """Whether ``storage_free`` can tell (it needs a private torch API; without it nothing is ever free)."""
+    return getattr(torch._C, "_storage_Use_Count", None) is not None
+
+
 def storage_free(t: torch.Tensor) -> bool:
     """True when nothing but ``t`` itself references its storage (no view handed out is still alive)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -283,7 +288,7 @@ class BucketPacker:
     """
 
     def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
-                 pool: Optional[BufferPool] = None, summer: Optional[Executor] = None):
+                 pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True):
         self.cap = int(cap_bytes)
         self.device = torch.device(device)
         self.zero_copy = zero_copy
@@ -292,7 +297,8 @@ class BucketPacker:
         self._planner = _Planner(self.cap)
         self._store: dict[str, list[torch.Tensor]] = {}
         self._names: set[str] = set()
-        self._summer = _Summer(summer) if summer is not None and self.device.type == "cpu" else None
+        self._summer = _Summer(summer) if sums and summer is not None and self.device.type == "cpu" else None
+        self._sums = sums
         self._packed: list[tuple[str, torch.Tensor]] = []     # what to sum when there is no helper thread
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -316,10 +322,15 @@ class BucketPacker:
                 bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
             dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
             dst.view(spec.shape).copy_(t)
-        (self._summer.add if self._summer is not None else lambda *a: self._packed.append(a))(name, dst)
+        if self._summer is not None:
+            self._summer.add(name, dst)
+        elif self._sums:
+            self._packed.append((name, dst))
 
     def checksum(self) -> float:
         """``checksum`` of everything packed (by name), from the helper thread's sums when there is one."""
+        if not self._sums:
+            raise RuntimeError("this packer was made with sums=False")
         if self._summer is not None:
             return self._summer.result()
         return checksum(self._packed)

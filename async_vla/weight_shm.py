@@ -162,8 +162,9 @@ class ShmArena:
         self.path, self.nbytes = path, nbytes
         self._ctl = self._base.narrow(0, 0, 8).view(torch.int64)
         self._fallback = fallback
-        if not self.reset():
-            raise AssertionError("a new segment cannot be pinned")
+        if not self.reset():     # nobody can hold a lock on a file we just created: never expected
+            self.close()
+            raise OSError(errno.EBUSY, f"new shared-memory segment {path} is locked by another process")
 
     def reset(self) -> bool:
         """Start rewriting: take the exclusive lock and mark the segment -1. False (nothing changed) when a
@@ -290,6 +291,12 @@ class ShmPublisher:
             a.close()
         return self
 
+    def undo(self) -> None:
+        """Packing into the current slot failed: flip back, so the next ``arena()`` takes this slot again and
+        never the other one, whose version an asynchronous export may still be reading."""
+        self._turn ^= 1
+        self._placed = None
+
     def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
         """The current slot's ``ShmArena.get`` (the pool until the slot has a segment), counting requests."""
         self._requested += _aligned(numel * dtype.itemsize)
@@ -355,9 +362,11 @@ class _Mapping:
             self.pinned = False
 
     def close(self) -> None:
+        # The mmap holds a duplicate of this descriptor (CPython dups it), which shares the flock: a pin taken
+        # through it stays until the last view of the mapping is gone, even after this close.
         self.pinned = False
         with contextlib.suppress(OSError):
-            os.close(self.fd)       # drops the lock; the mmap lives on in any view still held
+            os.close(self.fd)
 
 
 def _close_all(maps: "OrderedDict[int, _Mapping]") -> None:
@@ -449,6 +458,7 @@ class ShmReader:
             return [g for g, m in self._maps.items() if m.pinned]
 
     def close(self) -> None:
-        """Drop every mapping and pin (views already handed out stay readable, but are no longer protected)."""
+        """Drop every mapping. Views already handed out stay readable and stay pinned until they are dropped
+        (the mmap they keep alive holds a duplicate of the locked descriptor)."""
         with self._lock:
             self._finalizer()

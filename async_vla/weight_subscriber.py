@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import BufferPool
+from async_vla.weight_buckets import BufferPool, views_tracked
 from async_vla.weight_export import read_latest
 from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
 from async_vla.weight_wire import BroadcastGroup, port_open, recv_version, td
@@ -177,7 +177,8 @@ class WeightSubscriber:
                     self._delivered, self._latest = -1, None
                 self._publisher_session = session
                 self._shm_refused, self._shm_reader = False, None
-        shm = (self.cfg.shm and not self._shm_refused and store.check(["w/shm"])
+        # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
+        shm = (self.cfg.shm and not self._shm_refused and views_tracked() and store.check(["w/shm"])
                and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
         token = store.add("w/tokens", 1)
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),

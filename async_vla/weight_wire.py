@@ -103,8 +103,11 @@ class BroadcastGroup:
                     work.wait(td(max(0.001, min(DROP_POLL_S, end - time.monotonic()))))
                     return
                 except RuntimeError:
-                    if work.is_completed() or time.monotonic() >= end:
-                        raise          # the op itself failed (or our time is up)
+                    if work.is_completed():   # it finished as our slice ran out: its own result decides
+                        work.wait()
+                        return
+                    if time.monotonic() >= end:
+                        raise
                     if self.dropped():
                         raise RuntimeError(f"the publisher dropped epoch {self.epoch}") from None
 

@@ -217,8 +217,8 @@ class WeightPublisher:
             zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
-            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into,
-                                  self._summer if summing else None)
+            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
+                                  sums=summing)
             for name, t in named_tensors:
                 packer.add(name, t)
             layout, buckets = packer.finish()
@@ -226,6 +226,8 @@ class WeightPublisher:
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
             csum = packer.checksum() if summing else None
         except BaseException:
+            if shm:     # the slot we were packing into is ours again; the other may still be exporting v-1
+                self._shm.undo()
             if early:   # the members wait in the header broadcast: closing the group fails them at once
                 self._drop_group()
             raise
@@ -277,7 +279,8 @@ class WeightPublisher:
         path). Not when packing took long last time (a member's own timeout must not run out while it waits),
         nor on NCCL (a waiting collective would hold the actor's CUDA stream)."""
         g = self._group
-        if g is None or self.backend != "gloo" or self._last_pack_s > 0.25 * self.timeout_s:
+        waits = min(self.timeout_s, float(self.cfg.timeout_s))   # members wait with their own timeout
+        if g is None or self.backend != "gloo" or self._last_pack_s > 0.25 * waits:
             return False
         try:
             if set(self._live_tokens()) != set(g.members):
@@ -302,7 +305,9 @@ class WeightPublisher:
 
         shm = None
         if g.use_shm and self.cfg.shm and self._shm is not None:
+            t0 = time.monotonic()
             shm = self._shm.place(buckets, version)
+            self._last_pack_s += time.monotonic() - t0     # (members announced early wait through this too)
             if shm is None:
                 log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
         if announce:

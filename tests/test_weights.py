@@ -450,3 +450,41 @@ def test_nccl_broadcast_to_an_actor_process(world):
     st = pub.publish(1, model.items())
     assert st["receivers"] == 1 and st["confirmed"] == 1, st
     assert actors.got(1, 1)[3] == checksum(model)
+
+
+class _Work:
+    """A stand-in for a gloo op: ``done_after`` waits with a timeout before it completes (0 = never)."""
+
+    def __init__(self, done_after: int, error: str = ""):
+        self.calls, self.done_after, self.error = 0, done_after, error
+
+    def wait(self, timeout=None):
+        self.calls += 1
+        if timeout is not None and (self.done_after == 0 or self.calls < self.done_after):
+            raise RuntimeError("Operation timed out!")
+        if timeout is not None and self.calls == self.done_after:   # completes just as the slice runs out
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done_after != 0 and self.calls >= self.done_after
+
+
+def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
+    from async_vla.weight_wire import BroadcastGroup
+
+    g = BroadcastGroup.__new__(BroadcastGroup)       # only _finish's state: no process group needed
+    g.backend, g.epoch, g.dropped = "gloo", 3, lambda: False
+    g._finish(_Work(done_after=3), 30.0)             # finished as a slice timed out: that is a success
+    with pytest.raises(RuntimeError, match="peer closed"):
+        g._finish(_Work(done_after=2, error="peer closed"), 30.0)   # its own error, not "timed out"
+    g.dropped = lambda: True
+    with pytest.raises(RuntimeError, match="dropped epoch 3"):
+        g._finish(_Work(done_after=0), 30.0)          # the publisher gave up on the epoch: leave now
+    g.dropped = lambda: False
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        g._finish(_Work(done_after=0), 0.05)          # our own time ran out
+    assert time.monotonic() - t0 < 5
