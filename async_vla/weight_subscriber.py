@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 POP_TIMEOUT_S = 60.0      # a mailbox wait wakes this often with nothing to do (close() wakes it at once)
 CONNECT_TIMEOUT_S = 5.0
+DROP_CHECK_S = 1.0        # how long a check for "the publisher dropped this epoch" may wait for the store
 
 
 class _Stop(Exception):   # close() was called: leave the session for good
@@ -216,7 +217,7 @@ class WeightSubscriber:
                 try:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
-                    self._group.dropped = lambda e=epoch: store.check([f"w/e{e}/drop"])
+                    self._group.dropped = lambda e=epoch: self._dropped(store, e)
                     prefix = str(msg.get("shm") or "")
                     if prefix and valid_path(prefix, self.cfg.shm_dir):
                         if self._shm_reader is None or self._shm_reader.prefix != prefix:
@@ -243,6 +244,18 @@ class WeightSubscriber:
                     log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
                              str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
                     self._leave_group()
+
+    @staticmethod
+    def _dropped(store, epoch: int) -> bool:
+        """Has the publisher given up on ``epoch``? Asked between wait slices, with a short store timeout: a
+        stalled learner must not hold this thread longer than the op it waits on (a lost connection raises)."""
+        store.set_timeout(td(DROP_CHECK_S))
+        try:
+            return store.check([f"w/e{epoch}/drop"])
+        except dist.DistStoreError:      # no answer in time: keep waiting on the op (it has its own timeout)
+            return False
+        finally:
+            store.set_timeout(td(POP_TIMEOUT_S))
 
     def _receive(self, g: BroadcastGroup) -> None:
         t0 = time.monotonic()

@@ -488,3 +488,29 @@ def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
     with pytest.raises(RuntimeError, match="timed out"):
         g._finish(_Work(done_after=0), 0.05)          # our own time ran out
     assert time.monotonic() - t0 < 5
+
+
+def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_gone():
+    import torch.distributed as dist
+
+    from async_vla.weight_subscriber import POP_TIMEOUT_S, WeightSubscriber
+
+    class Store:
+        def __init__(self, outcome):
+            self.outcome, self.timeouts = outcome, []
+
+        def set_timeout(self, t):
+            self.timeouts.append(t.total_seconds())
+
+        def check(self, keys):
+            assert keys == ["w/e4/drop"]
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    for outcome, expected in ((True, True), (False, False), (dist.DistStoreError("timeout"), False)):
+        store = Store(outcome)
+        assert WeightSubscriber._dropped(store, 4) is expected
+        assert store.timeouts[0] < 5 and store.timeouts[-1] == POP_TIMEOUT_S   # short, then restored
+    with pytest.raises(dist.DistNetworkError):
+        WeightSubscriber._dropped(Store(dist.DistNetworkError("reset")), 4)
