@@ -96,7 +96,7 @@ def test_checksum_is_exact_order_independent_and_sensitive():
 def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap, zero_copy):
     from concurrent.futures import ThreadPoolExecutor
 
-    from async_vla.weight_buckets import BucketPacker, _Summer
+    from async_vla.weight_buckets import BucketPacker
 
     model = _model(3, scale=2)
     with ThreadPoolExecutor(1) as ex:
