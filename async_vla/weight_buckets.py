@@ -35,6 +35,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from async_vla import native
+
 ALIGN = 64
 MANIFEST_SCHEMA = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -246,15 +248,21 @@ class _Summer:
     """Per-tensor sums of ``checksum`` computed on a helper thread while the packer goes on copying: both
     release the GIL, so the checksum pass overlaps the copy instead of following it (reading what was just
     written, often still in cache). Work is handed over in batches of ~``BATCH`` bytes: a hand-off per small
-    tensor would cost more than its sum."""
+    tensor would cost more than its sum. Without an executor the sums are taken in ``result()``; tensors the
+    native kernel copied arrive already summed (``add_sum``), which costs no second pass at all."""
 
     BATCH = 4 * 2**20
 
-    def __init__(self, executor: Executor):
+    def __init__(self, executor: Optional[Executor]):
         self._ex = executor
         self._futures: list[Future] = []
         self._batch: list[tuple[str, torch.Tensor]] = []
         self._bytes = 0
+        self._done: list[tuple[str, int, int]] = []
+
+    def add_sum(self, name: str, total: int, numel: int) -> None:
+        """A tensor whose sum is already known (the native kernel summed it while copying)."""
+        self._done.append((name, total, numel))
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self._batch.append((name, t))
@@ -263,15 +271,16 @@ class _Summer:
             self._flush()
 
     def _flush(self) -> None:
-        if self._batch:
+        if self._batch and self._ex is not None:
             batch, self._batch, self._bytes = self._batch, [], 0
             self._futures.append(self._ex.submit(lambda: [(n, tensor_sum(t), t.numel()) for n, t in batch]))
 
     def result(self) -> float:
         """Equal to ``checksum`` of every tensor added."""
         self._flush()
-        sums = sorted(item for f in self._futures for item in f.result())
-        self._futures = []
+        rest = [(n, tensor_sum(t), t.numel()) for n, t in self._batch]    # no helper thread: summed here
+        sums = sorted([item for f in self._futures for item in f.result()] + self._done + rest)
+        self._futures, self._done, self._batch, self._bytes = [], [], [], 0
         h = 0
         for _, s, numel in sums:
             h = (h * 1_000_003 + s + numel) % _MOD
@@ -297,9 +306,10 @@ class BucketPacker:
         self._planner = _Planner(self.cap)
         self._store: dict[str, list[torch.Tensor]] = {}
         self._names: set[str] = set()
-        self._summer = _Summer(summer) if sums and summer is not None and self.device.type == "cpu" else None
-        self._sums = sums
-        self._packed: list[tuple[str, torch.Tensor]] = []     # what to sum when there is no helper thread
+        self._summer = _Summer(summer if self.device.type == "cpu" else None) if sums else None
+        # One pass that copies with non-temporal stores and sums on the way (async_vla.native): about twice
+        # the bandwidth of copy_ into memory other processes read next, and no checksum pass after it.
+        self._native = self.device.type == "cpu" and native.available()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
@@ -310,30 +320,33 @@ class BucketPacker:
         local, off, own = self._planner.add(spec)
         bufs = self._store.setdefault(spec.dtype, [])
         dtype = DTYPES[spec.dtype]
-        if own:
-            if self.zero_copy and t.is_contiguous() and t.device == self.device:
-                bufs.append(t.reshape(-1))
-            else:
-                bufs.append(self._alloc(spec.numel, dtype, self.device))
-                bufs[-1].view(spec.shape).copy_(t)
+        total: Optional[int] = None
+        if own and self.zero_copy and t.is_contiguous() and t.device == self.device:
+            bufs.append(t.reshape(-1))
             dst = bufs[-1]
         else:
-            if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
-                bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
-            dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
-            dst.view(spec.shape).copy_(t)
+            if own:
+                bufs.append(self._alloc(spec.numel, dtype, self.device))
+                dst = bufs[-1]
+            else:
+                if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
+                    bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
+                dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
+            if self._native:
+                total = native.copy_sum(dst, t.reshape(-1) if t.is_contiguous() else t)
+            if total is None:
+                dst.view(spec.shape).copy_(t)
         if self._summer is not None:
-            self._summer.add(name, dst)
-        elif self._sums:
-            self._packed.append((name, dst))
+            if total is None:
+                self._summer.add(name, dst)
+            else:
+                self._summer.add_sum(name, total, spec.numel)
 
     def checksum(self) -> float:
         """``checksum`` of everything packed (by name), from the helper thread's sums when there is one."""
-        if not self._sums:
+        if self._summer is None:
             raise RuntimeError("this packer was made with sums=False")
-        if self._summer is not None:
-            return self._summer.result()
-        return checksum(self._packed)
+        return self._summer.result()
 
     def finish(self) -> tuple[Layout, list[torch.Tensor]]:
         layout = self._planner.finish(self.cap)
@@ -379,6 +392,14 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_sum(t: torch.Tensor) -> int:
     """Wrap-around int64 sum of the tensor's bytes as 8-byte words (+ trailing bytes), as unsigned."""
+    t = t.detach()
+    fast = native.byte_sum(t)
+    return tensor_sum_torch(t) if fast is None else fast
+
+
+def tensor_sum_torch(t: torch.Tensor) -> int:
+    """``tensor_sum`` with torch ops only (any device, any layout; the reference the native kernel is tested
+    against)."""
     t = t.detach()
     size = t.element_size()
     if t.is_contiguous() and t.numel() * size % 8 == 0 and t.storage_offset() * size % 8 == 0 and t.numel():

@@ -9,11 +9,32 @@ PY="$VENV/bin/python"
 _stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
 _stamp_set() { mkdir -p "$STAMPS"; echo "$2" > "$STAMPS/$1"; }
 
+setup_native() {
+  # async_vla/native: copy-with-checksum kernel for packing weights (optional: torch is the fallback, slower).
+  local src="$REPO/async_vla/native/copysum.c" lib="$REPO/async_vla/native/libavla_copysum.so" key
+  key="$(sha1sum "$src" | cut -d' ' -f1)"
+  if [ -f "$lib" ] && _stamp_ok native "$key"; then return; fi
+  local cc="${CC:-cc}"
+  if ! command -v "$cc" >/dev/null 2>&1; then
+    echo "[setup] no C compiler ($cc): weight packing falls back to torch (slower); apt-get install gcc to build it" >&2
+    return
+  fi
+  echo "[setup] building async_vla/native/$(basename "$lib")"
+  if ! "$cc" -O2 -shared -fPIC -o "$lib.tmp" "$src"; then
+    rm -f "$lib.tmp"
+    echo "[setup] building $(basename "$lib") failed: weight packing falls back to torch (slower)" >&2
+    return
+  fi
+  mv "$lib.tmp" "$lib"
+  _stamp_set native "$key"
+}
+
 setup_venv() {
   if [ ! -x "$PY" ]; then
     echo "[setup] creating virtual environment $VENV"
     python3 -m venv "$VENV"
   fi
+  setup_native
   local key
   key="$(cat "$REPO/pyproject.toml" | sha1sum | cut -d' ' -f1)-$1"
   if _stamp_ok core "$key"; then

@@ -1,0 +1,76 @@
+"""Optional native kernels (``copysum.c``), loaded with ctypes: a copy with non-temporal stores that sums what
+it copies in the same pass, and a plain byte-word sum. Both sums equal ``weight_buckets.tensor_sum``.
+
+The shared library is built by the set-up (``bin/_setup.sh`` runs ``cc -O2 -shared -fPIC``; ``bin/build-native``
+does it alone). Where it is missing (no C compiler, another platform) every caller falls back to torch: same
+results, slower packing. ``status()`` says which, and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+LIBRARY = Path(__file__).with_name("libavla_copysum.so")
+ABI_VERSION = 1      # copysum.c's AVLA_ABI_VERSION: a stale build from older source is not used
+_U64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[Optional[ctypes.CDLL], str]:
+    """(library, "") or (None, why not). Cached: loading is attempted once per process."""
+    if not LIBRARY.exists():
+        return None, f"{LIBRARY.name} not built (run bin/build-native; needs a C compiler)"
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+    except OSError as exc:
+        return None, f"{LIBRARY.name} failed to load: {exc}"
+    lib.avla_abi_version.restype = ctypes.c_int
+    if lib.avla_abi_version() != ABI_VERSION:
+        return None, f"{LIBRARY.name} is from an older copysum.c (run bin/build-native)"
+    lib.avla_copy_sum.restype = ctypes.c_uint64
+    lib.avla_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.avla_sum.restype = ctypes.c_uint64
+    lib.avla_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib, ""
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def status() -> str:
+    """"native" or "torch (<why>)": for logs and benchmark reports."""
+    lib, why = _load()
+    return "native" if lib is not None else f"torch ({why})"
+
+
+def _flat_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def copy_sum(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
+    """Copy ``src`` into ``dst`` (same dtype and number of elements, both contiguous CPU) and return the
+    sum of the copied bytes (``tensor_sum``); None, having done nothing, when the kernel cannot take them.
+    ctypes releases the GIL for the call, so other threads run meanwhile."""
+    lib = _load()[0]
+    if (lib is None or dst.dtype != src.dtype or dst.numel() != src.numel() or not _flat_cpu(dst)
+            or not _flat_cpu(src)):
+        return None
+    n = src.numel() * src.element_size()
+    if n == 0:
+        return 0
+    return int(lib.avla_copy_sum(dst.data_ptr(), src.data_ptr(), n)) & _U64
+
+
+def byte_sum(t: torch.Tensor) -> Optional[int]:
+    """``tensor_sum`` of a contiguous CPU tensor, or None when the kernel cannot take it."""
+    lib = _load()[0]
+    if lib is None or not _flat_cpu(t):
+        return None
+    n = t.numel() * t.element_size()
+    return int(lib.avla_sum(t.data_ptr(), n)) & _U64 if n else 0
