@@ -1,9 +1,10 @@
 """Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
 version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
-manifest digest, sequence, shared-memory generation or -1, then room for 64 shared-memory offsets), the
-manifest when the layout changed, the buckets (or, on one host, only their offsets in a shared-memory segment:
-``async_vla.weight_shm``), then one (received, checksum ok) acknowledgement per receiver sent point-to-point
-to rank 0. Layout, packing and checksums are ``async_vla.weight_buckets``; membership and epochs are
+manifest digest, sequence, shared-memory generation or -1, verification shares, then room for 64 shared-memory
+offsets), the manifest when the layout changed, the buckets (or, on one host, only their offsets in a
+shared-memory segment: ``async_vla.weight_shm``), then one (received, checksum ok) acknowledgement per receiver
+sent point-to-point to rank 0 - or, with split verification on shared memory, (received, share checksum) and
+then the publisher's verdict broadcast to all. Layout, packing and checksums are ``async_vla.weight_buckets``; membership and epochs are
 ``async_vla.weights``.
 """
 
@@ -15,19 +16,20 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
 from async_vla.weight_buckets import (
-    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack,
+    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, tensor_sum,
+    unpack, verify_shares,
 )
 from async_vla.weight_shm import ShmReader, ShmUnreadable
 
 MAGIC = 0x5745494748      # "WEIGH"
-HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm")
+HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm", "split")
 DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up
 INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header itself (the rest in one more op)
 ACK_TAG = 7
@@ -79,6 +81,7 @@ class BroadcastGroup:
         self.use_shm = False                      # publisher: every member can read our segments
         self.shm_reader: Optional[ShmReader] = None   # receiver: mappings of the publisher's segments
         self.dropped: Optional[Callable[[], bool]] = None   # receiver: has the publisher given up on this epoch?
+        self.verify_shares = 0                    # publisher: shares the last version was checked in (0: not split)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
         elif backend == "nccl":
@@ -138,12 +141,16 @@ class BroadcastGroup:
 
     def recv_acks(self, timeout_s_left) -> torch.Tensor:
         """Sum of the (received, checksum ok) pairs of every member; ``timeout_s_left()`` per wait."""
-        total = torch.zeros(2, dtype=torch.int64)
+        return torch.stack(self.recv_acks_each(timeout_s_left)).sum(0) if self.members else torch.zeros(2, dtype=torch.int64)
+
+    def recv_acks_each(self, timeout_s_left) -> list[torch.Tensor]:
+        """Every member's int64[2] acknowledgement, by rank (1, 2, ...); ``timeout_s_left()`` per wait."""
+        out = []
         for rank in range(1, len(self.members) + 1):
             t = torch.zeros(2, dtype=torch.int64, device=self.device)
             self.pg.recv([t], rank, ACK_TAG).wait(td(timeout_s_left()))
-            total += t.cpu()
-        return total
+            out.append(t.cpu())
+        return out
 
     def close(self) -> None:
         if self.backend == "nccl":
@@ -172,18 +179,27 @@ def parse_header(t: torch.Tensor) -> dict[str, int]:
 def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor],
                  csum: Optional[float],
                  left: Callable[[], float], overlap: bool = True,
-                 shm: Optional[tuple[int, list[int]]] = None) -> int:
-    """Rank 0: header int64[9 + INLINE_OFFSETS], the manifest when this group has not seen it, the buckets - or,
+                 shm: Optional[tuple[int, list[int]]] = None,
+                 sums: Optional[Mapping[str, tuple[int, int]]] = None) -> int:
+    """Rank 0: header int64[10 + INLINE_OFFSETS], the manifest when this group has not seen it, the buckets - or,
     with ``shm`` = (segment generation, byte offset of each bucket) already written there, just the offsets
     (the first ``INLINE_OFFSETS`` inside the header: one collective for a whole version) - then the receivers'
     (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
-    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt)."""
+    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt).
+
+    Split verification: through shared memory every receiver maps the same pages, so checking all of them in
+    every receiver repeats one check k times. With ``sums`` (name -> (tensor_sum, numel) of what was packed) and
+    at least two receivers, receiver r checks only share r of ``verify_shares`` and acknowledges with that
+    share's checksum; the publisher compares each with its own and broadcasts one verdict, and receivers hand
+    the version over only on a verdict that every share matched (so all or none confirm)."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
     offsets = list(shm[1]) if shm else []
     inline = offsets[:INLINE_OFFSETS]
+    split = len(g.members) if shm and sums is not None and csum is not None and len(g.members) >= 2 else 0
+    g.verify_shares = split
     header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes,
                            -1 if csum is None else int(csum),
-                           layout.digest, g.seq, shm[0] if shm else -1] + inline
+                           layout.digest, g.seq, shm[0] if shm else -1, split] + inline
                           + [0] * (INLINE_OFFSETS - len(inline)), dtype=torch.int64, device=g.device)
     g.seq += 1
     g.bcast(header, left())
@@ -195,7 +211,13 @@ def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Seque
             g.bcast(torch.tensor(offsets[INLINE_OFFSETS:], dtype=torch.int64, device=g.device), left())
     else:
         g.bcast_many(list(buckets), left(), overlap)
-    return int(g.recv_acks(left)[1])
+    if not split:
+        return int(g.recv_acks(left)[1])
+    expected = [share_checksum(names, sums) for names in verify_shares(layout, split)]
+    acks = g.recv_acks_each(left)
+    verdict = all(int(a[0]) == 1 and int(a[1]) == want for a, want in zip(acks, expected))
+    g.bcast(torch.tensor([int(verdict)], dtype=torch.int64, device=g.device), left())
+    return split if verdict else 0
 
 
 def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True,
@@ -205,7 +227,9 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
     into fresh (or pooled) buckets, or - through shared memory - read-only views into the publisher's pinned
     segment. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the subscriber hands the version
     over and unpins what nobody holds any more there, so the publisher may rewrite it next). The acknowledgement
-    is sent whether or not the checksum matched."""
+    is sent whether or not the checksum matched. With split verification (header ``split`` > 0, set by the
+    publisher whatever this side's ``verify``) the share's acknowledgement goes first, ``ok`` is the publisher's
+    verdict on all shares, and ``before_ack`` runs after it, as the last step."""
     header = torch.zeros(len(HEADER_KEYS) + INLINE_OFFSETS, dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
@@ -238,10 +262,21 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
             pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
         g.bcast_many(buckets, timeout_s)
     tensors = unpack(layout, buckets)
-    ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: the sender sent none
+    if h["split"]:   # shared memory: check our share, then the publisher's verdict on all of them
+        if h["shm"] < 0 or h["checksum"] < 0 or not 1 <= g.rank <= h["split"]:
+            raise ValueError("split verification header does not fit this group")
+        names = verify_shares(layout, h["split"])[g.rank - 1]
+        share = fold((n, tensor_sum(tensors[n]), tensors[n].numel()) for n in names)
+        g.send_ack(torch.tensor([1, share], dtype=torch.int64, device=g.device), timeout_s)
+        verdict = torch.zeros(1, dtype=torch.int64, device=g.device)
+        g.bcast(verdict, timeout_s)
+        ok = int(verdict[0]) == 1
+    else:
+        ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: none was sent
     if h["shm"] >= 0:
         g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version
     if before_ack is not None:
         before_ack(h, tensors, ok)
-    g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
+    if not h["split"]:
+        g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
     return h, layout, tensors, ok

@@ -204,7 +204,8 @@ class WeightPublisher:
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
         group), confirmed (receivers whose checksum matched), transport (shm, gloo or nccl), epoch, formed,
         failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
-        before packing), shm_remade (shared-memory segments re-made so far because a receiver still held views
+        before packing), verify_shares (receivers each checked one of this many shares: split verification on
+        shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made so far because a receiver still held views
         of them: should stay near 0). ``zero_copy`` lets tensors above the bucket cap be sent
         without a copy over the wire (they must stay unchanged until this returns; export then runs
         synchronously); with shared memory on, everything is packed into the segment instead.
@@ -225,6 +226,8 @@ class WeightPublisher:
             # One version exporting, one packing; none once both shared-memory segments take the packing.
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
             csum = packer.checksum() if summing else None
+            # Receivers through shared memory each check a share of these (weight_wire.send_version).
+            sums = packer.tensor_sums() if self.cfg.verify else None
         except BaseException:
             if shm:     # the slot we were packing into is ours again; the other may still be exporting v-1
                 self._shm.undo()
@@ -237,7 +240,7 @@ class WeightPublisher:
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
                                  "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
                                  "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
-                                 "announced_early": early}
+                                 "announced_early": early, "verify_shares": 0}
         for _attempt in range(2):
             if deadline - time.monotonic() < 0.05:
                 break
@@ -250,8 +253,9 @@ class WeightPublisher:
                 if self._group is None:
                     break
                 stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout, buckets,
-                                                                         csum, deadline, announce=not early)
+                                                                         csum, deadline, not early, sums)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
+                stats["verify_shares"] = self._group.verify_shares
                 break
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
                 stats["failures"] += 1
@@ -296,7 +300,8 @@ class WeightPublisher:
             self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
 
     def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor],
-                   csum: Optional[float], deadline: float, announce: bool = True) -> tuple[int, str]:
+                   csum: Optional[float], deadline: float, announce: bool = True,
+                   sums: Optional[dict[str, tuple[int, int]]] = None) -> tuple[int, str]:
         def left() -> float:
             r = deadline - time.monotonic()
             if r <= 0:
@@ -312,7 +317,8 @@ class WeightPublisher:
                 log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
         if announce:
             self._announce(g, version)
-        confirmed = send_version(g, version, layout, buckets, csum, left, self.cfg.overlap, shm)
+        confirmed = send_version(g, version, layout, buckets, csum, left, self.cfg.overlap, shm,
+                                 sums if self.cfg.verify_split else None)
         return confirmed, "shm" if shm else self.backend
 
     def wait_export(self) -> Optional[BaseException]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_vla import native
-from async_vla.weight_buckets import BucketPacker, checksum, tensor_sum, tensor_sum_torch, unpack
+from async_vla.weight_buckets import SPLIT_BYTES, BucketPacker, checksum, tensor_sum, tensor_sum_torch, unpack
 
 needs_native = pytest.mark.skipif(not native.available(), reason=native.status())
 
@@ -94,12 +94,15 @@ def _model() -> dict[str, torch.Tensor]:
     return {"embed": torch.randn(300, 64, generator=g), "qkv": torch.randn(192, 64, generator=g),
             "bias": torch.randn(3, generator=g), "half": torch.randn(1001, generator=g).to(torch.bfloat16),
             "steps": torch.arange(5), "mask": torch.rand(17, generator=g) > 0.5,
-            "strided": torch.randn(64, 32, generator=g).t()}
+            "strided": torch.randn(64, 32, generator=g).t(),
+            # Above SPLIT_BYTES: copied in two halves at once; odd byte counts put trailing bytes in the far half.
+            "big": torch.randn(1_100_001, generator=g), "big_half": torch.randn(2_200_001, generator=g).half()}
 
 
 @pytest.mark.parametrize("cap", [512, 64 * 1024, 1 << 30])
 def test_packing_gives_the_same_buckets_and_checksum_with_the_kernel_or_torch(kernel, cap):
     model = _model()
+    assert model["big_half"].nbytes > SPLIT_BYTES and model["big_half"].nbytes % 8
     with ThreadPoolExecutor(1) as ex:
         for summer in (None, ex):
             packer = BucketPacker(cap, summer=summer)

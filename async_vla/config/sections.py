@@ -344,9 +344,14 @@ class WeightsConfig(Section):
     heartbeat_s: float = Field(0.5, gt=0)
     """Actor heartbeat into the weight store; an actor silent for 5x this is left out of the next group."""
     verify: bool = True
-    """The learner computes each version's checksum (on a helper thread while packing) and receivers check it
-    before acknowledging (publish reports how many matched). False: no checksum on the broadcast path (the
-    export still records one); `confirmed` then counts receipts."""
+    """The learner computes each version's checksum (while packing) and receivers check it before taking the
+    version (publish reports how many matched). False: no checksum on the broadcast path (the export still
+    records one); `confirmed` then counts receipts."""
+    verify_split: bool = True
+    """Through shared memory (one host) every receiver maps the same pages, so with 2+ receivers each checks
+    one share of the tensors and the learner's verdict on all shares decides for everyone (all or none take
+    the version): one pass over the bytes per version instead of one per receiver. False: every receiver
+    checks everything itself (as over the wire, where each has its own copy)."""
     verify_ranks: bool = False
     """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
     with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).
