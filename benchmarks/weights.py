@@ -14,8 +14,9 @@ Three times per publish: *end to end* is the learner's ``sync_s`` (pack + checks
 receiver's acknowledgement: what a publish costs the learner, after which every receiver holds the version);
 *broadcast phase* is that minus packing and checksum; *into both models* runs from the start of the publish
 until both receivers have also copied the version into their own model tensors (what an actor's
-``load_state_dict`` does between chunks; both clocks are the host's CLOCK_MONOTONIC). Export to disk is off and
-receivers skip checksum verification (its speed is reported separately). The model is transformer-shaped (many
+``load_state_dict`` does between chunks; both clocks are the host's CLOCK_MONOTONIC). Export to disk is off;
+checksums are on (the default: the learner sums while packing, receivers verify - on shared memory each one
+share, ``weights.verify_split``), except in the "verify off" mode. The model is transformer-shaped (many
 small bias/norm tensors beside large matrices). Single-core memcpy bandwidth is measured in the same run; "of
 memcpy" = bytes per second delivered to each receiver / memcpy bytes per second. Timed publishes alternate the
 modes (each mode publishes twice in a row, the second is timed); medians are reported. This benchmark starts its own receiver processes (spawn), as a benchmark must.
@@ -31,6 +32,7 @@ import time
 
 import torch
 
+from async_vla import native
 from async_vla.config import Config
 from async_vla.weight_buckets import checksum
 from benchmarks.common import memcpy_gbps
@@ -126,6 +128,7 @@ def run(quick: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     ready, loaded = ctx.Queue(), ctx.Queue()
     results: dict = {"memcpy_gbps": round(memcpy, 2), "torch_copy_gbps": round(torch_copy, 2), "receivers": 2,
+                     "pack_kernel": native.status(),
                      "transport": "gloo tcp loopback (+ /dev/shm segment for the default bucketed path)",
                      "bucket_mb": Config().weights.bucket_mb, "load_avg_1m": os.getloadavg()[0], "sizes": {}}
     with tempfile.TemporaryDirectory() as run_dir:
@@ -168,6 +171,8 @@ def run(quick: bool = False) -> dict:
                         done = _loaded(loaded, version)
                         if st["shm_remade"]:
                             raise RuntimeError("a receiver kept views of an old version pinned")
+                        if mode == "bucketed" and st["verify_shares"] != 2:
+                            raise RuntimeError(f"the default path did not split verification: {st}")
                         if r >= WARMUP and timed:
                             times[mode].append(st["sync_s"])
                             bcast[mode].append(st["sync_s"] - st["pack_s"])
@@ -224,8 +229,9 @@ def _markdown(res: dict) -> str:
              f"{res['load_avg_1m']:.1f} at start). Per-tensor and 'bucketed gloo' send every byte over gloo (TCP "
              "loopback); 'bucketed' is the default same-host path: buckets packed into a shared-memory segment, "
              "offsets in the header over gloo, each receiver pins the segment and holds read-only views of it. "
-             "Default settings (weights.verify on: the learner computes the checksum, each receiver checks it "
-             "before acknowledging) except the 'verify off' column. Medians of one publish: end to end = the "
+             "Default settings (weights.verify on: the learner computes the checksum while packing, the receivers "
+             "check it - through shared memory one share each - before taking the version) except the 'verify "
+             "off' column. Medians of one publish: end to end = the "
              "learner's cost (pack + checksum + broadcast + every receiver's acknowledgement; then every receiver "
              "holds the version); broadcast phase = end to end minus pack and checksum; into both models = until "
              "both receivers have also copied it into their own model tensors (what an actor's load does between "
@@ -256,6 +262,8 @@ def _markdown(res: dict) -> str:
                      f"{r['speedup_gloo']:.2f}x, {r['bucketed_gloo_frac_of_memcpy']:.0%} |")
     lines += ["", "Checksum (int64 word sums, one core): " + ", ".join(
         f"{k}: {r['checksum_gbps']:.1f} GB/s" for k, r in res["sizes"].items())
-        + ". The learner computes it on a helper thread while it packs; each receiver checks it with one such "
-        "pass over its views (in parallel)."]
+        + f". Packing kernel: {res.get('pack_kernel', '?')} (native: non-temporal stores, summing as it copies, "
+        "large tensors in two halves on two threads; torch: Tensor.copy_ with the sums on a helper thread). "
+        "Through shared memory each receiver checks one share of the tensors and the learner's verdict on all "
+        "shares decides for both (weights.verify_split); over gloo each checks everything."]
     return "\n".join(lines)
