@@ -26,6 +26,7 @@ layout mix-ups; it does not catch a permutation of 8-byte words inside one tenso
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -157,11 +158,15 @@ class Layout:
         return sum(b.nbytes for b in self.buckets)
 
     def manifest_bytes(self) -> bytes:
+        return self._manifest
+
+    @functools.cached_property      # (a frozen dataclass still has a __dict__: computed once per layout)
+    def _manifest(self) -> bytes:
         doc = {"schema": MANIFEST_SCHEMA, "cap": self.cap_bytes, "align": ALIGN,
                "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.specs]}
         return json.dumps(doc, separators=(",", ":")).encode()
 
-    @property
+    @functools.cached_property
     def digest(self) -> int:
         """63-bit id of the manifest (fits an int64 header slot)."""
         return int.from_bytes(hashlib.sha256(self.manifest_bytes()).digest()[:8], "little") & ((1 << 63) - 1)
