@@ -53,18 +53,26 @@ def _flat_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+def can_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``copy_sum(dst, src)`` would take these (same dtype and size, both contiguous CPU)."""
+    return (_load()[0] is not None and dst.dtype == src.dtype and dst.numel() == src.numel() and _flat_cpu(dst)
+            and _flat_cpu(src))
+
+
 def copy_sum(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
     """Copy ``src`` into ``dst`` (same dtype and number of elements, both contiguous CPU) and return the
     sum of the copied bytes (``tensor_sum``); None, having done nothing, when the kernel cannot take them.
     ctypes releases the GIL for the call, so other threads run meanwhile."""
-    lib = _load()[0]
-    if (lib is None or dst.dtype != src.dtype or dst.numel() != src.numel() or not _flat_cpu(dst)
-            or not _flat_cpu(src)):
+    if not can_copy(dst, src):
         return None
-    n = src.numel() * src.element_size()
-    if n == 0:
-        return 0
-    return int(lib.avla_copy_sum(dst.data_ptr(), src.data_ptr(), n)) & _U64
+    return copy_sum_raw(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+
+
+def copy_sum_raw(dst_ptr: int, src_ptr: int, nbytes: int) -> int:
+    """``copy_sum`` on addresses the caller has checked (``can_copy``): n bytes, not overlapping. Little Python,
+    so a helper thread calling it holds the GIL only for a moment."""
+    lib = _load()[0]
+    return int(lib.avla_copy_sum(dst_ptr, src_ptr, nbytes)) & _U64 if nbytes else 0
 
 
 def byte_sum(t: torch.Tensor) -> Optional[int]:
