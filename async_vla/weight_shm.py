@@ -55,6 +55,8 @@ from async_vla.weight_buckets import BufferPool, storage_free
 
 log = logging.getLogger(__name__)
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # Linux; elsewhere pages fault in on first write
+
 ALIGN = 64
 CTL = ALIGN          # bytes at the start of each segment: int64 control word (version sealed, -1 = rewriting)
 NAME = "async_vla_w_"
@@ -151,7 +153,9 @@ class ShmArena:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)      # reserve the pages now: ENOSPC here, not SIGBUS later
-            self._mm: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
+            # Pre-fault the pages at map time: packing 400 MB into a fresh mapping took 260-510 ms page fault by
+            # page fault, against 130 ms to map populated + 44 ms to pack (a re-made segment's cost).
+            self._mm: Optional[mmap.mmap] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
             self._base: Optional[torch.Tensor] = torch.frombuffer(self._mm, dtype=torch.uint8)
         except BaseException:
             os.close(fd)
