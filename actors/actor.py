@@ -101,11 +101,13 @@ class SerialActor:
             should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps)
 
     # ---- weights ------------------------------------------------------------------------------------
-    def set_weights(self, version: int, state: Optional[dict] = None) -> None:
-        """Install weights ``state`` (None = the policy object was updated in place) as ``version``."""
+    def set_weights(self, version: int, state: Optional[dict] = None, lineage: Optional[int] = None) -> None:
+        """Install weights ``state`` (None = the policy object was updated in place) as ``version``; ``lineage``
+        numbers the learner session it came from (a resumed learner's lower versions are taken: see
+        ``WeightSubscriber.lineage``)."""
         if state is not None:
             try:
-                load_weights(self.policy, state, int(version))
+                load_weights(self.policy, state, int(version), lineage)
             except StaleWeights as exc:   # the vLLM backend refuses old versions; keep what is installed
                 log.warning("actor %d: %s; keeping v%d", self.actor_id, exc, self.version)
                 return
@@ -315,7 +317,7 @@ class Actor:
         if self._subscriber is not None:
             new = self._subscriber.poll()
             if new is not None:
-                return new
+                return new[0], new[1], self._subscriber.lineage
         if self._path_weights is not None:
             version, path = self._path_weights
             self._path_weights = None

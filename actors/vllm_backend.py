@@ -182,11 +182,12 @@ class VLLMPolicy(VLAPolicy):
         return self.guard.current
 
     # ---- weights ------------------------------------------------------------------------------------
-    def install_weights(self, state: dict, version: Optional[int]) -> None:
+    def install_weights(self, state: dict, version: Optional[int], lineage: Optional[int] = None) -> None:
+        """``lineage``: the learner session the version belongs to (``VersionGuard``); None = the installed one."""
         if version is None:
             raise ValueError("the vLLM backend installs weights with their version (stale ones are refused)")
         state = strip_module_prefix(state)
-        self.guard.check(version)
+        self.guard.check(version, lineage)
         own = self.inner.state_dict()
         unknown = sorted(state.keys() - own.keys())
         torch_missing = sorted(n for n, _ in self.inner.named_parameters()
@@ -199,9 +200,9 @@ class VLLMPolicy(VLAPolicy):
         update = engine_update(state, self.name_map, self.trainable)
         self.name_map.check(specs_of(update))
         # Engine first: it re-checks and may still refuse, and then the torch side must not have moved either.
-        self.engine.call("vla_load_tensors", int(version), update)
+        self.engine.call("vla_load_tensors", int(version), update, False, lineage)
         self.inner.load_state_dict(state, strict=False)
-        self.guard.commit(version)
+        self.guard.commit(version, lineage)
 
     # ---- interface ----------------------------------------------------------------------------------
     def prompt_embeds(self, images: ArrayLike, instructions: Sequence[str]) -> list[Tensor]:

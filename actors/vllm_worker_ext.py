@@ -45,11 +45,11 @@ class VLAWorkerExtension:
         return self._vla_guard.current
 
     def vla_load_tensors(self, version: int, named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
-                         full: bool = False) -> dict[str, Any]:
-        """Install ``named`` (our names) as ``version``. ``full``: every engine parameter must be present (the
-        first push, which replaces the dummy weights)."""
+                         full: bool = False, lineage: Optional[int] = None) -> dict[str, Any]:
+        """Install ``named`` (our names) as ``version`` (of learner session ``lineage``: ``VersionGuard``).
+        ``full``: every engine parameter must be present (the first push, which replaces the dummy weights)."""
         named = dict(named.items() if isinstance(named, Mapping) else named)
-        return self._vla_install(int(version), named, full)
+        return self._vla_install(int(version), named, full, lineage)
 
     def vla_init_weight_group(self, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0,
                               backend: str = "nccl", prefix: str = "vla/relay") -> None:
@@ -64,8 +64,10 @@ class VLAWorkerExtension:
         self._vla_group = BroadcastGroup(backend, PrefixStore(prefix, store), int(rank), int(world),
                                          float(timeout_s), 0)
 
-    def vla_update_weights(self, timeout_s: float = 60.0, full: bool = False) -> dict[str, Any]:
-        """Receive one version from the group and install it. A checksum mismatch installs nothing."""
+    def vla_update_weights(self, timeout_s: float = 60.0, full: bool = False,
+                           lineage: Optional[int] = None) -> dict[str, Any]:
+        """Receive one version from the group and install it (``lineage``: as ``vla_load_tensors``). A checksum
+        mismatch installs nothing."""
         from async_vla.weight_wire import recv_version
 
         if self._vla_group is None:
@@ -73,16 +75,17 @@ class VLAWorkerExtension:
         h, layout, tensors, ok = recv_version(self._vla_group, timeout_s)
         if not ok:
             return {"version": h["version"], "installed": False, "error": "checksum mismatch"}
-        return self._vla_install(h["version"], tensors, full)
+        return self._vla_install(h["version"], tensors, full, lineage)
 
     def vla_close_weight_group(self) -> None:
         if self._vla_group is not None:
             self._vla_group.close()
             self._vla_group = None
 
-    def _vla_install(self, version: int, named: dict[str, torch.Tensor], full: bool) -> dict[str, Any]:
+    def _vla_install(self, version: int, named: dict[str, torch.Tensor], full: bool,
+                     lineage: Optional[int] = None) -> dict[str, Any]:
         t0 = time.monotonic()
-        self._vla_guard.check(version)                                  # refused: nothing changed
+        self._vla_guard.check(version, lineage)                         # refused: nothing changed
         self._vla_map.check(specs_of(named), full=full, engine_only=True)
         items = list(self._vla_map.engine_items(named.items()))
         try:
@@ -91,7 +94,7 @@ class VLAWorkerExtension:
             raise WeightMappingError(f"vLLM model has no parameter {exc} (mapped from our names)") from None
         if self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)   # the copies are done before the next forward reads them
-        self._vla_guard.commit(version)
+        self._vla_guard.commit(version, lineage)
         return {"version": version, "installed": True, "tensors": len(items),
                 "bytes": sum(t.numel() * t.element_size() for _, t in items),
                 "loaded": len(loaded) if loaded is not None else -1, "load_s": time.monotonic() - t0}

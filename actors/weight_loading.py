@@ -10,17 +10,19 @@ from typing import Optional
 import torch
 
 
-def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = None) -> None:
+def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = None,
+                 lineage: Optional[int] = None) -> None:
     """Copy a full set of named tensors into the policy in place (between forward passes only).
 
     Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
     old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
     ``named_parameters`` lists once) may be absent. A policy that holds weights outside the module (the vLLM
-    backend) installs them itself, with their ``version``; it raises ``StaleWeights`` for an old one.
+    backend) installs them itself, with their ``version`` and ``lineage`` (the learner session the version is
+    from, counted by the actor's ``WeightSubscriber``); it raises ``StaleWeights`` for an old one.
     """
     install = getattr(policy, "install_weights", None)
     if install is not None:
-        install(state, version)
+        install(state, version, lineage)
         return
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
     own = set(policy.state_dict().keys())

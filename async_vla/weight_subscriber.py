@@ -56,6 +56,8 @@ class WeightSubscriber:
         self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
         self._delivered = -1
         self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
+        self._lineage = 0               # how many times we moved on to a new learner incarnation
+        self._handed_lineage = 0
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._group: Optional[BroadcastGroup] = None
         self._pool = BufferPool()
@@ -80,6 +82,7 @@ class WeightSubscriber:
             out, self._latest = self._latest, None
             if out is not None:
                 self._delivered = max(self._delivered, out[0])
+                self._handed_lineage = self._lineage   # (a session change clears _latest under this lock)
         reader = self._shm_reader
         if reader is not None:   # the version our caller loaded last time is let go of by now: unpin it
             reader.release_unused()
@@ -102,6 +105,14 @@ class WeightSubscriber:
     def version(self) -> int:
         """Newest version handed out by poll() / fetch_latest() (-1 = none yet)."""
         return self._delivered
+
+    @property
+    def lineage(self) -> int:
+        """Which learner session the version ``poll()`` last returned belongs to: 0 for the first one this
+        subscriber followed, +1 at every move to a new one (a resumed learner, whose versions restart lower). A
+        policy that refuses old versions (the vLLM backend's ``VersionGuard``) takes a lower version of a
+        newer lineage."""
+        return self._handed_lineage
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -176,6 +187,7 @@ class WeightSubscriber:
                     log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
                              self._delivered)
                     self._delivered, self._latest = -1, None
+                    self._lineage += 1
                 self._publisher_session = session
                 self._shm_refused, self._shm_reader = False, None
         # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.

@@ -221,6 +221,15 @@ def test_version_guard():
     with pytest.raises(StaleWeights, match="stale weights v2: v3 is installed"):
         g.commit(2)
     assert g.current == 3
+    g.commit(4, lineage=0)                       # lineage 0 is the first learner session
+    g.commit(2, lineage=1)                       # a resumed learner restarts lower: its lineage is newer
+    assert (g.current, g.lineage) == (2, 1)
+    with pytest.raises(StaleWeights, match="from learner session 0, session 1 is installed"):
+        g.commit(9, lineage=0)                   # the dead learner's stream: never again
+    with pytest.raises(StaleWeights, match="duplicate weights v2"):
+        g.check(2)                               # None = the installed lineage
+    g.commit(3)
+    assert (g.current, g.lineage) == (3, 1)
 
 
 def _relay(tmp_worker, name_map):
@@ -341,6 +350,15 @@ def test_vllm_policy_versions_on_trajectories_and_stale_refused():
     with pytest.raises(WeightMappingError, match="missing"):   # a broken update is an error, not a swap
         actor.set_weights(6, {n: t for n, t in new.items() if not n.startswith("model.projector")})
     assert actor.version == vp.version == 5
+    # The learner was resumed from an older checkpoint: the subscriber hands over its v3 as lineage 1 (its
+    # second session); the guard takes it on both sides, and the dead learner's stream is refused from then on.
+    actor.set_weights(3, old, lineage=1)
+    assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 3
+    assert all(torch.equal(p, old[n]) for n, p in policy.named_parameters())
+    actor.set_weights(6, new, lineage=0)
+    assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 3
+    actor.set_weights(4, new, lineage=1)
+    assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 4
 
 
 def test_config_checks_for_the_vllm_backend(monkeypatch):

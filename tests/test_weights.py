@@ -210,7 +210,7 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
         held = []
         for s in subs:
             version, tensors = s.poll(timeout=10)
-            assert version == 5 and checksum(tensors) == checksum(model)
+            assert version == 5 and checksum(tensors) == checksum(model) and s.lineage == 0
             assert s.poll() is None                                      # handed out once
             held.append(tensors)
         for version in (6, 7):                                           # receive buffers are pooled ...
@@ -224,12 +224,14 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
         st = pub.publish(8, model.items())
         assert st["confirmed"] == 2, st
         assert all(s.poll(timeout=10)[0] == 8 for s in subs)
+        assert all(s.lineage == 1 for s in subs)                          # a new learner session, counted
         pub.close()
         pub = WeightPublisher(cfg, tmp_path)        # resumed from an older checkpoint: its versions restart lower
         assert pub.wait_for_actors(2, 30) == 2
         assert pub.publish(6, _model(6).items())["confirmed"] == 2
         got = [s.poll(timeout=10) for s in subs]
         assert all(g is not None and g[0] == 6 and checksum(g[1]) == checksum(_model(6)) for g in got)
+        assert all(s.lineage == 2 for s in subs)     # what lets the vLLM backend's guard take the lower version
     finally:
         t0 = time.monotonic()
         for s in subs:
