@@ -362,8 +362,11 @@ class BucketPacker:
             return native.copy_sum_raw(d, s, nbytes)
         half = nbytes // 2 // ALIGN * ALIGN      # a multiple of 8: both halves' word sums add up to the whole
         far = self._helper.submit(native.copy_sum_raw, d + half, s + half, nbytes - half)
-        near = native.copy_sum_raw(d, s, half)
-        return (near + far.result()) & _U64
+        try:
+            near = native.copy_sum_raw(d, s, half)
+        finally:   # never return (or raise) while the helper still reads src / writes dst
+            rest = far.result()
+        return (near + rest) & _U64
 
     def checksum(self) -> float:
         """``checksum`` of everything packed (by name), from the helper thread's sums when there is one."""

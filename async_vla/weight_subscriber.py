@@ -272,7 +272,7 @@ class WeightSubscriber:
     def _receive(self, g: BroadcastGroup) -> None:
         t0 = time.monotonic()
 
-        def hand_over(h: dict, tensors: dict, ok: bool) -> None:   # before the acknowledgement (split: after the verdict)
+        def hand_over(h: dict, tensors: dict, ok: bool) -> None:   # runs before the acknowledgement
             if not ok:
                 self.stats["checksum_errors"] += 1
                 log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, h["version"])

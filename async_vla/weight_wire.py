@@ -190,8 +190,9 @@ def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Seque
     Split verification: through shared memory every receiver maps the same pages, so checking all of them in
     every receiver repeats one check k times. With ``sums`` (name -> (tensor_sum, numel) of what was packed) and
     at least two receivers, receiver r checks only share r of ``verify_shares`` and acknowledges with that
-    share's checksum; the publisher compares each with its own and broadcasts one verdict, and receivers hand
-    the version over only on a verdict that every share matched (so all or none confirm)."""
+    share's checksum; the publisher compares each with its own and broadcasts one verdict, receivers hand
+    the version over only on a verdict that every share matched (so all or none confirm), and acknowledge as
+    usual after that."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
     offsets = list(shm[1]) if shm else []
     inline = offsets[:INLINE_OFFSETS]
@@ -217,7 +218,9 @@ def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Seque
     acks = g.recv_acks_each(left)
     verdict = all(int(a[0]) == 1 and int(a[1]) == want for a, want in zip(acks, expected))
     g.bcast(torch.tensor([int(verdict)], dtype=torch.int64, device=g.device), left())
-    return split if verdict else 0
+    # Then the usual acknowledgements, sent once each receiver has taken the version (or refused it) and let go
+    # of what it no longer holds: returning earlier, the next publish could find a segment still pinned.
+    return int(g.recv_acks(left)[1])
 
 
 def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True,
@@ -228,8 +231,8 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
     segment. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the subscriber hands the version
     over and unpins what nobody holds any more there, so the publisher may rewrite it next). The acknowledgement
     is sent whether or not the checksum matched. With split verification (header ``split`` > 0, set by the
-    publisher whatever this side's ``verify``) the share's acknowledgement goes first, ``ok`` is the publisher's
-    verdict on all shares, and ``before_ack`` runs after it, as the last step."""
+    publisher whatever this side's ``verify``) the share's acknowledgement and the publisher's verdict on all
+    shares (``ok``) come before them."""
     header = torch.zeros(len(HEADER_KEYS) + INLINE_OFFSETS, dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
@@ -277,6 +280,5 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
         g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version
     if before_ack is not None:
         before_ack(h, tensors, ok)
-    if not h["split"]:
-        g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
+    g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
     return h, layout, tensors, ok

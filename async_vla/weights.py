@@ -44,6 +44,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from async_vla.weight_buckets import BucketPacker, BufferPool, Layout
 from async_vla.weight_export import Exporter
 from async_vla.weight_shm import ShmPublisher
+from async_vla import native
 from async_vla.weight_wire import BroadcastGroup, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,10 @@ class WeightPublisher:
         self.session = uuid.uuid4().hex
         self._store.set("w/session", self.session)
         self._pool = BufferPool()
-        self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-checksum")   # sums while packing
+        # Helper thread: half of each large copy (native kernel) or the sums while packing (torch fallback).
+        self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")
+        if self.device.type == "cpu":
+            log.info("weights: packing with %s", native.status())
         self._shm: Optional[ShmPublisher] = None
         if self.cfg.shm and self.backend == "gloo":
             try:

@@ -351,7 +351,8 @@ class WeightsConfig(Section):
     """Through shared memory (one host) every receiver maps the same pages, so with 2+ receivers each checks
     one share of the tensors and the learner's verdict on all shares decides for everyone (all or none take
     the version): one pass over the bytes per version instead of one per receiver. False: every receiver
-    checks everything itself (as over the wire, where each has its own copy)."""
+    checks everything itself (as over the wire, where each has its own copy). The learner's setting decides
+    (and its `verify`): a receiver then checks its share and follows the verdict whatever its own settings."""
     verify_ranks: bool = False
     """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
     with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 LIBRARY = Path(__file__).with_name("libavla_copysum.so")
+SOURCE = Path(__file__).with_name("copysum.c")
 ABI_VERSION = 1      # copysum.c's AVLA_ABI_VERSION: a stale build from older source is not used
 _U64 = (1 << 64) - 1
 
@@ -25,11 +26,13 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
     """(library, "") or (None, why not). Cached: loading is attempted once per process."""
     if not LIBRARY.exists():
         return None, f"{LIBRARY.name} not built (run bin/build-native; needs a C compiler)"
+    if SOURCE.exists() and SOURCE.stat().st_mtime > LIBRARY.stat().st_mtime:
+        return None, f"{LIBRARY.name} is older than {SOURCE.name} (run bin/build-native)"
     try:
         lib = ctypes.CDLL(str(LIBRARY))
-    except OSError as exc:
+        lib.avla_abi_version.restype = ctypes.c_int
+    except (OSError, AttributeError) as exc:
         return None, f"{LIBRARY.name} failed to load: {exc}"
-    lib.avla_abi_version.restype = ctypes.c_int
     if lib.avla_abi_version() != ABI_VERSION:
         return None, f"{LIBRARY.name} is from an older copysum.c (run bin/build-native)"
     lib.avla_copy_sum.restype = ctypes.c_uint64
