@@ -121,7 +121,7 @@ def run(quick: bool = False) -> dict:
     from async_vla.weights import WeightPublisher
 
     sizes = [10_000_000] if quick else [10_000_000, 100_000_000]
-    repeats = {10_000_000: 3 if quick else 7, 100_000_000: 5}
+    repeats = {10_000_000: 3 if quick else 7, 100_000_000: 7}
     torch.set_num_threads(1)
     # The yardstick is libc memcpy (np.copyto, 256 MiB: the transport bench's): ~1.7x what Tensor.copy_ reaches
     # on this machine at that size (non-temporal stores), so a figure against copy_ would flatter us.
