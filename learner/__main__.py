@@ -235,7 +235,8 @@ def publish_weights(learner: Any, publisher: Any, verify_ranks: bool = False) ->
     """
     import torch
 
-    items = learner.full_state_items()
+    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather.
+    items = learner.full_state_items(copy=False)
     stats: dict = {}
     t0 = time.perf_counter()
     try:

@@ -290,9 +290,12 @@ class Learner(abc.ABC):
         return t
 
     @abc.abstractmethod
-    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Full (unpartitioned) parameters as (name, tensor clone); names as in the policy module.
-        Every rank must call and exhaust it; only rank 0 receives items unless ``all_ranks``."""
+        Every rank must call and exhaust it; only rank 0 receives items unless ``all_ranks``. ``copy=False``:
+        the parameters themselves, valid only until the next item is asked for (ZeRO-3 releases a module's
+        gathered weights when the consumer moves on) and until the next step - for a consumer that copies each
+        at once (the weight publisher packs it: one copy of the weights per publish instead of two)."""
 
     @abc.abstractmethod
     def save_checkpoint(self, directory: str | Path, extra: Optional[dict] = None) -> Path: ...
@@ -379,9 +382,9 @@ class TorchLearner(Learner):
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
         for name, p in self.policy.named_parameters():
-            yield name, p.detach().clone()
+            yield name, p.detach().clone() if copy else p.detach()
 
     def optimizer_digest(self) -> str:
         return tensors_digest(optimizer_tensors(self.optimizer))

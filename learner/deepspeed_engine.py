@@ -305,7 +305,7 @@ class DeepSpeedLearner(Learner):
             groups[-1].append((name, p))
         return groups
 
-    def full_state_items(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
         want = all_ranks or self.rank == 0
         for group in self._module_groups():
             ctx = (self._zero_gather([p for _, p in group], modifier_rank=None) if self.stage == 3
@@ -315,8 +315,12 @@ class DeepSpeedLearner(Learner):
                 if want:
                     for name, p in group:
                         shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-                        items.append((name[len(MODULE_PREFIX):], p.data.reshape(shape).detach().clone()))
-            yield from items  # outside the gather: a slow consumer never holds shards gathered
+                        full = p.data.reshape(shape).detach()
+                        if copy:
+                            items.append((name[len(MODULE_PREFIX):], full.clone()))
+                        else:   # the consumer copies it while the module is gathered (the gather's memory only)
+                            yield name[len(MODULE_PREFIX):], full
+            yield from items  # cloned: outside the gather, so a slow consumer never holds shards gathered
 
     def local_optimizer_tensors(self) -> list[tuple[str, Tensor]]:
         """This rank's optimizer tensors: its fp32 master partition(s) and the AdamW state of them."""
