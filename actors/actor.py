@@ -80,14 +80,15 @@ class SerialActor:
     ``run_one_group(grant)`` rolls out every group of an ``AdmissionGrant`` (or one group id) and returns
     its trajectories; ``iter_group(group_id)`` streams them. New weights come in through
     ``set_weights`` (serial mode) or the ``weights_source`` callback, polled at the swap points of
-    ``cfg.actor.swap``.
+    ``cfg.actor.swap``; it returns None or (version, state[, lineage]).
     """
 
     def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *, version: int = 0,
-                 weights_source: Optional[Callable[[], Optional[tuple[int, dict]]]] = None,
+                 weights_source: Optional[Callable[[], Optional[tuple]]] = None,
                  tick: Optional[Callable[[], None]] = None, should_stop: Optional[Callable[[], bool]] = None):
         self.cfg, self.actor_id, self.policy, self.envs = cfg, int(actor_id), policy, list(envs)
         self.version = int(version)
+        self.lineage: Optional[int] = None   # learner session of the installed weights (WeightSubscriber.lineage)
         self.weights_source = weights_source
         self.totals = RolloutStats()
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
@@ -108,6 +109,8 @@ class SerialActor:
         if state is not None:
             try:
                 load_weights(self.policy, state, int(version), lineage)
+                if lineage is not None:
+                    self.lineage = int(lineage)
             except StaleWeights as exc:   # the vLLM backend refuses old versions; keep what is installed
                 log.warning("actor %d: %s; keeping v%d", self.actor_id, exc, self.version)
                 return
@@ -121,7 +124,10 @@ class SerialActor:
         if self.weights_source is None:
             return
         new = self.weights_source()
-        if new is not None and int(new[0]) != self.version:
+        if new is None:
+            return
+        lineage = new[2] if len(new) > 2 else None   # a resumed learner may reuse our version number
+        if int(new[0]) != self.version or lineage is not None and lineage != self.lineage:
             self.set_weights(*new)
 
     # ---- group specs --------------------------------------------------------------------------------
@@ -277,7 +283,7 @@ class Actor:
             self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
             latest = self._subscriber.fetch_latest()
             if latest is not None:
-                load_weights(policy, latest[1], int(latest[0]))
+                load_weights(policy, latest[1], int(latest[0]), self._subscriber.lineage)
                 version = int(latest[0])
         policy.eval()
         n_envs = min(self.cfg.env.envs_per_actor, self.cfg.actor.group_size)
@@ -287,6 +293,7 @@ class Actor:
             envs = list(pool.map(lambda seed: self.env_factory(self.cfg, seed), seeds))
         self.core = SerialActor(self.cfg, self.actor_id, policy, envs, version=version,
                                 weights_source=self._poll_weights, tick=self.tick, should_stop=self.stopping)
+        self.core.lineage = self._subscriber.lineage if self._subscriber is not None else None
         log.info("actor %d ready: version %d, %d envs, tasks %s, swap %s", self.actor_id, version, n_envs,
                  self.core.task_ids, self.cfg.actor.swap)
 
@@ -312,8 +319,9 @@ class Actor:
     def _version(self) -> int:
         return self.core.version if self.core is not None else 0
 
-    def _poll_weights(self) -> Optional[tuple[int, dict]]:
-        """Newest weights: the learner's broadcast first, else an exported directory named by a grant."""
+    def _poll_weights(self) -> Optional[tuple]:
+        """Newest weights, (version, state[, lineage]): the learner's broadcast first, else an exported directory
+        named by a grant, else a catch-up from the exports."""
         if self._subscriber is not None:
             new = self._subscriber.poll()
             if new is not None:
@@ -352,7 +360,7 @@ class Actor:
         self.fetched_exports += 1
         log.info("actor %d: caught up from the exported weights: v%d -> v%d (learner at v%d)", self.actor_id,
                  self._version(), int(got[0]), self.learner_version)
-        return int(got[0]), got[1]
+        return int(got[0]), got[1], self._subscriber.lineage
 
     # ---- control channel ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:

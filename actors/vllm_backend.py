@@ -145,10 +145,11 @@ def openvla_prompt_embeds(policy: Any, images: ArrayLike, instructions: Sequence
 class VLLMPolicy(VLAPolicy):
     """``VLAPolicy`` whose sampling runs in a vLLM engine; everything else delegates to the torch policy ``inner``.
 
-    ``install_weights(state, version)`` is what the actor's ``load_weights`` calls for this backend: it checks
+    ``install_weights(state, version, lineage)`` is what the actor's ``load_weights`` calls for this backend: it checks
     names, shapes and the version before changing anything, pushes the trainable language-model tensors into
     the engine, then loads the whole state into the torch copy (vision side, and the reference LM that
-    ``action_logits`` / ``token_logprobs`` use). A stale or duplicate version raises ``StaleWeights``.
+    ``action_logits`` / ``token_logprobs`` use). A stale or duplicate version of the installed learner session,
+    or any version of an older one, raises ``StaleWeights``.
     """
 
     def __init__(self, inner: VLAPolicy, engine_factory: Callable[["VLLMPolicy"], Engine]):

@@ -47,14 +47,17 @@ def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Opt
 
 
 def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
-                   keep: int = 2) -> Path:
+                   keep: int = 2, session: str = "") -> Path:
     """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
-    older exports down to ``keep``. A reader never sees a partial file under either name."""
+    older exports down to ``keep``. A reader never sees a partial file under either name. ``session``: the
+    publishing learner's session id (metadata; a resumed learner's versions restart lower, so a version number
+    alone cannot tell its exports from the dead learner's)."""
     d = Path(weights_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"v{version}.safetensors"
     tmp = d / f".v{version}.safetensors.tmp{os.getpid()}"
-    write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt"})
+    write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt",
+                                   "session": session})
     os.replace(tmp, final)
     ptr = d / f".latest.tmp{os.getpid()}"
     ptr.write_text(final.name + "\n")
@@ -70,8 +73,8 @@ class Exporter:
     """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
     to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns."""
 
-    def __init__(self, weights_dir: Union[str, Path], keep: int):
-        self.weights_dir, self.keep = Path(weights_dir), keep
+    def __init__(self, weights_dir: Union[str, Path], keep: int, session: str = ""):
+        self.weights_dir, self.keep, self.session = Path(weights_dir), keep, session
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -84,7 +87,8 @@ class Exporter:
         def work():
             try:
                 named = unpack(layout, [b.cpu() for b in buckets])
-                export_weights(self.weights_dir, version, named, checksum(named) if csum is None else csum, self.keep)
+                export_weights(self.weights_dir, version, named, checksum(named) if csum is None else csum, self.keep,
+                               self.session)
             except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
                 self._error = exc
                 log.error("weights: export of v%d failed: %s", version, exc)
@@ -105,12 +109,15 @@ class Exporter:
         return error
 
 
-def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1
+def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1,
+                session: str = "", meta_out: Optional[dict] = None
                 ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
     """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
-    None when there is none, or when its version is ``<= newer_than`` (decided from the safetensors header
-    alone, so polling for a newer export costs a few hundred bytes, not a model's worth of reads).
-    Retries when the file is pruned between reading the pointer and opening it."""
+    None when there is none, when its version is ``<= newer_than``, or - with ``session`` - when another learner
+    session wrote it (decided from the safetensors header alone, so polling for a newer export costs a few
+    hundred bytes, not a model's worth of reads; exports without a session count as any). ``meta_out``, if
+    given, receives the returned export's metadata. Retries when the file is pruned between reading the pointer
+    and opening it."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -132,10 +139,12 @@ def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] 
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
             version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
-            if version <= newer_than:
+            if version <= newer_than or session and meta.get("session") and meta["session"] != session:
                 return None
             tensors = load_file(str(path), device=str(device))
         except FileNotFoundError:
             continue
+        if meta_out is not None:
+            meta_out.update(meta)
         return version, tensors, float(meta.get("checksum", "nan"))
     return None

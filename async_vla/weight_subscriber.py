@@ -58,6 +58,7 @@ class WeightSubscriber:
         self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
         self._lineage = 0               # how many times we moved on to a new learner incarnation
         self._handed_lineage = 0
+        self._export_session = ""       # session of the export fetch_latest handed out last ("": none/unknown)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._group: Optional[BroadcastGroup] = None
         self._pool = BufferPool()
@@ -90,15 +91,25 @@ class WeightSubscriber:
 
     def fetch_latest(self, newer_than: int = -1) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
         """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts);
-        None if there are none newer than ``newer_than`` (checked before any tensor is read)."""
-        got = read_latest(self.weights_dir, newer_than=newer_than)
+        None if there are none newer than ``newer_than`` (checked before any tensor is read). Once connected,
+        only exports of the learner session we follow count (a dead learner's ``latest`` can outlive it), and a
+        ``newer_than`` from an older session (``lineage``) is ignored: version numbers restart on a resume."""
+        with self._lock:
+            live, lineage = self._publisher_session, self._lineage
+            if live and self._handed_lineage < lineage:
+                newer_than = -1
+        meta: dict = {}
+        got = read_latest(self.weights_dir, newer_than=newer_than, session=live, meta_out=meta)
         if got is None:
             return None
         version, tensors, _ = got
         with self._lock:
+            if self._lineage != lineage:     # we moved on to another learner session while reading
+                return None
             self._delivered = max(self._delivered, version)
             if self._latest is not None and self._latest[0] <= version:
                 self._latest = None
+            self._handed_lineage, self._export_session = lineage, meta.get("session", "")
         return version, tensors
 
     @property
@@ -183,7 +194,10 @@ class WeightSubscriber:
             # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
             # of the old lineage not yet handed out.
             with self._lock:
-                if self._publisher_session:
+                # (also at the first connection, when what we handed out is a dead learner's export)
+                moved = bool(self._publisher_session) or (self._delivered >= 0 and bool(self._export_session)
+                                                          and self._export_session != session)
+                if moved:
                     log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
                              self._delivered)
                     self._delivered, self._latest = -1, None

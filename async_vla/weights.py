@@ -106,7 +106,7 @@ class WeightPublisher:
         self._known = 0
         self._epoch = 0
         self._group: Optional[BroadcastGroup] = None
-        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep)
+        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session)
         self._last_pack_s = 0.0
         self.last: dict[str, Any] = {}
 
