@@ -235,7 +235,8 @@ def publish_weights(learner: Any, publisher: Any, verify_ranks: bool = False) ->
     """
     import torch
 
-    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather.
+    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather (so never
+    # publish(..., zero_copy=True) here: that would keep references to parameters the gather releases).
     items = learner.full_state_items(copy=False)
     stats: dict = {}
     t0 = time.perf_counter()
