@@ -11,6 +11,7 @@ import torch
 from actors.actor import SerialActor
 from actors.vllm_weights import VersionGuard
 from async_vla.config import Config
+from tests.weight_helpers import weights_cfg
 from async_vla.weight_buckets import checksum
 from async_vla.weight_export import export_weights, read_latest
 from async_vla.weights import WeightPublisher, WeightSubscriber
@@ -19,11 +20,7 @@ FAST = {"timeout_s": 5.0, "join_timeout_s": 1.0, "heartbeat_s": 0.2, "bucket_mb"
 
 
 def _cfg(**weights) -> Config:
-    cfg = Config()
-    cfg.transport.weights_port = 0
-    for k, v in {**FAST, **weights}.items():
-        setattr(cfg.weights, k, v)
-    return cfg
+    return weights_cfg(FAST, **weights)
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:

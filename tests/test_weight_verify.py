@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from async_vla.config import Config
+from tests.weight_helpers import weights_cfg
 from async_vla.weight_buckets import (
     BucketPacker, checksum, fold, plan, share_checksum, spec_of, tensor_sum, verify_shares,
 )
@@ -63,11 +64,7 @@ def test_a_receivers_share_value_equals_the_publishers_from_its_packing_sums():
 
 # ------------------------------------------------------------------------------ with actor processes
 def _cfg(**weights) -> Config:
-    cfg = Config()
-    cfg.transport.weights_port = 0
-    for k, v in {**FAST, **weights}.items():
-        setattr(cfg.weights, k, v)
-    return cfg
+    return weights_cfg(FAST, **weights)
 
 
 def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bool) -> None:

@@ -13,19 +13,13 @@ import pytest
 import torch
 
 from async_vla.config import Config
+from tests.weight_helpers import FAST, weights_cfg
 from async_vla.weight_buckets import BufferPool, Layout, checksum, pack, plan, spec_of, unpack
 from async_vla.weight_export import export_weights, read_latest, write_safetensors
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
-FAST = {"timeout_s": 5.0, "join_timeout_s": 1.0, "heartbeat_s": 0.2, "bucket_mb": 0.25}
-
-
 def _cfg(**weights) -> Config:
-    cfg = Config()
-    cfg.transport.weights_port = 0
-    for k, v in {**FAST, **weights}.items():
-        setattr(cfg.weights, k, v)
-    return cfg
+    return weights_cfg(FAST, **weights)
 
 
 def _model(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
