@@ -4,8 +4,8 @@ manifest digest, sequence, shared-memory generation or -1, verification shares, 
 offsets), the manifest when the layout changed, the buckets (or, on one host, only their offsets in a
 shared-memory segment: ``async_vla.weight_shm``), then one (received, checksum ok) acknowledgement per receiver
 sent point-to-point to rank 0 - or, with split verification on shared memory, (received, share checksum) and
-then the publisher's verdict broadcast to all. Layout, packing and checksums are ``async_vla.weight_buckets``; membership and epochs are
-``async_vla.weights``.
+then the publisher's verdict broadcast to all. Layout, packing and checksums are
+``async_vla.weight_buckets``; membership and epochs are ``async_vla.weights``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,9 @@ class BroadcastGroup:
 
     def recv_acks(self, timeout_s_left) -> torch.Tensor:
         """Sum of the (received, checksum ok) pairs of every member; ``timeout_s_left()`` per wait."""
-        return torch.stack(self.recv_acks_each(timeout_s_left)).sum(0) if self.members else torch.zeros(2, dtype=torch.int64)
+        if not self.members:
+            return torch.zeros(2, dtype=torch.int64)
+        return torch.stack(self.recv_acks_each(timeout_s_left)).sum(0)
 
     def recv_acks_each(self, timeout_s_left) -> list[torch.Tensor]:
         """Every member's int64[2] acknowledgement, by rank (1, 2, ...); ``timeout_s_left()`` per wait."""
