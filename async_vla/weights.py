@@ -209,9 +209,9 @@ class WeightPublisher:
         group), confirmed (receivers whose checksum matched), transport (shm, gloo or nccl), epoch, formed,
         failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
         before packing), verify_shares (receivers each checked one of this many shares: split verification on
-        shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made so far because a receiver still held views
-        of them: should stay near 0). ``zero_copy`` lets tensors above the bucket cap be sent
-        without a copy over the wire (they must stay unchanged until this returns; export then runs
+        shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made
+        so far because a receiver still held views of them: should stay near 0). ``zero_copy`` lets tensors
+        above the bucket cap be sent without a copy over the wire (they must stay unchanged until this returns; export then runs
         synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
