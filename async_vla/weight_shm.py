@@ -47,7 +47,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -273,26 +273,32 @@ class ShmPublisher:
                 raise
         raise AssertionError("unreachable")
 
-    def arena(self) -> "ShmPublisher":
+    def arena(self, settle: Optional[Callable[[], None]] = None) -> "ShmPublisher":
         """Flip to the other slot and reset its arena; pack into the returned allocator (``get``). When a reader
-        still pins the slot's segment, the slot gets a fresh one of the same size (or none: pack into the pool,
-        ``place`` tries again) and the old one is left to its readers."""
+        still pins the slot's segment, ``settle()`` may wait for readers that are about to let go; if it is still
+        pinned then, the slot gets a fresh one of the same size (or none: pack into the pool, ``place`` tries
+        again) and the old one is left to its readers."""
         self._turn ^= 1
         self._requested = 0
         self._placed = None
         a = self._arenas[self._turn]
-        if a is not None and not a.reset():
-            self.remade_pinned += 1
-            log.info("weights: a receiver still holds shared-memory generation %d; packing into a new one",
-                     self._gens[self._turn])
-            self._arenas[self._turn] = None
-            try:
-                self._arenas[self._turn] = ShmArena(f"{self.prefix}_{self._next_gen}", a.nbytes, self._fallback)
-                self._gens[self._turn] = self._next_gen
-                self._next_gen += 1
-            except OSError as exc:
-                log.warning("weights: no fresh shared-memory segment (%s); packing into memory", exc)
-            a.close()
+        if a is None or a.reset():
+            return self
+        if settle is not None:
+            settle()
+            if a.reset():
+                return self
+        self.remade_pinned += 1
+        log.info("weights: a receiver still holds shared-memory generation %d; packing into a new one",
+                 self._gens[self._turn])
+        self._arenas[self._turn] = None
+        try:
+            self._arenas[self._turn] = ShmArena(f"{self.prefix}_{self._next_gen}", a.nbytes, self._fallback)
+            self._gens[self._turn] = self._next_gen
+            self._next_gen += 1
+        except OSError as exc:
+            log.warning("weights: no fresh shared-memory segment (%s); packing into memory", exc)
+        a.close()
         return self
 
     def undo(self) -> None:

@@ -244,6 +244,8 @@ class WeightSubscriber:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
                     self._group.dropped = lambda e=epoch: self._dropped(store, e)
+                    # Split verification ends with this count instead of an acknowledgement (weight_wire).
+                    self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
                     prefix = str(msg.get("shm") or "")
                     if prefix and valid_path(prefix, self.cfg.shm_dir):
                         if self._shm_reader is None or self._shm_reader.prefix != prefix:

@@ -49,6 +49,8 @@ from async_vla.weight_wire import BroadcastGroup, resolve_backend, send_version,
 
 log = logging.getLogger(__name__)
 
+SETTLE_S = 1.0          # longest a publish waits for receivers to let go of what the last one replaced
+SETTLE_POLL_S = 0.0005
 
 
 @dataclass
@@ -108,6 +110,7 @@ class WeightPublisher:
         self._group: Optional[BroadcastGroup] = None
         self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session)
         self._last_pack_s = 0.0
+        self._layout: Optional[Layout] = None     # the last version's (reused while the tensors stay the same)
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ membership
@@ -206,27 +209,29 @@ class WeightPublisher:
         """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors.
 
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
-        group), confirmed (receivers whose checksum matched), transport (shm, gloo or nccl), epoch, formed,
+        group), confirmed (receivers whose checksum matched; with split verification all or none, by the
+        verdict, and publish returns right after it: receivers hand over a moment later), transport (shm, gloo or nccl), epoch, formed,
         failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
         before packing), verify_shares (receivers each checked one of this many shares: split verification on
         shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made
         so far because a receiver still held views of them: should stay near 0). ``zero_copy`` lets tensors
-        above the bucket cap be sent without a copy over the wire (they must stay unchanged until this returns; export then runs
-        synchronously); with shared memory on, everything is packed into the segment instead.
+        above the bucket cap be sent without a copy over the wire (they must stay unchanged until this returns;
+        export then runs synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
         shm = self._shm is not None and self.cfg.shm
         early = self._announce_early(version)
         try:
-            into = self._shm.arena() if shm else self._pool
+            into = self._shm.arena(self._settle) if shm else self._pool
             zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
             packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
-                                  sums=summing)
+                                  sums=summing, previous=self._layout)
             for name, t in named_tensors:
                 packer.add(name, t)
             layout, buckets = packer.finish()
+            self._layout = layout
             # One version exporting, one packing; none once both shared-memory segments take the packing.
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
             csum = packer.checksum() if summing else None
@@ -280,6 +285,27 @@ class WeightPublisher:
             if error is not None:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
+
+    def _settle(self) -> None:
+        """A shared-memory slot is still pinned: wait (at most ``SETTLE_S``) until every member of the group has
+        counted itself released for each split-verified version (``weight_wire.send_version`` returns after the
+        verdict, before receivers hand the version over and let go of the one it replaces). Normally the counts
+        are in long before the next publish; back to back, this keeps a slot from being re-made needlessly. Past
+        the wait a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
+        g = self._group
+        if g is None or not g.released_owed:
+            return
+        key, end = f"w/e{g.epoch}/released", time.monotonic() + min(SETTLE_S, self.timeout_s)
+        try:
+            while (have := self._store.add(key, 0)) < g.released_owed:
+                if time.monotonic() >= end:
+                    log.info("weights: %d of %d releases in epoch %d after %.1f s; going on", have,
+                             g.released_owed, g.epoch, SETTLE_S)
+                    g.released_owed = have     # owed by a member that is gone: do not wait for it again
+                    return
+                time.sleep(SETTLE_POLL_S)
+        except (RuntimeError, ValueError) as exc:   # the store went away: the broadcast reports it
+            log.debug("weights: settling epoch %d failed: %s", g.epoch, exc)
 
     def _announce_early(self, version: int) -> bool:
         """Announce ``version`` before packing it when the gloo group stands as the live set is: its members wake

@@ -67,7 +67,7 @@ def _cfg(**weights) -> Config:
     return weights_cfg(FAST, **weights)
 
 
-def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bool) -> None:
+def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bool, release_s: float) -> None:
     torch.set_num_threads(1)
     from async_vla.weights import WeightSubscriber
 
@@ -75,7 +75,7 @@ def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bo
         from async_vla.weight_shm import ShmReader
 
         release = ShmReader.release_unused
-        ShmReader.release_unused = lambda self: (time.sleep(0.05), release(self))[1]
+        ShmReader.release_unused = lambda self: (time.sleep(release_s), release(self))[1]
     sub = WeightSubscriber(_cfg(**overrides), actor_id, run_dir, "127.0.0.1", port)
     q.put(("ready", actor_id, 0))
     parent, errors = os.getppid(), 0
@@ -92,12 +92,12 @@ def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bo
 
 
 class _World:
-    def __init__(self, run_dir, polls=True, **overrides):
+    def __init__(self, run_dir, polls=True, release_s=0.05, **overrides):
         self.pub = WeightPublisher(_cfg(**overrides), run_dir)
         ctx = mp.get_context("spawn")
         self.q = ctx.Queue()
         self.log: list[tuple] = []
-        self.procs = [ctx.Process(target=_actor, args=(str(run_dir), self.pub.port, a, overrides, self.q, polls),
+        self.procs = [ctx.Process(target=_actor, args=(str(run_dir), self.pub.port, a, overrides, self.q, polls, release_s),
                                   daemon=True) for a in (1, 2)]
         for p in self.procs:
             p.start()
@@ -127,8 +127,8 @@ class _World:
 def world(tmp_path):
     made = []
 
-    def make(polls=True, **overrides):
-        made.append(_World(tmp_path, polls, **overrides))
+    def make(polls=True, release_s=0.05, **overrides):
+        made.append(_World(tmp_path, polls, release_s, **overrides))
         return made[-1]
 
     yield make
@@ -174,10 +174,11 @@ def test_a_bad_share_fails_the_version_for_every_receiver_and_the_next_one_arriv
 
 
 @pytest.mark.slow
-def test_publish_returns_after_receivers_let_go_so_back_to_back_publishes_reuse_both_segments(world):
+def test_back_to_back_publishes_reuse_both_segments_once_receivers_let_go(world):
     # Receivers that take nothing (their actor is mid-chunk) still swap the newest version in and unpin the one
-    # it replaces before acknowledging: the next publish finds its slot free. (When the verdict was the last
-    # message, publish returned before that and back-to-back publishes re-made pinned segments.)
+    # it replaces, then count themselves released; the next publish waits for those counts before it resets a
+    # slot still pinned, so it finds the slot free. (Without that wait back-to-back publishes re-made pinned
+    # segments.)
     w = world(polls=False, shm=True, bucket_mb=1.0, export=False)
     g = torch.Generator().manual_seed(0)
     model = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(24)}     # 24 MiB
@@ -185,3 +186,44 @@ def test_publish_returns_after_receivers_let_go_so_back_to_back_publishes_reuse_
         st = w.pub.publish(version, model.items())
         assert st["confirmed"] == 2 and st["verify_shares"] == 2 and st["transport"] == "shm", st
     assert st["shm_remade"] == 0, st
+
+
+@pytest.mark.slow
+def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(world):
+    # Letting go takes receivers 0.4 s here: publish does not wait for it (an acknowledgement after the hand-over
+    # held the learner until busy receivers got a core), the next publish does - only before it resets the slot
+    # they still pin - and no segment is re-made.
+    from async_vla.weight_wire import BroadcastGroup
+
+    w = world(polls=False, release_s=0.4, shm=True, export=False)
+    model = _model(30)
+    st = w.pub.publish(1, model.items())
+    assert st["confirmed"] == 2 and st["verify_shares"] == 2, st
+    g = w.pub._group
+    assert isinstance(g, BroadcastGroup) and g.released_owed == 2
+    assert w.pub._store.add(f"w/e{g.epoch}/released", 0) < 2    # both still letting go
+    for version in (2, 3):
+        st = w.pub.publish(version, _model(30 + version).items())
+        assert st["confirmed"] == 2 and st["failures"] == 0, st
+    assert w.pub._store.add(f"w/e{g.epoch}/released", 0) >= 4 and st["shm_remade"] == 0, st
+
+
+def test_settling_gives_up_after_its_limit_and_forgives_a_member_that_never_counts(tmp_path, monkeypatch):
+    import types
+
+    from async_vla import weights
+
+    pub = WeightPublisher(_cfg(), tmp_path)
+    try:
+        monkeypatch.setattr(weights, "SETTLE_S", 0.2)
+        pub._group = types.SimpleNamespace(epoch=7, released_owed=3)
+        pub._store.add("w/e7/released", 1)
+        t0 = time.monotonic()
+        pub._settle()
+        assert 0.2 <= time.monotonic() - t0 < 5 and pub._group.released_owed == 1
+        t0 = time.monotonic()
+        pub._settle()                       # owed no more than counted: no wait at all
+        assert time.monotonic() - t0 < 0.15
+    finally:
+        pub._group = None
+        pub.close()

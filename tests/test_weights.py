@@ -107,6 +107,30 @@ def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a
         assert small.checksum() == checksum(model)
 
 
+def test_the_same_tensors_reuse_the_previous_layout_and_any_change_makes_a_new_one():
+    from async_vla.weight_buckets import BucketPacker, verify_shares
+
+    def packed(model, previous=None):
+        packer = BucketPacker(64 * 1024, previous=previous)
+        for name, t in model.items():
+            packer.add(name, t)
+        layout, buckets = packer.finish()
+        assert checksum(unpack(layout, buckets)) == checksum(model)
+        return layout
+
+    first = packed(_model(1))
+    shares = verify_shares(first, 2)
+    again = packed(_model(2), previous=first)           # new values, same names / dtypes / shapes
+    assert again is first and verify_shares(again, 2) == shares
+    renamed = dict(_model(2))
+    renamed["steps2"] = renamed.pop("steps")
+    reshaped = {**_model(2), "temperature": torch.tensor([1.5])}
+    for changed in (renamed, reshaped):
+        fresh = packed(changed, previous=first)
+        assert fresh is not first and fresh == plan([spec_of(n, t) for n, t in changed.items()], 64 * 1024)
+    assert packed(_model(2), previous=plan(first.specs, 1024)) is not first     # another cap
+
+
 def test_manifest_validation_rejects_malformed():
     good = plan([spec_of("a", torch.zeros(3))], 1024).manifest_bytes()
     doc = json.loads(good)
