@@ -26,7 +26,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from async_vla.weight_buckets import BufferPool, views_tracked
 from async_vla.weight_export import read_latest
 from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
-from async_vla.weight_wire import BroadcastGroup, port_open, recv_version, td
+from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class WeightSubscriber:
         self._shm_refused = False      # a segment of this learner session could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
-                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0}
+                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0}
         self._thread = threading.Thread(target=self._run, name=f"weights-sub-{actor_id}", daemon=True)
         self._beat = threading.Thread(target=self._heartbeat, name=f"weights-hb-{actor_id}", daemon=True)
         self._thread.start()
@@ -189,6 +189,17 @@ class WeightSubscriber:
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         session = store.get("w/session").decode()
+        wire = store.get("w/wire").decode() if store.check(["w/wire"]) else "1"
+        if wire != str(WIRE_VERSION):
+            # A learner from another release: its stream would fail mid-version (or worse, parse). Stay out, say
+            # so once, and keep asking (the learner may be restarted with a matching release).
+            self.stats["wire_mismatch"] += 1
+            if self.stats["wire_mismatch"] == 1:
+                log.error("weights: the learner at %s:%d speaks weight wire v%s, actor %d speaks v%d: not joining "
+                          "its broadcasts (run the same async_vla release on both sides; until then this actor "
+                          "only loads exports from %s)", self.host, port, wire, self.actor_id, WIRE_VERSION,
+                          self.weights_dir)
+            return
         if session != self._publisher_session:
             # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
             # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything

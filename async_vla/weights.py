@@ -45,7 +45,7 @@ from async_vla.weight_buckets import BucketPacker, BufferPool, Layout
 from async_vla.weight_export import Exporter
 from async_vla.weight_shm import ShmPublisher
 from async_vla import native
-from async_vla.weight_wire import BroadcastGroup, resolve_backend, send_version, td
+from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class WeightPublisher:
                                wait_for_workers=False, master_listen_fd=sock.detach())
         self.session = uuid.uuid4().hex
         self._store.set("w/session", self.session)
+        self._store.set("w/wire", str(WIRE_VERSION))
         self._pool = BufferPool()
         # Helper thread: half of each large copy (native kernel) or the sums while packing (torch fallback).
         self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")

@@ -215,6 +215,28 @@ def test_publish_without_actors_exports_and_fetch_latest(tmp_path):
         pub.close()
 
 
+def test_a_subscriber_of_another_wire_version_stays_out_and_says_why(tmp_path, caplog):
+    from async_vla.weight_wire import WIRE_VERSION
+
+    cfg = _cfg()
+    pub = WeightPublisher(cfg, tmp_path)
+    pub._store.set("w/wire", str(WIRE_VERSION + 1))      # a learner from a newer release
+    sub = WeightSubscriber(cfg, 1, tmp_path)
+    try:
+        end = time.monotonic() + 20
+        while sub.stats["wire_mismatch"] < 2 and time.monotonic() < end:    # asked, and asked again
+            time.sleep(0.05)
+        assert sub.stats["wire_mismatch"] >= 2 and sub.stats["connects"] == 0
+        assert pub.live_actors() == [] and pub.publish(1, _model(1).items())["receivers"] == 0
+        said = [r.getMessage() for r in caplog.records if "weight wire" in r.getMessage()]
+        assert len(said) == 1 and f"v{WIRE_VERSION + 1}" in said[0] and f"v{WIRE_VERSION}" in said[0]
+        pub._store.set("w/wire", str(WIRE_VERSION))          # the same release again: it joins
+        assert pub.wait_for_actors(1, 20) == 1
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
     """Subscriber threads in this process; the publisher restarts on a new port (resume) and they follow."""
     cfg = _cfg()
