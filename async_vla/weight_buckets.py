@@ -37,6 +37,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from async_vla import native
+from async_vla.weight_pool import BufferPool
 
 ALIGN = 64
 SPLIT_BYTES = 4 * 2**20   # native packing copies tensors from this size in two halves at once (helper thread)
@@ -167,6 +168,11 @@ class Layout:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @functools.cached_property
+    def entry_of(self) -> dict[str, Entry]:
+        """Entry by tensor name."""
+        return {e.spec.name: e for e in self.entries}
+
+    @functools.cached_property
     def digest(self) -> int:
         """63-bit id of the manifest (fits an int64 header slot)."""
         return int.from_bytes(hashlib.sha256(self.manifest_bytes()).digest()[:8], "little") & ((1 << 63) - 1)
@@ -204,50 +210,6 @@ def plan(specs: Sequence[TensorSpec], cap_bytes: int) -> Layout:
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
-
-
-def views_tracked() -> bool:
-    """Whether ``storage_free`` can tell (it needs a private torch API; without it nothing is ever free)."""
-    return getattr(torch._C, "_storage_Use_Count", None) is not None
-
-
-def storage_free(t: torch.Tensor) -> bool:
-    """True when nothing but ``t`` itself references its storage (no view handed out is still alive)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:   # private API gone: never reuse, always allocate (correct, just slower)
-        return False
-    return use_count(t.untyped_storage()._cdata) <= 2   # t + the temporary storage object
-
-
-class BufferPool:
-    """Reuses bucket buffers between versions. Fresh large allocations are mmapped and page-faulted on
-    first touch, which cost as much as the copy itself (a 40 MB receive ran ~3x slower). A buffer is
-    reused only once every view handed out of it (to the export thread, to an actor's ``poll()`` caller)
-    is gone, checked with the storage use count, so reuse never overwrites weights someone still reads.
-    ``get`` returns an alias, so a buffer counts as busy while its caller holds it."""
-
-    def __init__(self):
-        self._bufs: list[torch.Tensor] = []
-
-    def get(self, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
-        device = torch.device(device)
-        for b in self._bufs:
-            if b.numel() == numel and b.dtype == dtype and b.device == device and storage_free(b):
-                return b[:]
-        b = torch.empty(numel, dtype=dtype, device=device)
-        self._bufs.append(b)
-        return b[:]
-
-    def trim(self, max_bytes: int) -> None:
-        """Drop free buffers, oldest first, until the pool holds at most ``max_bytes``."""
-        total = sum(b.numel() * b.element_size() for b in self._bufs)
-        keep = []
-        for b in self._bufs:
-            if total > max_bytes and storage_free(b):
-                total -= b.numel() * b.element_size()
-            else:
-                keep.append(b)
-        self._bufs = keep
 
 
 class _Summer:
@@ -413,15 +375,36 @@ def empty_buckets(layout: Layout, device: Union[str, torch.device] = "cpu",
     return [pool.get(b.numel, DTYPES[b.dtype], device) for b in layout.buckets]
 
 
-def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Views into the buckets, by name, in manifest order (copy them into the model)."""
+def _check_buckets(layout: Layout, buckets: Sequence[torch.Tensor]) -> None:
     if len(buckets) != len(layout.buckets):
         raise ValueError(f"{len(buckets)} buckets, layout has {len(layout.buckets)}")
     for b, spec in zip(buckets, layout.buckets):
         if b.dtype != DTYPES[spec.dtype] or b.numel() != spec.numel:
             raise ValueError("bucket does not match layout")
+
+
+def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views into the buckets, by name, in manifest order (copy them into the model)."""
+    _check_buckets(layout, buckets)
     return {e.spec.name: buckets[e.bucket].narrow(0, e.offset, e.spec.numel).view(e.spec.shape)
             for e in layout.entries}
+
+
+def share_sums(layout: Layout, buckets: Sequence[torch.Tensor], names: Iterable[str]) -> list[tuple[str, int, int]]:
+    """(name, tensor_sum, numel) of the named tensors as ``unpack`` would give them, read straight from the
+    buckets by the native kernel when it is there (no view made per tensor: a receiver checks its verification
+    share before it needs them), else through the views."""
+    _check_buckets(layout, buckets)
+    if not (native.available() and all(b.device.type == "cpu" and b.is_contiguous() for b in buckets)):
+        views = unpack(layout, buckets)
+        return [(n, tensor_sum(views[n]), views[n].numel()) for n in names]
+    where, ptrs = layout.entry_of, [b.data_ptr() for b in buckets]
+    out = []
+    for n in names:
+        e = where[n]
+        out.append((n, native.sum_raw(ptrs[e.bucket] + e.offset * DTYPES[e.spec.dtype].itemsize, e.spec.nbytes),
+                    e.spec.numel))
+    return out
 
 
 def named_items(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

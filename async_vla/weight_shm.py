@@ -51,7 +51,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from async_vla.weight_buckets import BufferPool, storage_free
+from async_vla.weight_pool import BufferPool, storage_free
 
 log = logging.getLogger(__name__)
 

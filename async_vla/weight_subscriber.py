@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import BufferPool, views_tracked
+from async_vla.weight_pool import BufferPool, views_tracked
 from async_vla.weight_export import read_latest
 from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
 from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td

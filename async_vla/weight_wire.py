@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
 from async_vla.weight_buckets import (
-    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, tensor_sum,
+    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, share_sums,
     unpack, verify_shares,
 )
 from async_vla.weight_shm import ShmReader, ShmUnreadable
@@ -279,17 +279,18 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
         if pool is not None:
             pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
         g.bcast_many(buckets, timeout_s)
-    tensors = unpack(layout, buckets)
     if h["split"]:   # shared memory: check our share, then the publisher's verdict on all of them
         if h["shm"] < 0 or h["checksum"] < 0 or not 1 <= g.rank <= h["split"]:
             raise ValueError("split verification header does not fit this group")
         names = verify_shares(layout, h["split"])[g.rank - 1]
-        share = fold((n, tensor_sum(tensors[n]), tensors[n].numel()) for n in names)
+        share = fold(share_sums(layout, buckets, names))     # straight from the buckets: no views needed yet
         g.send_ack(torch.tensor([1, share], dtype=torch.int64, device=g.device), timeout_s)
+        tensors = unpack(layout, buckets)                    # while the publisher compares the shares
         verdict = torch.zeros(1, dtype=torch.int64, device=g.device)
         g.bcast(verdict, timeout_s)
         ok = int(verdict[0]) == 1
     else:
+        tensors = unpack(layout, buckets)
         ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: none was sent
     if h["shm"] >= 0:
         g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version

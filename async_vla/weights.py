@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import BucketPacker, BufferPool, Layout
+from async_vla.weight_buckets import BucketPacker, Layout
+from async_vla.weight_pool import BufferPool
 from async_vla.weight_export import Exporter
 from async_vla.weight_shm import ShmPublisher
 from async_vla import native

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from async_vla.config import Config
-from async_vla.weight_buckets import BufferPool, checksum, pack
+from async_vla.weight_buckets import checksum, pack
+from async_vla.weight_pool import BufferPool
 from async_vla.weight_shm import (
     NAME, ShmArena, ShmPublisher, ShmReader, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
 )

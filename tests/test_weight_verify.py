@@ -62,6 +62,29 @@ def test_a_receivers_share_value_equals_the_publishers_from_its_packing_sums():
     assert share_checksum(share, tampered) != share_checksum(share, sums)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "torch"])
+def test_share_sums_read_from_the_buckets_equal_the_sums_of_the_unpacked_tensors(kernel, monkeypatch):
+    from async_vla import native
+    from async_vla.weight_buckets import share_sums, unpack
+
+    if kernel and not native.available():
+        pytest.skip("native kernel not built")
+    if not kernel:
+        monkeypatch.setattr(native, "available", lambda: False)
+    model = _model(2)
+    packer = BucketPacker(4096)
+    for name, t in model.items():
+        packer.add(name, t)
+    layout, buckets = packer.finish()
+    views = unpack(layout, buckets)
+    for names in verify_shares(layout, 3) + [list(reversed(list(model)))]:
+        assert share_sums(layout, buckets, names) == [(n, tensor_sum(model[n]), model[n].numel()) for n in names]
+        assert fold(share_sums(layout, buckets, names)) == fold((n, tensor_sum(views[n]), views[n].numel())
+                                                                for n in names)
+    with pytest.raises(ValueError):
+        share_sums(layout, buckets[:-1], list(model))
+
+
 # ------------------------------------------------------------------------------ with actor processes
 def _cfg(**weights) -> Config:
     return weights_cfg(FAST, **weights)

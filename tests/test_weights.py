@@ -14,7 +14,8 @@ import torch
 
 from async_vla.config import Config
 from tests.weight_helpers import FAST, weights_cfg
-from async_vla.weight_buckets import BufferPool, Layout, checksum, pack, plan, spec_of, unpack
+from async_vla.weight_buckets import Layout, checksum, pack, plan, spec_of, unpack
+from async_vla.weight_pool import BufferPool
 from async_vla.weight_export import export_weights, read_latest, write_safetensors
 from async_vla.weights import WeightPublisher, WeightSubscriber
 

@@ -78,6 +78,11 @@ def copy_sum_raw(dst_ptr: int, src_ptr: int, nbytes: int) -> int:
     return int(lib.avla_copy_sum(dst_ptr, src_ptr, nbytes)) & _U64 if nbytes else 0
 
 
+def sum_raw(ptr: int, nbytes: int) -> int:
+    """``tensor_sum`` of ``nbytes`` at an address the caller has checked (kernel available, memory readable)."""
+    return int(_load()[0].avla_sum(ptr, nbytes)) & _U64 if nbytes else 0
+
+
 def byte_sum(t: torch.Tensor) -> Optional[int]:
     """``tensor_sum`` of a contiguous CPU tensor, or None when the kernel cannot take it."""
     lib = _load()[0]
