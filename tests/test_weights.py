@@ -327,18 +327,22 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
 
 
 class _Actors:
-    """Actor processes (spawn) reporting into one queue; the test kills only these, by pid."""
+    """Actor processes (spawn), each reporting into a queue of its own (a fresh one per start): writers of one
+    ``mp.Queue`` share a lock, and an actor stopped (SIGSTOP) or killed while its feeder thread held it would
+    silence the others. The test kills only these, by pid."""
 
     def __init__(self, run_dir, port, overrides=None):
         self.ctx = mp.get_context("spawn")
-        self.q = self.ctx.Queue()
+        self.queues: list = []
         self.run_dir, self.port, self.overrides = str(run_dir), port, overrides or {}
         self.procs: dict[int, mp.Process] = {}
         self.log: list[tuple] = []
 
     def start(self, actor_id: int, fetch: bool = False, die_in: int = 0) -> None:
+        q = self.ctx.Queue()
+        self.queues.append(q)
         p = self.ctx.Process(target=_actor_main, daemon=True,
-                             args=(self.run_dir, self.port, actor_id, self.overrides, self.q, fetch, die_in))
+                             args=(self.run_dir, self.port, actor_id, self.overrides, q, fetch, die_in))
         p.start()
         self.procs[actor_id] = p
         self.wait(lambda m: m[0] == "ready" and m[1] == actor_id, 60)
@@ -349,13 +353,18 @@ class _Actors:
             if pred(m):
                 return m
         while time.monotonic() < end:
-            try:
-                m = self.q.get(timeout=max(0.01, end - time.monotonic()))
-            except queue.Empty:
-                break
-            self.log.append(m)
-            if pred(m):
-                return m
+            got = False
+            for q in self.queues:
+                try:
+                    m = q.get_nowait()
+                except queue.Empty:
+                    continue
+                got = True
+                self.log.append(m)
+                if pred(m):
+                    return m
+            if not got:
+                time.sleep(0.01)
         raise AssertionError(f"timed out; messages so far: {self.log}")
 
     def got(self, actor_id: int, version: int, timeout: float = 20):
