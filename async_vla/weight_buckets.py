@@ -209,7 +209,7 @@ def plan(specs: Sequence[TensorSpec], cap_bytes: int) -> Layout:
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
+    return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))     # (torch.Size holds ints already)
 
 
 class _Summer:
@@ -289,7 +289,7 @@ class BucketPacker:
             raise ValueError(f"duplicate tensor name {name!r}")
         self._names.add(name)
         t = tensor.detach()
-        spec = TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))     # (spec_of, with fewer steps)
+        spec = spec_of(name, t)
         local, off, own = self._planner.add(spec)
         bufs = self._store.setdefault(spec.dtype, [])
         dtype = DTYPES[spec.dtype]

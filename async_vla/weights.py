@@ -212,7 +212,8 @@ class WeightPublisher:
 
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
         group), confirmed (receivers whose checksum matched; with split verification all or none, by the
-        verdict, and publish returns right after it: receivers hand over a moment later), transport (shm, gloo or nccl), epoch, formed,
+        verdict, and publish returns right after it: receivers hand over a moment later), transport (shm, gloo
+        or nccl), epoch, formed,
         failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
         before packing), verify_shares (receivers each checked one of this many shares: split verification on
         shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made
