@@ -66,7 +66,7 @@ def default_policy_factory(cfg: Any) -> Any:
 def default_env_factory(cfg: Any, seed: int) -> Any:
     """One env of ``cfg.env.kind``, isolated in a worker process where ``cfg.env.worker`` says so."""
     try:
-        from async_vla.envs.worker import make_isolated_env
+        from actors.env_worker import make_isolated_env
     except ImportError:  # no isolation layer: in-process env
         from async_vla.envs.base import make_env
 

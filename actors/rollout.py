@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from actors.env_worker import EnvCrashed, SubprocessEnv
 from async_vla.messages import Trajectory
 
 log = logging.getLogger(__name__)
@@ -41,18 +42,10 @@ def env_crash_types() -> tuple[type[BaseException], ...]:
     Only the isolated-worker error counts: an exception from an in-process env is a bug or a broken
     simulator and takes the actor down (the fleet restarts it), which is the isolation the design wants.
     """
-    try:
-        from async_vla.envs.worker import EnvCrashed
-    except ImportError:  # the isolated env worker is optional (built-in envs run in-process)
-        return ()
     return (EnvCrashed,)
 
 
 def _is_isolated(env: Any) -> bool:
-    try:
-        from async_vla.envs.worker import SubprocessEnv
-    except ImportError:
-        return False
     return isinstance(env, SubprocessEnv)
 
 

@@ -153,12 +153,15 @@ class BroadcastGroup:
 
     def recv_acks_each(self, timeout_s_left) -> list[torch.Tensor]:
         """Every member's int64[2] acknowledgement, by rank (1, 2, ...); ``timeout_s_left()`` per wait."""
-        out = []
-        for rank in range(1, len(self.members) + 1):
-            t = torch.zeros(2, dtype=torch.int64, device=self.device)
-            self.pg.recv([t], rank, ACK_TAG).wait(td(timeout_s_left()))
-            out.append(t.cpu())
-        return out
+        # Post every receive before waiting on any: a gloo send waits for its matching receive, so with the
+        # receives posted one after another a stopped rank 1 would hold rank 2's send (and rank 2 itself)
+        # until this epoch is torn down, instead of letting it go on to wait for the verdict, where it polls
+        # for the drop.
+        out = [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in self.members]
+        works = [self.pg.recv([t], rank, ACK_TAG) for rank, t in enumerate(out, start=1)]
+        for w in works:
+            w.wait(td(timeout_s_left()))
+        return [t.cpu() for t in out]
 
     def close(self) -> None:
         if self.backend == "nccl":

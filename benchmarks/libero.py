@@ -124,7 +124,7 @@ def _overrides(setting: dict) -> list[str]:
 
 
 def _measure(setting: dict, procs: int, steps: int, repeats: int) -> dict:
-    from async_vla.envs.worker import SubprocessEnv, step_many
+    from actors.env_worker import SubprocessEnv, step_many
 
     cfg = load_config(overrides=_overrides(setting))
     envs = []

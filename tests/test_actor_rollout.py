@@ -42,7 +42,7 @@ class ScriptedPolicy:
 
 
 class Crash(RuntimeError):
-    """Stand-in for envs.worker.EnvCrashed."""
+    """Stand-in for actors.env_worker.EnvCrashed."""
 
 
 class ScriptedEnv:
@@ -179,7 +179,7 @@ def dying_env(cfg, seed):
 
 
 def test_isolated_env_process_death_costs_one_episode():
-    from async_vla.envs.worker import SubprocessEnv
+    from actors.env_worker import SubprocessEnv
 
     cfg = load_config(None, [])
     envs = [SubprocessEnv(cfg, seed, factory=dying_env) for seed in range(3)]

@@ -11,7 +11,7 @@ import pytest
 
 from async_vla.config import load_config
 from async_vla.envs.base import Env, Observation
-from async_vla.envs.worker import EnvCrashed, RemoteEnvError, SubprocessEnv, make_isolated_env, step_many
+from actors.env_worker import EnvCrashed, RemoteEnvError, SubprocessEnv, make_isolated_env, step_many
 
 HANG, SEGFAULT, EXIT, RAISE = 1.0, 2.0, 3.0, 4.0  # action[0] values that make the dummy env misbehave
 

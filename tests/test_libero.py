@@ -128,7 +128,7 @@ def test_soft_reset_equals_hard_reset(env):
 @pytest.mark.slow
 def test_osmesa_worker_matches_physics(env):
     """The other GL backend, in an isolated worker: same physics as the in-process env, a sane image."""
-    from async_vla.envs.worker import SubprocessEnv
+    from actors.env_worker import SubprocessEnv
 
     other = "osmesa" if env.gl_backend == "egl" else "egl"
     worker = SubprocessEnv(_cfg(f"env.mujoco_gl={other}"), seed=0)

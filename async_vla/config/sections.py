@@ -86,7 +86,7 @@ class EnvConfig(Section):
     """A single env step slower than this counts as a hung simulator and the env is restarted."""
     worker: Literal["auto", "subprocess", "inline"] = "auto"
     """Where an actor runs each env: subprocess (isolated: a crash or hang costs one env, see
-    async_vla/envs/worker.py), inline (in the actor process), auto (subprocess for libero, inline for builtin)."""
+    actors/env_worker.py), inline (in the actor process), auto (subprocess for libero, inline for builtin)."""
     worker_start_timeout_s: float = Field(300.0, gt=0)
     """Seconds an env worker may take to start and build its simulator (LIBERO: ~10-30 s on 2 CPU cores)."""
     settle_steps: int = Field(10, ge=0)

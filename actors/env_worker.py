@@ -16,8 +16,8 @@ trajectory and calls ``reset`` again, which waits for the new child. Exceptions 
 (``instruction``, ``init_state_ids``, ``max_steps``) are programming errors, not simulator faults: they are
 re-raised as ``RemoteEnvError`` and the child is kept.
 
-This module is library code; spawning the worker child is the one process it starts (it isolates a C
-extension that can segfault, see docs/CONTRACTS.md).
+It lives in ``actors/``, not the ``async_vla`` library (which never starts processes): only an actor process
+isolates its simulators this way (a C extension that can segfault, see docs/CONTRACTS.md).
 """
 
 from __future__ import annotations

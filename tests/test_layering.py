@@ -1,0 +1,135 @@
+"""The code's layering rules, checked on the source (AST), so a change that breaks one fails CI:
+
+- ``async_vla/`` is library code: it imports neither ``actors`` nor ``learner`` and starts no process;
+- ``actors/`` and ``learner/`` import the library, never each other;
+- no module-level mutable state: no ``global`` statement, and a module-level dict/list/set is a constant table
+  that nothing mutates;
+- files stay under the size limit.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("async_vla", "actors", "learner")
+MAX_LINES = 500
+# How a module starts a process: the modules themselves, and the os calls that do it.
+PROCESS_MODULES = {"subprocess", "multiprocessing", "concurrent.futures.process"}
+PROCESS_CALLS = {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp",
+                 "execvpe", "execl", "execlp", "spawnv", "spawnve", "spawnl", "spawnlp"}
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "remove",
+            "discard", "__setitem__"}
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    """Every module name imported anywhere in the file (lazy imports inside functions too)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def test_the_packages_exist_and_are_scanned():
+    # guards the tests below against passing on an empty file list (a moved directory)
+    for package in PACKAGES:
+        assert len(_modules(package)) >= 3, package
+
+
+@pytest.mark.parametrize("package, forbidden", [("async_vla", {"actors", "learner"}),
+                                                ("actors", {"learner"}), ("learner", {"actors"})])
+def test_packages_import_only_downward(package, forbidden):
+    bad = [f"{_rel(p)} imports {name}" for p in _modules(package) for name in sorted(_imports(_tree(p)))
+           if _top(name) in forbidden]
+    assert not bad, "layering: " + "; ".join(bad)
+
+
+def test_the_library_starts_no_process():
+    bad = []
+    for path in _modules("async_vla"):
+        tree = _tree(path)
+        bad += [f"{_rel(path)} imports {name}" for name in sorted(_imports(tree))
+                if name in PROCESS_MODULES or any(name.startswith(m + ".") for m in PROCESS_MODULES)]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
+                    and node.func.attr in PROCESS_CALLS):
+                bad.append(f"{_rel(path)}:{node.lineno} calls os.{node.func.attr}")
+    assert not bad, "async_vla/ is library code that never starts a process (move it to actors/, learner/ or " \
+                    "bin/): " + "; ".join(bad)
+
+
+def _module_tables(tree: ast.Module) -> set[str]:
+    """Names bound at module level to a dict/list/set display or comprehension (``__all__`` aside)."""
+    tables = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            tables.update(t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__")
+    return tables
+
+
+def _mutations(tree: ast.Module, names: set[str]) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            lines += [node.lineno for t in targets
+                      if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in names]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_level_mutable_state():
+    bad = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            tree = _tree(path)
+            bad += [f"{_rel(path)}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Global)]
+            bad += [f"{_rel(path)}:{line} mutates a module-level table"
+                    for line in _mutations(tree, _module_tables(tree))]
+    assert not bad, "module-level mutable state (keep it on an object): " + "; ".join(bad)
+
+
+def test_the_checks_above_catch_what_they_look_for():
+    # the detectors themselves, on a snippet that breaks every rule
+    tree = ast.parse("import subprocess\nfrom learner.core import X\nT = {}\n"
+                     "def f():\n    global G\n    T['a'] = 1\n    T.update(b=2)\n    os.fork()\n")
+    assert {"subprocess", "learner.core"} <= _imports(tree)
+    assert _module_tables(tree) == {"T"} and _mutations(tree, {"T"}) == [6, 7]
+    assert any(isinstance(n, ast.Global) for n in ast.walk(tree))
+
+
+def test_source_files_stay_under_the_size_limit():
+    files = [p for package in (*PACKAGES, "benchmarks") for p in _modules(package)]
+    files += [p for p in (REPO / "bin").iterdir() if p.is_file() and p.read_text(errors="replace").startswith(
+        "#!/usr/bin/env python")]
+    long = [f"{_rel(p)} ({n} lines)" for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines (split them by responsibility): " + "; ".join(long)
