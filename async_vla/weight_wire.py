@@ -42,8 +42,6 @@ ACK_TAG = 7
 def resolve_backend(name: str) -> str:
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if name == "zmq":
-        raise NotImplementedError("weights.backend=zmq is not implemented yet; use auto, gloo or nccl")
     return name
 
 

@@ -36,6 +36,7 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("loss.correction=vtrace", "loss.correction"),
     ("loss.mis_low=6", "mis_low"),
     ("buffer.difficulty_mask=[0.9,0.1]", "difficulty_mask"),
+    ("weights.backend=zmq", "weights.backend"),
 ])
 def test_bad_values_name_the_dotted_field(override, field):
     with pytest.raises(ConfigError) as err:

@@ -327,9 +327,8 @@ class LossConfig(Section):
 
 
 class WeightsConfig(Section):
-    backend: Literal["auto", "gloo", "nccl", "zmq"] = "auto"
-    """Weight broadcast to actors: auto (nccl on GPU, gloo on CPU), gloo, nccl; zmq (PUB/SUB) is reserved and
-    not implemented yet (the publisher raises)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Weight broadcast to actors over a torch.distributed group: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
     bucket_mb: float = Field(16.0, gt=0)
     """Size cap of one broadcast bucket in MiB (gloo over loopback measured best at 8-16; 64 was up to 2x
     slower, one flat buffer slower still; NCCL is content with larger)."""
@@ -387,7 +386,8 @@ class TransportConfig(Section):
     control_port: int = Field(5556, ge=0, le=65535)
     """Buffer ROUTER port for grants, heartbeats, stats and learner batch requests."""
     weights_port: int = Field(5557, ge=0, le=65535)
-    """Learner port for the weight stream (TCPStore rendezvous or ZeroMQ PUB)."""
+    """Learner rank 0's TCPStore port: rendezvous of the weight-broadcast group (0 = a free port, which actors
+    read from <run>/weights/endpoint.json)."""
     use_ipc: bool = False
     """Use ipc:// sockets in the run directory instead of tcp:// (single host only)."""
     hwm: int = Field(64, ge=1)
