@@ -279,15 +279,21 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
 
     import torch
 
-    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    # Different weights, so "the policy holds them" can only be true if the swap happened.
+    state = {k: v + 0.01 if v.is_floating_point() else v.clone() for k, v in original.items()}
     offers = iter([None, (7, state), None, None, None, None])
     actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), version=6, weights_source=lambda: next(offers, None))
-    trajs = actor.run_one_group("rt-g1")
-    for t in trajs:
-        assert t.chunk_versions[0] == 6 and (t.chunk_versions[1:] == 7).all() and t.behaviour_version == 6
-    assert actor.version == 7 and actor.totals.swaps == 1
-    with torch.no_grad():
-        assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+    try:
+        trajs = actor.run_one_group("rt-g1")
+        for t in trajs:
+            assert t.chunk_versions[0] == 6 and (t.chunk_versions[1:] == 7).all() and t.behaviour_version == 6
+        assert actor.version == 7 and actor.totals.swaps == 1
+        with torch.no_grad():
+            assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+            assert not all(torch.equal(policy.state_dict()[k], v) for k, v in original.items())
+    finally:
+        policy.load_state_dict(original)  # the policy fixture is shared with the module's other tests
 
 
 def test_spread_shares_assemble_in_group_buffer(cfg, policy):

@@ -7,7 +7,7 @@ import torch
 from async_vla import grpo
 from async_vla.batching import (aggregation_units, collate, compute_advantages, loss_token_mask, micro_batch_weight,
                                 micro_batches)
-from tests.learner_helpers import BINS, FIRST, IMG, PROPRIO, T, StandInPolicy, make_groups, make_traj, small_cfg
+from tests.learner_helpers import IMG, PROPRIO, T, StandInPolicy, make_groups, make_traj, small_cfg
 
 
 def test_collate_layout():
@@ -141,6 +141,12 @@ def test_micro_batch_weighting_equals_full_batch(aggregation, correction):
     assert sum(w2) / 2 == pytest.approx(1.0) and micro_batch_weight(3.0, 0.0) == 0.0
 
 
-def test_token_ids_in_action_range():
-    b = collate(make_groups(), small_cfg())
-    assert int(b.action_tokens.min()) >= FIRST and int(b.action_tokens.max()) < FIRST + BINS
+def test_collate_keeps_every_call_s_tokens_images_and_versions_in_call_order():
+    groups = make_groups(seed=3)
+    b = collate(groups, small_cfg())
+    calls = [(t, c) for g in groups for t in g for c in range(t.num_calls)]
+    assert b.action_tokens.dtype == torch.int64 and len(calls) == b.action_tokens.shape[0]
+    for i, (t, c) in enumerate(calls):
+        assert b.action_tokens[i].tolist() == t.action_tokens[c].tolist()
+        assert torch.equal(b.images[i], torch.from_numpy(t.images[c]))
+        assert int(b.call_versions[i]) == int(t.chunk_versions[c])

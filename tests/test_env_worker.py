@@ -144,7 +144,6 @@ def test_broken_factory_fails_at_construction():
 
 
 def test_builtin_env_through_worker_matches_inline():
-    pytest.importorskip("async_vla.envs.builtin")
     cfg = load_config(overrides=["env.kind=builtin", "env.worker=subprocess"])
     inline = make_isolated_env(load_config(overrides=["env.kind=builtin"]), seed=3)
     isolated = make_isolated_env(cfg, seed=3)

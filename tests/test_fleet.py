@@ -228,9 +228,10 @@ def test_fleet_end_to_end(tmp_path):
                             30, "restart")
         assert killed_partial, "could not kill actor 0 mid-group in 3 attempts"
         n1_at_kill = len(by_actor(1))
-        # The fleet respawns it within a few seconds (back-off 0.2 s); the new process reports in soon after.
-        wait_for(lambda: starts_of_0() > starts, 3, "the fleet to respawn actor 0")
-        assert time.monotonic() - t_kill < 3
+        # The fleet respawns it within a few seconds (back-off 0.2 s; 10 s allowed on a loaded host); the new
+        # process reports in soon after.
+        wait_for(lambda: starts_of_0() > starts, 10, "the fleet to respawn actor 0")
+        assert time.monotonic() - t_kill < 10
         new_pid = wait_for(lambda: (s := read_status(status_path(run_dir, 0))) and s["pid"] != pid0 and s["pid"],
                            30, "the respawned actor 0 to report")
         n0_before = len(by_actor(0))

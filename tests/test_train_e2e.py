@@ -47,6 +47,7 @@ def check_run_dir(rd: Path, proc: subprocess.CompletedProcess, versions: int) ->
     return summary
 
 
+@pytest.mark.timeout(360)  # above the subprocess's own 300 s, so its budget (and message) applies
 def test_serial_mode_end_to_end(tmp_path):
     proc, rd = bin_train(tmp_path, "serial", ["run.mode=serial", "run.max_versions=2"], timeout=300)
     check_run_dir(rd, proc, 2)
@@ -55,6 +56,7 @@ def test_serial_mode_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(620)
 def test_async_two_learner_ranks_two_actors(tmp_path):
     proc, rd = bin_train(tmp_path, "async", [
         "run.mode=async", "run.max_versions=12", "learner.num_ranks=2", "actor.num_actors=2", "run.max_wall_s=400",
@@ -80,6 +82,7 @@ def test_async_two_learner_ranks_two_actors(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(460)
 def test_sync_mode_trains_every_version_on_fresh_data(tmp_path):
     # Sync (eta = 0): each version waits for rollouts of the previous one. The actor joins the weight broadcast
     # after v1 went out (the learner steps as soon as the first batch lands), so this also covers the actor
@@ -129,4 +132,8 @@ def test_tensorboard_server_serves_a_scalar(tmp_path):
         assert values[2][2] == pytest.approx(0.5)
     finally:
         tb.terminate()
-        tb.wait(20)
+        try:
+            tb.wait(20)
+        except subprocess.TimeoutExpired:
+            tb.kill()
+            tb.wait(10)

@@ -288,7 +288,6 @@ def test_bench_weights_times_every_path_and_each_went_where_it_says(tmp_path):
     out = bench.run(quick=True)        # raises if a mode's publish went over the other transport
     r = out["results"]["sizes"]["10M"]
     assert min(r["per_tensor_naive_s"], r["per_tensor_s"], r["bucketed_gloo_s"], r["bucketed_s"]) > 0
-    assert r["speedup"] == pytest.approx(r["per_tensor_s"] / r["bucketed_s"])
     assert "bucketed gloo" in out["markdown"] and "| 10M" in out["markdown"]
 
 

@@ -2,6 +2,7 @@
 would block forever (an actor stuck in a heartbeat send looks hung and gets restarted). Heartbeats and stats are
 dropped and counted; requests fail with ControlTimeout."""
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -13,18 +14,26 @@ from async_vla.messages import ActorStats, ControlCommand, GrantRequest, Heartbe
 from async_vla.transport import ControlClient, ControlServer, ControlTimeout
 
 
-def unreachable() -> str:
-    """An endpoint nobody ever listens on: an IPC path that was never bound.
+@pytest.fixture
+def unreachable():
+    """Makes endpoints nobody ever listens on: IPC paths that were never bound (removed after the test).
 
     Not a TCP port bound and then closed: ZeroMQ closes asynchronously, so a connect racing the close can reach
     the dying listener for a moment and drain the queue into its kernel buffer (seen on CI: the queue had room
-    again and the request did not time out).
+    again and the request did not time out). mkdtemp, not tmp_path: an IPC path must stay under ~107 bytes.
     """
-    path = Path(tempfile.mkdtemp(prefix="avla-unreachable-")) / "nobody.sock"
-    return f"ipc://{path}"
+    made = []
+
+    def make() -> str:
+        made.append(tempfile.mkdtemp(prefix="avla-unreachable-"))
+        return f"ipc://{made[-1]}/nobody.sock"
+
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
 
 
-def test_full_queue_drops_heartbeats_and_requests_time_out():
+def test_full_queue_drops_heartbeats_and_requests_time_out(unreachable):
     client = ControlClient(unreachable(), hwm=4)
     try:
         t0 = time.monotonic()
@@ -42,7 +51,7 @@ def test_full_queue_drops_heartbeats_and_requests_time_out():
         client.close()
 
 
-def test_call_times_out_without_a_reply_and_succeeds_with_one():
+def test_call_times_out_without_a_reply_and_succeeds_with_one(unreachable):
     client = ControlClient(unreachable())
     try:
         t0 = time.monotonic()
@@ -62,7 +71,7 @@ def test_call_times_out_without_a_reply_and_succeeds_with_one():
     server.close()
 
 
-def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path):
+def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     """The actor's own heartbeat path (tick) against a full queue: returns at once, counts the drops, and the
     status file the fleet reads shows them (so the fleet sees a live actor, not a hung one)."""
     from actors.actor import Actor
@@ -94,10 +103,11 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path):
     actor._ctx.term()
 
 
-def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
+def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path, unreachable):
     """A grant request sent right after new weights can reach the buffer before the learner's BatchRequest for
     that version does: the refusal is about the old version's pacing. The actor asks again within ~20 ms (a
-    bounded number of times) instead of sleeping out retry_after_s; a refusal at its own version waits."""
+    bounded number of times) instead of sleeping out retry_after_s; a refusal at its own version waits.
+    retry_after_s is 5 s (the actor caps it there) so "soon" (~20 ms) and "waits" differ by far more than any scheduling pause."""
     from actors.actor import QUICK_RETRIES, Actor
     from async_vla.messages import AdmissionGrant
 
@@ -107,20 +117,20 @@ def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
     try:
         actor._asked_version = 5
         t0 = time.monotonic()
-        refusal = AdmissionGrant(actor_id=3, group_ids=[], learner_version=4, max_staleness=1, retry_after_s=0.5)
+        refusal = AdmissionGrant(actor_id=3, group_ids=[], learner_version=4, max_staleness=1, retry_after_s=5.0)
         actor._handle(refusal)
-        assert actor._retry_at - t0 < 0.1 and actor._refused_at_version == 5
+        assert actor._retry_at - t0 < 1.0 and actor._refused_at_version == 5
         for _ in range(QUICK_RETRIES):
             actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() > 0.4          # bounded: the buffer's wait applies again
+        assert actor._retry_at - time.monotonic() > 3.0           # bounded: the buffer's wait applies again
         actor._handle(AdmissionGrant(actor_id=3, group_ids=[], learner_version=5, max_staleness=1,
-                                     retry_after_s=0.5))
-        assert actor._retry_at - time.monotonic() > 0.4          # refused at our own version: a real "not now"
+                                     retry_after_s=5.0))
+        assert actor._retry_at - time.monotonic() > 3.0           # refused at our own version: a real "not now"
         actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() > 0.4          # the allowance is per version, not per refusal
+        assert actor._retry_at - time.monotonic() > 3.0           # the allowance is per version, not per refusal
         actor._asked_version = 6                                 # new weights: a fresh allowance
         actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() < 0.1
+        assert actor._retry_at - time.monotonic() < 1.0
         actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"], learner_version=5, max_staleness=1))
         assert list(actor.pending) == ["g1"] and actor._quick_retries == 0
     finally:
@@ -129,7 +139,7 @@ def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path):
         actor._ctx.term()
 
 
-def test_a_leaked_client_in_a_reference_cycle_never_blocks_the_garbage_collector(tmp_path):
+def test_a_leaked_client_in_a_reference_cycle_never_blocks_the_garbage_collector(tmp_path, unreachable):
     """A ControlClient (own context, a queued message, never closed) caught in a reference cycle, as a failed
     test's traceback holds it: collecting it must not hang in Context.term(). Run in a subprocess with a timeout,
     so that a regression fails here instead of hanging whichever test the collector happens to run in."""

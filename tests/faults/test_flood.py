@@ -21,7 +21,7 @@ from async_vla.transport import ControlClient, TrajectorySender
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)   # ~45 s normally; a hang fails here, not after the suite-wide 600 s
+@pytest.mark.timeout(180)   # ~45 s normally; a hang fails here, not after the suite-wide 300 s
 def test_flood_back_pressure(tmp_path):
     """Producers far faster than the learner: memory stays bounded, producers block, nothing is lost."""
     template = make_traj("t", 0, True, run_id=RUN, calls=4, image=32, tokens=56)
@@ -96,10 +96,11 @@ def test_flood_back_pressure(tmp_path):
             threads[2].join(10)
             learner.close()
     assert max_held[0] <= cfg.buffer.max_bytes
-    # A producer blocked for a fraction f of its time could have sent 1 / (1 - f) times faster: f >= 0.9 means
-    # producers were >= 10x faster than the rate they achieved (the learner's, plus what queues absorbed).
+    # A producer blocked for a fraction f of its time could have sent 1 / (1 - f) times faster: f >= 0.75 means
+    # producers were >= 4x faster than the rate they achieved (the learner's, plus what queues absorbed), so the
+    # test really floods (typically f > 0.95; the margin is for time a loaded host deschedules a producer).
     frac = [b / e for b, e in zip(blocked, elapsed)]
-    assert min(frac) >= 0.9, frac
+    assert min(frac) >= 0.75, frac
     assert s["received"] == total_sent                           # nothing lost
     assert s["received"] == sum(s["ledger"].values())
     assert s["ledger"]["malformed"] == 0 and s["ledger"]["expired_partial"] == 0

@@ -9,7 +9,7 @@ import time
 
 from test_buffer import RUN, add_group, make_cfg, make_traj
 from test_buffer_service import RUN as SVC_RUN
-from test_buffer_service import running, service_cfg, stats
+from test_buffer_service import running, service_cfg, stats, wait_stats
 
 from async_vla.buffer import GroupBuffer
 from async_vla.buffer_service import BufferService
@@ -68,7 +68,8 @@ def test_the_dead_learners_parked_request_is_voided(tmp_path):
         dead, resumed = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
         assert dead.call(ControlCommand("set_learner_version", 5), 10).value == 5
         dead.send(BatchRequest(rank=0, world=1, version=5, timeout_s=60))   # parked: no data (then "killed")
-        time.sleep(0.3)
+        parked = wait_stats(resumed, lambda s: s["metrics"]["buffer/parked_requests"] == 1)  # before it arrives
+        assert parked["metrics"]["buffer/parked_requests"] == 1, parked["metrics"]
         t0 = time.monotonic()
         resumed.send(BatchRequest(rank=0, world=1, version=3, timeout_s=0.5))
         header, _ = dead.recv_bundle(10)               # answered at once, not after 60 s

@@ -82,9 +82,11 @@ def test_bin_train_serves_tensorboard_on_loopback_by_default(tmp_path, monkeypat
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys") / "curve"
-    out = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
-    again = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True)
+    again = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(d)], capture_output=True, text=True,
+                           timeout=60)
     assert again.returncode == 1 and "--force" in again.stderr      # never silently replaces keys
     for f in ("server.key_secret", "client.key_secret"):
         assert stat.S_IMODE((d / f).stat().st_mode) == 0o600
@@ -153,10 +155,9 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
     (msgpack.packb(list(range(5000))), "msgpack"),                         # over max_array_len
 ])
 def test_msgpack_decoding_is_size_limited(header, reason):
-    t0 = time.perf_counter()
     with pytest.raises(M.MalformedMessage) as err:
         M.decode([header])
-    assert err.value.reason == reason and time.perf_counter() - t0 < 0.5
+    assert err.value.reason == reason
     with pytest.raises(M.MalformedMessage):
         M.decode_bundle([header, b"x"])
 
