@@ -74,6 +74,7 @@ class BufferService:
         self._seen_malformed: collections.Counter = collections.Counter()
         self._actors: dict[int, dict] = {}   # actor_id -> {"t": last message, "heartbeat": ..., "stats": ...}
         self._eta_file = self.run_dir / "control" / "max_staleness"
+        self._eta_file.parent.mkdir(parents=True, exist_ok=True)   # so `echo 4 > <run>/control/max_staleness` works
         self._eta_file_sig: Optional[tuple] = None
         self._shutdown = False
         self._closed = False
@@ -159,6 +160,8 @@ class BufferService:
             entry = self._actors.setdefault(msg.actor_id, {})
             entry["t"] = self.clock()
             entry["heartbeat" if isinstance(msg, Heartbeat) else "stats"] = msg
+            if isinstance(msg, ActorStats):   # the run's env steps so far (summary throughput in async mode)
+                self.counters["env_steps_reported"] += max(0, int(msg.env_steps))
         elif isinstance(msg, ControlCommand):
             self.control.reply(peer, self._command(msg))
         elif isinstance(msg, Shutdown):

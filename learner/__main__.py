@@ -54,7 +54,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--ranks", type=int, default=None,
                     help="start this many local ranks as subprocesses (default learner.num_ranks)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # overrides before or after the --options
 
 
 def main(argv: Optional[list[str]] = None) -> int:

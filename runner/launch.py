@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from async_vla.config import Config, load_config, write_resolved
 from async_vla.metrics import Monitor
-from runner.report import RunRecorder
+from runner.report import RunRecorder, fmt_rate
 
 log = logging.getLogger("runner.launch")
 REPO = Path(__file__).resolve().parent.parent
@@ -184,12 +184,18 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
                                           str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],
                                run_dir, cores=actor_cores)
     if cfg.logging.serve_tensorboard:
-        lc = cfg.logging
-        children["tensorboard"] = Child("tensorboard", [py, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"),
-                                                        "--host", lc.tensorboard_host, "--port",
-                                                        str(lc.tensorboard_port)], run_dir)
-        print(f"[train] TensorBoard: http://{lc.tensorboard_host}:{lc.tensorboard_port}/", flush=True)
+        children["tensorboard"] = start_tensorboard(cfg, run_dir)
     return children
+
+
+def start_tensorboard(cfg: Config, run_dir: Path) -> Child:
+    """A TensorBoard server on the run's tb/ for as long as the training runs (logging.serve_tensorboard)."""
+    lc = cfg.logging
+    child = Child("tensorboard", [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"),
+                                  "--host", lc.tensorboard_host, "--port", str(lc.tensorboard_port)], run_dir)
+    print(f"[train] TensorBoard: http://{lc.tensorboard_host}:{lc.tensorboard_port}/ (while training runs)",
+          flush=True)
+    return child
 
 
 def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[str], resume: bool = False) -> Optional[dict]:
@@ -204,7 +210,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
-    recorder = RunRecorder(cfg, run_dir, monitor)
+    recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
     evaluator = Evaluator(cfg, run_dir)
     children: dict[str, Child] = {}
     control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
@@ -212,8 +218,14 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     stats: Optional[dict] = None
     failed = False
     try:
-        _, res = evaluator.evaluate(use_latest=resume)
-        recorder.eval_result(evaluator.version, res)
+        start = evaluator.latest_version() if resume else -1
+        if resume:
+            recorder.mark_resumed(max(start, 0))
+        if start >= 0 and recorder.last_eval_version() == start:
+            evaluator.version = start          # the previous part's last eval was of these very weights
+        else:
+            _, res = evaluator.evaluate(use_latest=resume)
+            recorder.eval_result(evaluator.version, res)
         children = start_children(cfg, run_dir, cfg_path, resume)
         last_status = next_eval_check = time.time()
         next_eval = (evaluator.version // max(cfg.run.eval_every, 1) + 1) * max(cfg.run.eval_every, 1)
@@ -245,21 +257,29 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 last_status = now
                 stats = buffer_stats(control, keys=keys) or stats
                 if stats:
+                    recorder.observe_service(stats)
                     rate = stats.get("metrics", {}).get("rollout/success_rate")
                     if rate is not None and rate == rate:  # the plot's train-rollout line (NaN = no stats yet)
                         recorder.train_points.append({"version": int(stats.get("learner_version", 0)),
-                                                      "wall_s": time.time() - recorder.t0, "success_rate": rate})
+                                                      "wall_s": recorder.wall(), "success_rate": rate})
+                        recorder.save_progress()
                     print(status_line(recorder, stats), flush=True)
     finally:
+        if "actors" in children:
+            children["actors"].stop(timeout_s=30)   # first: their last ActorStats reach the buffer as they stop
         if children.get("buffer") and children["buffer"].alive():
             stats = buffer_stats(control, keys=keys) or stats
-        for name in ("actors", "learner", "tensorboard", "buffer"):
+            if stats:
+                recorder.observe_service(stats)
+        for name in ("learner", "tensorboard", "buffer"):
             if name in children:
                 children[name].stop(timeout_s=60 if name == "learner" else 30)
         for s, h in old.items():
             signal.signal(s, h)
-    v, res = evaluator.evaluate()
-    recorder.eval_result(v, res)
+    v = evaluator.latest_version()
+    if v < 0 or recorder.last_eval_version() != v:   # not when the last periodic eval was of the final weights
+        v, res = evaluator.evaluate()
+        recorder.eval_result(v, res)
     evaluator.close()
     ledger = _read_json(run_dir / "ledger.json") or (stats or {}).get("ledger", {})
     summary = recorder.finish(v, ledger, extra={"mode": cfg.run.mode, "failed": failed,
@@ -271,12 +291,16 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
 def status_line(recorder: RunRecorder, stats: dict) -> str:
     m = stats.get("metrics", {})
     led = stats.get("ledger", {})
-    best = max((p["success_rate"] for p in recorder.eval_points), default=float("nan"))
-    return (f"[{time.time() - recorder.t0:6.0f}s] learner v{stats.get('learner_version', 0)}"
-            f" | rollout success {m.get('rollout/success_rate', float('nan')):.2f} | best eval {best:.2f}"
+    best = max((p["success_rate"] for p in recorder.eval_points), default=None)
+    steps = m.get("perf/env_steps_per_s")
+    lag = m.get("buffer/lag_mean")
+    # "--": the actors' first stats are not in yet (they report every actor.stats_every_s)
+    return (f"[{recorder.wall():6.0f}s] learner v{stats.get('learner_version', 0)}"
+            f" | rollout success {fmt_rate(m.get('rollout/success_rate'))} | best eval {fmt_rate(best)}"
             f" | received {stats.get('received', '?')} trained {led.get('trained', '?')}"
             f" uniform {led.get('filtered_uniform', '?')} stale {led.get('stale', '?')}"
-            f" | lag {m.get('buffer/lag_mean', float('nan')):.2f} | env steps/s {m.get('perf/env_steps_per_s', 0):.0f}")
+            f" | lag {'--' if lag is None or lag != lag else f'{lag:.2f}'}"
+            f" | env steps/s {'--' if not steps else f'{steps:.0f}'}")
 
 
 def _read_json(path: Path) -> Optional[dict]:

@@ -11,19 +11,71 @@ from typing import Any, Optional
 from async_vla.metrics import Monitor
 
 
-class RunRecorder:
-    """Collects rollout and eval success as the run goes, logs them, and writes the end-of-run report."""
+PROGRESS_FILE = "progress.json"   # eval and train points so far, so a resumed run's report covers the whole run
+SAVE_EVERY_S = 5.0
 
-    def __init__(self, cfg: Any, run_dir: Path, monitor: Monitor):
+
+class RunRecorder:
+    """Collects rollout and eval success as the run goes, logs them, and writes the end-of-run report.
+
+    With ``resume`` it picks up ``<run>/progress.json`` (written as the run goes, so a kill -9 loses at most a few
+    seconds of train points): wall times continue from where the previous part stopped and summary.json /
+    success.png describe the whole run. Throughput is per part (this process's own counts over its own time).
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path, monitor: Monitor, resume: bool = False):
         self.cfg, self.run_dir, self.monitor = cfg, Path(run_dir), monitor
         self.t0 = time.time()
         self.eval_points: list[dict] = []      # {"version", "wall_s", "success_rate", "by_task"}
         self.train_points: list[dict] = []     # {"version", "wall_s", "success_rate"}
+        self.wall_offset = 0.0                 # wall time of the earlier parts of a resumed run
+        self.resumed_at: list[int] = []        # versions a part started from
         self._window: collections.deque = collections.deque(maxlen=max(64, 8 * cfg.actor.group_size))
         self._by_task: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=64))
         self.trajectories = 0
-        self.env_steps = 0
+        self.env_steps = 0.0
+        self._saved_at = 0.0
+        if resume:
+            self._load_progress()
         write_versions(cfg, self.run_dir)
+
+    def wall(self) -> float:
+        """Seconds since the run started (the earlier parts of a resumed run included)."""
+        return self.wall_offset + time.time() - self.t0
+
+    def last_eval_version(self) -> Optional[int]:
+        return self.eval_points[-1]["version"] if self.eval_points else None
+
+    def mark_resumed(self, version: int) -> None:
+        self.resumed_at.append(int(version))
+
+    def _load_progress(self) -> None:
+        try:
+            saved = json.loads((self.run_dir / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        self.eval_points = list(saved.get("eval", []))
+        self.train_points = list(saved.get("train", []))
+        self.resumed_at = list(saved.get("resumed_at", []))
+        self.wall_offset = float(saved.get("wall_s", 0.0))
+
+    def save_progress(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._saved_at < SAVE_EVERY_S:
+            return
+        self._saved_at = now
+        out = {"wall_s": self.wall(), "eval": self.eval_points, "train": self.train_points,
+               "resumed_at": self.resumed_at}
+        tmp = self.run_dir / (PROGRESS_FILE + ".tmp")
+        tmp.write_text(json.dumps(out, default=float))
+        tmp.replace(self.run_dir / PROGRESS_FILE)
+
+    def observe_service(self, stats: dict) -> None:
+        """Async mode: trajectories and env steps come from the buffer's stats, not from trajectories seen here
+        (a buffer starts from zero with each part of a run): its received count, and the env steps the actors
+        have reported in their ActorStats (each actor's last interval before the stop is not counted)."""
+        self.trajectories = max(self.trajectories, int(stats.get("received", 0) or 0))
+        self.env_steps = max(self.env_steps, float(stats.get("service", {}).get("env_steps_reported", 0) or 0))
 
     def rollout(self, traj: Any) -> None:
         """Every finished trajectory (serial mode sees them all; async mode gets ActorStats instead)."""
@@ -37,7 +89,7 @@ class RunRecorder:
         return overall, {t: sum(d) / len(d) for t, d in self._by_task.items() if d}
 
     def eval_result(self, version: int, res: dict) -> None:
-        wall = time.time() - self.t0
+        wall = self.wall()
         self.eval_points.append({"version": version, "wall_s": wall, "success_rate": res["success_rate"],
                                  "by_task": {str(k): v for k, v in res.get("by_task", {}).items()}})
         self.monitor.scalar("eval/success_rate", res["success_rate"], version)
@@ -46,11 +98,13 @@ class RunRecorder:
         self.monitor.flush()
         print(f"[eval] version {version}: greedy held-out success {res['success_rate']:.3f} "
               f"({res.get('episodes', '?')} episodes, {wall:.0f}s)", flush=True)
+        self.save_progress(force=True)
 
     def learner_step(self, version: int, metrics: dict, buffer: Any = None) -> None:
         """Log one learner step's metrics plus the buffer's and the rollout success rates."""
         rate, by_task = self.rollout_rates()
-        self.train_points.append({"version": version, "wall_s": time.time() - self.t0, "success_rate": rate})
+        self.train_points.append({"version": version, "wall_s": self.wall(), "success_rate": rate})
+        self.save_progress()
         values = dict(metrics)
         values["rollout/success_rate"] = rate
         for task, r in by_task.items():
@@ -64,17 +118,17 @@ class RunRecorder:
 
     def status_line(self, version: int, buffer: Any = None) -> str:
         rate, _ = self.rollout_rates()
-        wall = time.time() - self.t0
-        best = max((p["success_rate"] for p in self.eval_points), default=float("nan"))
+        part_s = time.time() - self.t0
+        best = max((p["success_rate"] for p in self.eval_points), default=None)
         led = buffer.ledger if buffer is not None else {}
-        return (f"[{wall:6.0f}s] v{version} rollout success {rate:.2f} | best eval {best:.2f} | "
-                f"traj {led.get('received', self.trajectories)} trained {led.get('trained', 0)} "
-                f"uniform {led.get('filtered_uniform', 0)} stale {led.get('stale', 0)} | "
-                f"env steps/s {self.env_steps / max(wall, 1e-9):.0f}")
+        return (f"[{self.wall():6.0f}s] v{version} rollout success {fmt_rate(rate if self._window else None)} | "
+                f"best eval {fmt_rate(best)} | traj {led.get('received', self.trajectories)} trained "
+                f"{led.get('trained', 0)} uniform {led.get('filtered_uniform', 0)} stale {led.get('stale', 0)} | "
+                f"env steps/s {self.env_steps / max(part_s, 1e-9):.0f}")
 
     def finish(self, version: int, ledger: dict, extra: Optional[dict] = None) -> dict:
-        """Write summary.json and success.png; returns the summary."""
-        wall = time.time() - self.t0
+        """Write summary.json and success.png (and progress.json); returns the summary."""
+        wall, part_s = self.wall(), time.time() - self.t0
         evals = [p["success_rate"] for p in self.eval_points]
         reached = next((p for p in self.eval_points if self.cfg.run.target_success is not None
                         and p["success_rate"] >= self.cfg.run.target_success), None)
@@ -84,14 +138,23 @@ class RunRecorder:
             "initial_eval_success": evals[0] if evals else None,
             "wall_s": wall,
             "time_to_target_s": reached["wall_s"] if reached else None,
+            "version_at_target": reached["version"] if reached else None,
+            "resumed_at": self.resumed_at,
             "eval": self.eval_points, "ledger": ledger,
-            "throughput": {"trajectories_per_s": self.trajectories / max(wall, 1e-9),
-                           "env_steps_per_s": self.env_steps / max(wall, 1e-9)},
+            # this part of the run (a resumed run's earlier parts had their own processes and counts)
+            "throughput": {"trajectories_per_s": self.trajectories / max(part_s, 1e-9),
+                           "env_steps_per_s": self.env_steps / max(part_s, 1e-9), "over_s": part_s},
         }
         summary.update(extra or {})
+        self.save_progress(force=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         plot_success(self.run_dir / "success.png", self.eval_points, self.train_points)
         return summary
+
+
+def fmt_rate(x: Optional[float]) -> str:
+    """A success rate for a status line; "--" until there is one (not "nan")."""
+    return "--" if x is None or x != x else f"{x:.2f}"
 
 
 def write_versions(cfg: Any, run_dir: Path) -> dict:

@@ -68,7 +68,9 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     buffer.set_learner_version(learner.version)
     pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
-    recorder = RunRecorder(cfg, run_dir, monitor)
+    recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
+    if resume:
+        recorder.mark_resumed(learner.version)
     t_start = time.perf_counter()
 
     def evaluate(version: int) -> float:
@@ -76,7 +78,8 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
         recorder.eval_result(version, res)
         return res["success_rate"]
 
-    best = evaluate(learner.version)
+    if recorder.last_eval_version() != learner.version:   # resumed: the previous part ended with this very eval
+        evaluate(learner.version)
     rollout_s = train_s = 0.0
     last_status = time.perf_counter()
     try:
@@ -122,9 +125,10 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
             })
             recorder.learner_step(learner.version, metrics, buffer)
             if cfg.run.eval_every and learner.version % cfg.run.eval_every == 0:
-                best = max(best, evaluate(learner.version))
-                if cfg.run.target_success is not None and best >= cfg.run.target_success:
-                    log.info("target success %.2f reached at version %d", best, learner.version)
+                rate = evaluate(learner.version)
+                if cfg.run.target_success is not None and rate >= cfg.run.target_success:
+                    print(f"[train] target success {cfg.run.target_success} reached at version {learner.version}",
+                          flush=True)
                     break
             if cfg.run.checkpoint_every and learner.version % cfg.run.checkpoint_every == 0:
                 learner.save_checkpoint(ckpt_dir, extra={"ledger": buffer.ledger})
@@ -145,4 +149,13 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
 
 def main_serial(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_serial(cfg, run_dir, resume=resume)
+    tensorboard = None
+    if cfg.logging.serve_tensorboard:   # the one process besides this one that serial mode starts
+        from runner.launch import start_tensorboard
+
+        tensorboard = start_tensorboard(cfg, run_dir)
+    try:
+        return run_serial(cfg, run_dir, resume=resume)
+    finally:
+        if tensorboard is not None:
+            tensorboard.stop(timeout_s=10)

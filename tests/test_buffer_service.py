@@ -128,7 +128,7 @@ def test_eta_file_watch(tmp_path):
     cfg = service_cfg(control_poll_s=0.05)
     with running(tmp_path, cfg) as svc:
         client = ControlClient(svc.control_endpoint)
-        (tmp_path / "control").mkdir()
+        assert (tmp_path / "control").is_dir()          # made by the service: `echo 5 > .../max_staleness` works
         (tmp_path / "control" / "max_staleness").write_text("5\n")
         s = wait_stats(client, lambda s: s["max_staleness"] == 5)
         assert s["max_staleness"] == 5 and s["eta_changes"][-1]["source"].startswith("file")

@@ -94,6 +94,12 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     assert 0.0 <= report["eval_success"] <= 1.0 and report["demos_per_task"] == 1
     pol = load_policy(out)
     assert pol.policy_cfg.hidden_size == 64
+    # bin/eval on the directory evaluates on the tasks it was made on (its config.yaml), not the defaults
+    ev = subprocess.run([sys.executable, str(REPO / "bin" / "eval"), str(out)], capture_output=True, text=True,
+                        timeout=300, cwd=REPO)
+    assert ev.returncode == 0, ev.stderr
+    assert f"config: {out / 'config.yaml'}" in ev.stdout and "tasks [4]" in ev.stdout, ev.stdout
+    assert [line.split(":")[0].strip() for line in ev.stdout.splitlines() if line.startswith("  task ")] == ["task 4"]
     bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "policy.nope=1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "policy.nope" in bad.stderr

@@ -33,26 +33,35 @@ def bin_train(tmp_path: Path, name: str, extra: list[str], timeout: int) -> tupl
     return proc, tmp_path / name
 
 
-def check_run_dir(rd: Path, proc: subprocess.CompletedProcess, versions: int) -> dict:
+def check_run_dir(rd: Path, proc: subprocess.CompletedProcess, versions: int, trained_from: int = 0) -> dict:
+    """A finished run's directory; ``trained_from``: the version this part started at (its buffer's ledger)."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((rd / "summary.json").read_text())
     assert summary["final_version"] >= versions
+    assert summary["throughput"]["trajectories_per_s"] > 0 and summary["throughput"]["env_steps_per_s"] > 0
     for name in ("config.yaml", "success.png", "ledger.json"):
         assert (rd / name).is_file(), name
     ledger = json.loads((rd / "ledger.json").read_text())
     counts = ledger["ledger"]
     assert ledger["received"] == sum(counts.values()), (ledger["received"], counts)
-    assert counts["trained"] >= versions * 2 * 4
+    assert counts["trained"] >= (versions - trained_from) * 2 * 4
     assert max((int(k) for k in ledger["lag_histogram"]), default=0) <= ledger["max_staleness"]
     return summary
 
 
 @pytest.mark.timeout(360)  # above the subprocess's own 300 s, so its budget (and message) applies
-def test_serial_mode_end_to_end(tmp_path):
-    proc, rd = bin_train(tmp_path, "serial", ["run.mode=serial", "run.max_versions=2"], timeout=300)
-    check_run_dir(rd, proc, 2)
+def test_serial_mode_end_to_end_and_a_resumed_run_reports_the_whole_run(tmp_path):
+    proc, rd = bin_train(tmp_path, "serial", ["run.mode=serial", "run.max_versions=2"], timeout=150)
+    first = check_run_dir(rd, proc, 2)
     tags = read_tags(rd / "tb")
     assert "eval/success_rate" in tags and "loss/policy" in tags
+    assert [p["version"] for p in first["eval"]] == [0, 2] and first["resumed_at"] == []
+    # --resume to version 4: summary.json and success.png cover both parts, the v2 eval is not repeated
+    proc, _ = bin_train(tmp_path, "serial", ["run.mode=serial", "run.max_versions=4", "--resume"], timeout=150)
+    whole = check_run_dir(rd, proc, 4, trained_from=2)
+    assert [p["version"] for p in whole["eval"]] == [0, 2, 4] and whole["resumed_at"] == [2]
+    assert whole["eval"][:2] == first["eval"] and whole["wall_s"] > first["wall_s"]
+    assert whole["initial_eval_success"] == first["initial_eval_success"]
 
 
 @pytest.mark.slow

@@ -41,8 +41,10 @@ def _format_errors(err: ValidationError, raw: dict) -> str:
             continue
         value = _lookup(raw, loc)
         msg = e["msg"].removeprefix("Value error, ")
-        shown = "" if value == "<missing>" else f" (got {value!r})"
-        lines.append(f"{dotted}: {msg}{shown}")
+        # A cross-field check sits on a whole section (or the whole config): its message names the fields and
+        # values itself, and echoing the section would bury it.
+        shown = "" if value == "<missing>" or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{msg}{shown}" if not loc else f"{dotted}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

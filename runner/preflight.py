@@ -1,0 +1,84 @@
+"""What `bin/train` checks after the config parsed and before it starts anything: facts the schema cannot know
+(files on this host, ports already taken, what ``--resume`` will find), so a run that cannot work fails in a
+second with the field and the fix named, instead of a traceback from a child process minutes in."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+from typing import Any
+
+# The file that marks a checkpoint directory of each policy.arch (async_vla.policy.interface.CONFIG_FILE for ours;
+# an HF directory's config.json for OpenVLA / OpenVLA-OFT). Read here without importing torch.
+POLICY_MARKERS = {"tiny": "async_vla_policy.json", "openvla": "config.json", "openvla_oft": "config.json"}
+
+
+def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for this config on this host. Errors mean the run cannot start; warnings are printed."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    errors += _policy_path(cfg)
+    if cfg.policy.path is None and cfg.policy.arch == "tiny" and not resume:
+        warnings.append(
+            "policy.path is not set: the tiny policy starts from random weights, from which binary-reward RL "
+            "rarely finds its first success. Bootstrap it with bin/sft, as bin/quickstart does (it then trains "
+            "with policy.path=checkpoints/quickstart_sft).")
+    run_dir = Path(run_dir)
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            errors.append(f"--resume: {run_dir} holds no run (no config.yaml). Drop --resume to start a new run, "
+                          "or name an existing one with run.name=... / --run-dir.")
+        elif not any((run_dir / "checkpoints").glob("*")):
+            warnings.append(f"--resume: no checkpoint in {run_dir / 'checkpoints'} yet: starting at version 0.")
+    if cfg.run.mode != "serial":
+        t = cfg.transport
+        errors += busy_ports(t.host, [("transport.trajectory_port", 0 if t.use_ipc else t.trajectory_port),
+                                      ("transport.control_port", 0 if t.use_ipc else t.control_port),
+                                      ("transport.weights_port", t.weights_port)])
+    if cfg.logging.serve_tensorboard:
+        errors += busy_ports(cfg.logging.tensorboard_host, [("logging.tensorboard_port", cfg.logging.tensorboard_port)])
+    return errors, warnings
+
+
+def _policy_path(cfg: Any) -> list[str]:
+    path = cfg.policy.path
+    if path is None:
+        return []
+    where = Path(path).expanduser()
+    what = ("a policy saved by bin/sft or a run's policy/ directory" if cfg.policy.arch == "tiny"
+            else "a local OpenVLA / OpenVLA-OFT checkpoint directory (its config.json and weights)")
+    if not where.is_dir():
+        return [f"policy.path: {path} is not a directory on this host; set it to {what}"
+                + (", or leave it unset to start from random weights" if cfg.policy.arch == "tiny" else "")]
+    marker = POLICY_MARKERS.get(cfg.policy.arch)
+    if marker and not (where / marker).is_file():
+        return [f"policy.path: {path} has no {marker}, so it is not a policy.arch={cfg.policy.arch} checkpoint; "
+                f"set it to {what}"]
+    return []
+
+
+def busy_ports(host: str, fields: list[tuple[str, int]]) -> list[str]:
+    """An error for each port (0 = pick a free one: never busy) that cannot be bound on ``host`` here."""
+    out = []
+    for name, port in fields:
+        if not port:
+            continue
+        problem = _bind_problem(host, port)
+        if problem == "in use":
+            out.append(f"{name}: {host}:{port} is already in use (another run on this host?); set {name} to a "
+                       f"free port, or {name}=0 to pick any free one")
+        elif problem:
+            out.append(f"{name}: cannot listen on {host}:{port} ({problem}); check the host setting beside it")
+    return out
+
+
+def _bind_problem(host: str, port: int) -> str:
+    # SO_REUSEADDR, as the services themselves bind: a port left in TIME_WAIT by a finished run is free to them.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return ""

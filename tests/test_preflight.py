@@ -1,0 +1,63 @@
+"""bin/train's checks before anything starts (runner.preflight): files, ports and --resume, each error naming the
+field and the fix; and bin/train itself exits 2 on them in about a second, having started nothing."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from async_vla.config import load_config
+from runner.preflight import preflight
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_missing_or_wrong_policy_path_is_an_error_naming_the_field(tmp_path):
+    errors, _ = preflight(load_config(None, [f"policy.path={tmp_path / 'nope'}"]), tmp_path / "run", False)
+    assert len(errors) == 1 and errors[0].startswith("policy.path: ") and "bin/sft" in errors[0]
+    (tmp_path / "empty").mkdir()
+    errors, _ = preflight(load_config(None, [f"policy.path={tmp_path / 'empty'}"]), tmp_path / "run", False)
+    assert len(errors) == 1 and "has no async_vla_policy.json" in errors[0]
+    (tmp_path / "empty" / "async_vla_policy.json").write_text("{}")
+    assert preflight(load_config(None, [f"policy.path={tmp_path / 'empty'}"]), tmp_path / "run", False)[0] == []
+
+
+def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
+    errors, warnings = preflight(load_config(None, ["transport.trajectory_port=0", "transport.control_port=0",
+                                                    "transport.weights_port=0"]), tmp_path, False)
+    assert errors == [] and len(warnings) == 1 and "random weights" in warnings[0] and "bin/sft" in warnings[0]
+
+
+def test_resume_needs_a_run_and_warns_when_it_has_no_checkpoint(tmp_path):
+    cfg = load_config(None, ["run.mode=serial"])
+    errors, _ = preflight(cfg, tmp_path / "never", True)
+    assert len(errors) == 1 and errors[0].startswith("--resume: ") and "no config.yaml" in errors[0]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}")
+    errors, warnings = preflight(cfg, tmp_path / "run", True)
+    assert errors == [] and any("no checkpoint" in w for w in warnings)
+
+
+def test_a_port_in_use_names_its_field_and_port_zero_never_clashes(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        cfg = load_config(None, [f"transport.control_port={port}", "transport.trajectory_port=0",
+                                 "transport.weights_port=0"])
+        errors, _ = preflight(cfg, tmp_path, False)
+        assert len(errors) == 1 and errors[0].startswith("transport.control_port: ") and f":{port} " in errors[0]
+        assert "transport.control_port=0" in errors[0]
+        assert preflight(load_config(None, [f"transport.control_port={port}", "run.mode=serial"]), tmp_path,
+                         False)[0] == []                          # serial mode listens on nothing
+        serve = load_config(None, ["run.mode=serial", "logging.serve_tensorboard=true",
+                                   f"logging.tensorboard_port={port}"])
+        assert preflight(serve, tmp_path, False)[0][0].startswith("logging.tensorboard_port: ")
+
+
+def test_bin_train_stops_on_them_before_starting_anything(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+                          f"run.out_dir={tmp_path}", "run.name=x", f"policy.path={tmp_path / 'nope'}"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and "cannot start:" in out.stderr and "policy.path: " in out.stderr
+    assert not (tmp_path / "x").exists()                         # no run directory, no process
