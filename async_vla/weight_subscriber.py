@@ -39,6 +39,13 @@ class _Stop(Exception):   # close() was called: leave the session for good
     pass
 
 
+class _Bye(Exception):    # the learner is closing its store: let go of it first, then look for the next learner
+    pass
+
+
+BYE_WAIT_S = 1.0          # after a learner's goodbye: long enough for its process to be gone before we look again
+
+
 class WeightSubscriber:
     """Actor side: a background thread joins the learner's broadcasts; ``poll()`` hands over new weights."""
 
@@ -66,7 +73,7 @@ class WeightSubscriber:
         self._shm_refused = False      # a segment of this learner session could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
-                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0}
+                      "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0, "byes": 0}
         self._thread = threading.Thread(target=self._run, name=f"weights-sub-{actor_id}", daemon=True)
         self._beat = threading.Thread(target=self._heartbeat, name=f"weights-hb-{actor_id}", daemon=True)
         self._thread.start()
@@ -161,10 +168,14 @@ class WeightSubscriber:
         backoff = 0.2
         while not self._stop.is_set():
             connects = self.stats["connects"]
+            bye = False
             try:
                 self._session()
             except _Stop:
                 break
+            except _Bye:
+                bye = True
+                self.stats["byes"] += 1
             except Exception as exc:  # noqa: BLE001 - the publisher went away, or a bad message: reconnect
                 if not self._stop.is_set():
                     log.info("weights: actor %d reconnecting (%s)", self.actor_id, str(exc).splitlines()[0][:160]
@@ -174,7 +185,7 @@ class WeightSubscriber:
                 with self._hb_lock:
                     self._hb = None
             backoff = 0.2 if self.stats["connects"] > connects else min(backoff * 2, 5.0)
-            if self._stop.wait(backoff):
+            if self._stop.wait(BYE_WAIT_S if bye else backoff):
                 break
 
     def _leave_group(self) -> None:
@@ -245,6 +256,8 @@ class WeightSubscriber:
             kind, epoch = msg.get("t"), int(msg.get("e", -1))
             if kind == "stop":
                 raise _Stop()
+            if kind == "bye":   # closing our connections before its store goes avoids c10d's loud recv error
+                raise _Bye()
             if kind == "invite":
                 self._leave_group()
                 pending = epoch

@@ -362,6 +362,12 @@ class WeightPublisher:
         self.wait_export()
         self._summer.shutdown()
         self._drop_group()
+        # Goodbye to every registered actor: each closes its store connections and looks for the next learner
+        # (a --resume) after a pause, instead of a blocked queue_pop failing - loudly, with a C++ stack trace in
+        # the actor's log - when this process exits. Best effort: a dead store needs no goodbye.
+        with contextlib.suppress(RuntimeError, ValueError):
+            for tok in list(self._members):
+                self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bye"}))
         if self._shm is not None:
             self._shm.close()
             self._shm = None

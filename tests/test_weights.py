@@ -83,6 +83,10 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
             assert all(s.poll(timeout=10)[0] == version for s in subs)
         assert all(checksum(h) == checksum(model) for h in held)         # ... but never while still viewed
         pub.close()
+        deadline = time.monotonic() + 10
+        while not all(s.stats["byes"] == 1 for s in subs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.stats["byes"] for s in subs] == [1, 1]   # told before its store went (no failed receive)
         pub = WeightPublisher(cfg, tmp_path)                             # new port, same run dir
         assert pub.wait_for_actors(2, 30) == 2
         model = mixed_model(5)
