@@ -218,13 +218,18 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     stats: Optional[dict] = None
     failed = False
     try:
-        start = evaluator.latest_version() if resume else -1
         if resume:
-            recorder.mark_resumed(max(start, 0))
-        if start >= 0 and recorder.last_eval_version() == start:
-            evaluator.version = start          # the previous part's last eval was of these very weights
+            # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
+            from learner.core import latest_tag
+
+            tag = latest_tag(run_dir / "checkpoints") or "v0"
+            start = int(tag[1:]) if tag[1:].isdigit() else 0
+            recorder.mark_resumed(start)
+            # Its weights were evaluated when the last part ended there; otherwise the first eval of this part
+            # is the next periodic one (the exports on disk may be of updates the checkpoint does not have).
+            evaluator.version = start
         else:
-            _, res = evaluator.evaluate(use_latest=resume)
+            _, res = evaluator.evaluate(use_latest=False)
             recorder.eval_result(evaluator.version, res)
         children = start_children(cfg, run_dir, cfg_path, resume)
         last_status = next_eval_check = time.time()

@@ -27,8 +27,9 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     run_dir = Path(run_dir)
     if resume:
         if not (run_dir / "config.yaml").is_file():
-            errors.append(f"--resume: {run_dir} holds no run (no config.yaml). Drop --resume to start a new run, "
-                          "or name an existing one with run.name=... / --run-dir.")
+            # Not an error: a job script that always passes --resume (requeued jobs) starts its first run so.
+            warnings.append(f"--resume: {run_dir} holds no run yet (no config.yaml): starting a new one. Check "
+                            "run.name / --run-dir if you meant to continue another.")
         elif not any((run_dir / "checkpoints").glob("*")):
             warnings.append(f"--resume: no checkpoint in {run_dir / 'checkpoints'} yet: starting at version 0.")
     if cfg.run.mode != "serial":
@@ -45,7 +46,7 @@ def _policy_path(cfg: Any) -> list[str]:
     path = cfg.policy.path
     if path is None:
         return []
-    where = Path(path).expanduser()
+    where = Path(path)   # as the loaders will see it (they do not expand ~)
     what = ("a policy saved by bin/sft or a run's policy/ directory" if cfg.policy.arch == "tiny"
             else "a local OpenVLA / OpenVLA-OFT checkpoint directory (its config.json and weights)")
     if not where.is_dir():
@@ -74,11 +75,16 @@ def busy_ports(host: str, fields: list[tuple[str, int]]) -> list[str]:
 
 
 def _bind_problem(host: str, port: int) -> str:
+    try:   # the family from the host itself: "::1" or an IPv6-only name is as valid as 127.0.0.1
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return exc.strerror or str(exc)
     # SO_REUSEADDR, as the services themselves bind: a port left in TIME_WAIT by a finished run is free to them.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(addr)
         except OSError as exc:
             return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
     return ""

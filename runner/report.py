@@ -47,7 +47,11 @@ class RunRecorder:
         return self.eval_points[-1]["version"] if self.eval_points else None
 
     def mark_resumed(self, version: int) -> None:
+        """A part starts at checkpoint ``version``: points past it came from updates a kill discarded (the run
+        continues from the checkpoint, not from them), so they leave the record."""
         self.resumed_at.append(int(version))
+        self.eval_points = [p for p in self.eval_points if p["version"] <= version]
+        self.train_points = [p for p in self.train_points if p["version"] <= version]
 
     def _load_progress(self) -> None:
         try:
@@ -73,7 +77,7 @@ class RunRecorder:
     def observe_service(self, stats: dict) -> None:
         """Async mode: trajectories and env steps come from the buffer's stats, not from trajectories seen here
         (a buffer starts from zero with each part of a run): its received count, and the env steps the actors
-        have reported in their ActorStats (each actor's last interval before the stop is not counted)."""
+        have reported in their ActorStats (the launcher stops the actors, which send their last, before it asks)."""
         self.trajectories = max(self.trajectories, int(stats.get("received", 0) or 0))
         self.env_steps = max(self.env_steps, float(stats.get("service", {}).get("env_steps_reported", 0) or 0))
 

@@ -3,17 +3,27 @@
 `bin/quickstart` and `bin/test` install everything into `<repo>/.venv`; a researcher who then types
 `bin/train ...` from a plain shell would otherwise meet a ModuleNotFoundError for the first dependency."""
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
+# What every bin/ script needs: an interpreter that has these runs as it is (a user's own venv, conda env or
+# CUDA image), whatever else is around.
+CORE_MODULES = ("torch", "zmq", "msgpack", "omegaconf", "pydantic")
+GUARD = "ASYNC_VLA_NO_VENV_REEXEC"
+
 
 def use_repo_venv(repo: Path) -> None:
-    """Re-exec the running script under `<repo>/.venv/bin/python` when that exists and is not already running.
-
-    A no-op inside any other virtual environment (a user's own install) and when the venv is missing."""
-    venv_python = repo / ".venv" / "bin" / "python"
-    in_some_venv = sys.prefix != getattr(sys, "base_prefix", sys.prefix)
-    if in_some_venv or not venv_python.exists() or os.environ.get("ASYNC_VLA_NO_VENV_REEXEC"):
+    """Re-exec the running script under `<repo>/.venv/bin/python` when this interpreter lacks the project's core
+    dependencies and that venv exists. At most once (the guard variable is set for the new process, so a
+    `.venv` that is not a working environment fails with the import error instead of looping)."""
+    if os.environ.get(GUARD):
         return
+    if all(importlib.util.find_spec(m) is not None for m in CORE_MODULES):
+        return
+    venv_python = repo / ".venv" / "bin" / "python"
+    if not venv_python.exists():
+        return
+    os.environ[GUARD] = "1"
     os.execv(str(venv_python), [str(venv_python), *sys.argv])

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from async_vla.config import load_config
 from runner.preflight import preflight
 
@@ -28,10 +30,10 @@ def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
     assert errors == [] and len(warnings) == 1 and "random weights" in warnings[0] and "bin/sft" in warnings[0]
 
 
-def test_resume_needs_a_run_and_warns_when_it_has_no_checkpoint(tmp_path):
+def test_resume_of_nothing_starts_fresh_with_a_warning_and_warns_without_a_checkpoint(tmp_path):
     cfg = load_config(None, ["run.mode=serial"])
-    errors, _ = preflight(cfg, tmp_path / "never", True)
-    assert len(errors) == 1 and errors[0].startswith("--resume: ") and "no config.yaml" in errors[0]
+    errors, warnings = preflight(cfg, tmp_path / "never", True)   # a requeued job's first submission
+    assert errors == [] and any(w.startswith("--resume: ") and "starting a new one" in w for w in warnings)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("{}")
     errors, warnings = preflight(cfg, tmp_path / "run", True)
@@ -53,6 +55,31 @@ def test_a_port_in_use_names_its_field_and_port_zero_never_clashes(tmp_path):
         serve = load_config(None, ["run.mode=serial", "logging.serve_tensorboard=true",
                                    f"logging.tensorboard_port={port}"])
         assert preflight(serve, tmp_path, False)[0][0].startswith("logging.tensorboard_port: ")
+
+
+def _v6_listener():
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.bind(("::1", 0))
+    except OSError:
+        return None
+    s.listen(1)
+    return s
+
+
+def test_an_ipv6_host_is_checked_as_ipv6(tmp_path):
+    busy = _v6_listener()
+    if busy is None:
+        pytest.skip("no IPv6 loopback on this machine")
+    with busy:
+        port = busy.getsockname()[1]
+        cfg = load_config(None, ["run.mode=serial", "logging.serve_tensorboard=true",
+                                 "logging.tensorboard_host=::1", f"logging.tensorboard_port={port}"])
+        errors = preflight(cfg, tmp_path, False)[0]
+        assert len(errors) == 1 and "already in use" in errors[0] and "[::1]" not in errors[0], errors
+    free = load_config(None, ["run.mode=serial", "logging.serve_tensorboard=true", "logging.tensorboard_host=::1",
+                              f"logging.tensorboard_port={port}"])
+    assert preflight(free, tmp_path, False)[0] == []      # closed again: free (not "unknown address family")
 
 
 def test_bin_train_stops_on_them_before_starting_anything(tmp_path):

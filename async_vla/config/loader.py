@@ -41,9 +41,9 @@ def _format_errors(err: ValidationError, raw: dict) -> str:
             continue
         value = _lookup(raw, loc)
         msg = e["msg"].removeprefix("Value error, ")
-        # A cross-field check sits on a whole section (or the whole config): its message names the fields and
-        # values itself, and echoing the section would bury it.
-        shown = "" if value == "<missing>" or isinstance(value, dict) else f" (got {value!r})"
+        # A cross-field check sits on a whole section (loc = the section) or the whole config (loc empty): its
+        # message names the fields and values itself, and echoing the section would bury it.
+        shown = "" if value == "<missing>" or len(loc) <= 1 else f" (got {value!r})"
         lines.append(f"{msg}{shown}" if not loc else f"{dotted}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
