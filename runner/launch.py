@@ -300,7 +300,9 @@ def status_line(recorder: RunRecorder, stats: dict) -> str:
     steps = m.get("perf/env_steps_per_s")
     lag = m.get("buffer/lag_mean")
     # "--": the actors' first stats are not in yet (they report every actor.stats_every_s)
-    return (f"[{recorder.wall():6.0f}s] learner v{stats.get('learner_version', 0)}"
+    # The buffer says 0 until the learner's first request; a resumed part's learner starts at its checkpoint.
+    version = max(int(stats.get("learner_version", 0) or 0), recorder.resumed_at[-1] if recorder.resumed_at else 0)
+    return (f"[{recorder.wall():6.0f}s] learner v{version}"
             f" | rollout success {fmt_rate(m.get('rollout/success_rate'))} | best eval {fmt_rate(best)}"
             f" | received {stats.get('received', '?')} trained {led.get('trained', '?')}"
             f" uniform {led.get('filtered_uniform', '?')} stale {led.get('stale', '?')}"
