@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -22,6 +23,8 @@ _SAFETENSORS_CODES = {
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
 _EXPORT_RE = re.compile(r"^v(\d+)\.safetensors$")
+MILESTONES = "milestones"   # <run>/weights/milestones: exports kept for an evaluator (``Exporter``'s milestone_every)
+MAX_MILESTONES = 3          # kept unread at most (the evaluator scores the newest and skips older ones anyway)
 
 
 def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Optional[dict[str, str]] = None) -> int:
@@ -47,11 +50,13 @@ def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Opt
 
 
 def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
-                   keep: int = 2, session: str = "") -> Path:
+                   keep: int = 2, session: str = "", milestone: bool = False) -> Path:
     """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
     older exports down to ``keep``. A reader never sees a partial file under either name. ``session``: the
     publishing learner's session id (metadata; a resumed learner's versions restart lower, so a version number
-    alone cannot tell its exports from the dead learner's)."""
+    alone cannot tell its exports from the dead learner's). ``milestone``: also keep this version in
+    ``milestones/`` (a hard link: no second copy) until its reader deletes it - pruning does not touch it - if
+    that directory exists (an evaluator made it: nobody else would ever delete them)."""
     d = Path(weights_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"v{version}.safetensors"
@@ -59,6 +64,8 @@ def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTens
     write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt",
                                    "session": session})
     os.replace(tmp, final)
+    if milestone:
+        _keep_milestone(d, final)
     ptr = d / f".latest.tmp{os.getpid()}"
     ptr.write_text(final.name + "\n")
     os.replace(ptr, d / "latest")
@@ -69,26 +76,86 @@ def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTens
     return final
 
 
+def _keep_milestone(d: Path, final: Path) -> None:
+    """Link ``final`` into ``milestones/`` under its own name, atomically (a reader never sees a partial one),
+    when an evaluator asked for them (made the directory); at most ``MAX_MILESTONES`` are kept unread."""
+    ms = d / MILESTONES
+    if not ms.is_dir():
+        return
+    tmp = ms / f".{final.name}.tmp{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(final, tmp)
+    except OSError:        # a filesystem without hard links: a copy
+        shutil.copyfile(final, tmp)
+    os.replace(tmp, ms / final.name)
+    for _, old in milestones(d)[:-MAX_MILESTONES]:
+        old.unlink(missing_ok=True)
+
+
+def milestones(weights_dir: Union[str, Path]) -> list[tuple[int, Path]]:
+    """(version, path) of every milestone export kept in ``<weights_dir>/milestones``, oldest first."""
+    ms = Path(weights_dir) / MILESTONES
+    if not ms.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in ms.iterdir() if (m := _EXPORT_RE.match(p.name)))
+
+
+def discard_milestones(weights_dir: Union[str, Path], up_to: Optional[int] = None) -> int:
+    """Delete milestone exports of versions ``<= up_to`` (all when None); returns how many."""
+    gone = 0
+    for v, p in milestones(weights_dir):
+        if up_to is None or v <= up_to:
+            p.unlink(missing_ok=True)
+            gone += 1
+    return gone
+
+
+def newest_milestone(weights_dir: Union[str, Path], after: int) -> Optional[Path]:
+    """The newest milestone export of a version ``> after``, discarding the older ones it skips (an evaluator
+    that falls behind the learner stays current; every point it reports is still a milestone); None if none."""
+    pending = [(v, p) for v, p in milestones(weights_dir) if v > after]
+    if not pending:
+        return None
+    discard_milestones(weights_dir, up_to=pending[-1][0] - 1)
+    return pending[-1][1]
+
+
 class Exporter:
     """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
-    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns."""
+    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns.
 
-    def __init__(self, weights_dir: Union[str, Path], keep: int, session: str = ""):
+    ``milestone_every`` (``run.eval_every``): the first export at or past each multiple of it is also kept in
+    ``milestones/`` when that directory exists (``bin/train``'s evaluator makes it), so the evaluator scores
+    exactly those versions however far the latest export has moved on by the time it looks (with ``weights.publish_every`` > 1 a multiple that is never published
+    is stood in for by the next export past it)."""
+
+    def __init__(self, weights_dir: Union[str, Path], keep: int, session: str = "", milestone_every: int = 0):
         self.weights_dir, self.keep, self.session = Path(weights_dir), keep, session
+        self.milestone_every = max(0, int(milestone_every))
+        self._last_export = -1      # version of the last export started (its milestone decided)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+
+    def _is_milestone(self, version: int) -> bool:
+        every, last = self.milestone_every, self._last_export
+        self._last_export = version
+        if not every or last < 0:    # the first export (v0, or a resumed part's start) was evaluated already
+            return False
+        return version // every > last // every
 
     def start(self, version: int, layout: Layout, buckets: Sequence[torch.Tensor], csum: Optional[float],
               sync: bool) -> Optional[BaseException]:
         """Wait for the previous export, then write this one (computing its checksum when ``csum`` is None);
         returns the previous export's error, if any."""
         previous = self.wait()
+        milestone = self._is_milestone(version)
 
         def work():
             try:
                 named = unpack(layout, [b.cpu() for b in buckets])
                 export_weights(self.weights_dir, version, named, checksum(named) if csum is None else csum, self.keep,
-                               self.session)
+                               self.session, milestone)
             except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
                 self._error = exc
                 log.error("weights: export of v%d failed: %s", version, exc)

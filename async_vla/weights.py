@@ -110,7 +110,9 @@ class WeightPublisher:
         self._known = 0
         self._epoch = 0
         self._group: Optional[BroadcastGroup] = None
-        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session)
+        # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
+        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session,
+                                  milestone_every=cfg.run.eval_every)
         self._last_pack_s = 0.0
         self._layout: Optional[Layout] = None     # the last version's (reused while the tensors stay the same)
         self.last: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 
 Every child is started from the resolved ``<run>/config.yaml`` (one source of truth), with its own log file
 in ``<run>/logs/`` and its command line appended to ``<run>/commands.txt``. The launcher itself watches the
-children, evaluates every exported policy version greedily on held-out init states (``run.eval_every``),
+children, evaluates the policy greedily on held-out init states every ``run.eval_every`` versions (exactly those:
+the learner keeps their exports in ``<run>/weights/milestones/`` until evaluated),
 prints a live status line, and on completion or Ctrl-C stops everything: actors first (so nothing new is
 produced), then the learner (final checkpoint), then the buffer (final ledger). No zombies: each child is
 signalled, waited for a bounded time, then killed.
@@ -10,6 +11,7 @@ signalled, waited for a bounded time, then killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -140,11 +142,41 @@ class Evaluator:
         except (OSError, ValueError):
             return -1
 
-    def evaluate(self, use_latest: bool = True) -> tuple[int, dict]:
+    def ask_for_milestones(self) -> None:
+        """Have the learner keep the export of every ``run.eval_every``-th version for us (``weights/milestones``);
+        any left from an earlier part of this run (a resume discards what came after its checkpoint) go."""
+        from async_vla.weight_export import MILESTONES, discard_milestones
+
+        if self.cfg.run.eval_every:
+            (self.run_dir / "weights" / MILESTONES).mkdir(parents=True, exist_ok=True)
+            discard_milestones(self.run_dir / "weights")
+
+    def next_milestone(self) -> Optional[Path]:
+        """The newest milestone export past the version evaluated last; older ones are skipped (deleted)."""
+        from async_vla.weight_export import newest_milestone
+
+        return newest_milestone(self.run_dir / "weights", self.version)
+
+    def close_milestones(self) -> None:
+        from async_vla.weight_export import MILESTONES, discard_milestones
+
+        discard_milestones(self.run_dir / "weights")
+        with contextlib.suppress(OSError):
+            (self.run_dir / "weights" / MILESTONES).rmdir()
+
+    def evaluate(self, use_latest: bool = True, path: Optional[Path] = None) -> tuple[int, dict]:
+        """Greedy held-out success of the export at ``path``, else of the latest export (``use_latest``), else of
+        the weights loaded last (the initial policy at first)."""
         from actors.weight_loading import load_weights, load_weights_path
         from async_vla.sft import evaluate_greedy
 
-        if use_latest and (self.run_dir / "weights").exists():
+        if path is not None:
+            version, state = load_weights_path(str(path), max(self.version, 0))
+            load_weights(self.policy, state)
+            self.version = version
+            with contextlib.suppress(OSError):
+                path.unlink()
+        elif use_latest and (self.run_dir / "weights").exists():
             version, state = load_weights_path(str(self.run_dir / "weights"), max(self.version, 0))
             load_weights(self.policy, state)
             self.version = version
@@ -231,9 +263,9 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
         else:
             _, res = evaluator.evaluate(use_latest=False)
             recorder.eval_result(evaluator.version, res)
+        evaluator.ask_for_milestones()
         children = start_children(cfg, run_dir, cfg_path, resume)
         last_status = next_eval_check = time.time()
-        next_eval = (evaluator.version // max(cfg.run.eval_every, 1) + 1) * max(cfg.run.eval_every, 1)
         while not stop["flag"]:
             time.sleep(0.5)
             if not children["learner"].alive():
@@ -250,11 +282,11 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 break
             now = time.time()
             if cfg.run.eval_every and now >= next_eval_check:
-                next_eval_check = now + 2.0
-                if evaluator.latest_version() >= next_eval:
-                    v, res = evaluator.evaluate()
+                next_eval_check = now + 1.0
+                milestone = evaluator.next_milestone()
+                if milestone is not None:
+                    v, res = evaluator.evaluate(path=milestone)
                     recorder.eval_result(v, res)
-                    next_eval = (v // cfg.run.eval_every + 1) * cfg.run.eval_every
                     if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
                         print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
                         break
@@ -285,6 +317,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     if v < 0 or recorder.last_eval_version() != v:   # not when the last periodic eval was of the final weights
         v, res = evaluator.evaluate()
         recorder.eval_result(v, res)
+    evaluator.close_milestones()
     evaluator.close()
     ledger = _read_json(run_dir / "ledger.json") or (stats or {}).get("ledger", {})
     summary = recorder.finish(v, ledger, extra={"mode": cfg.run.mode, "failed": failed,

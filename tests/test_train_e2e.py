@@ -71,7 +71,13 @@ def test_async_two_learner_ranks_two_actors(tmp_path):
         "run.mode=async", "run.max_versions=12", "learner.num_ranks=2", "actor.num_actors=2", "run.max_wall_s=400",
         "weights.verify_ranks=true",  # 12 versions: the first few go out before the actors have joined the group
     ], timeout=560)
-    check_run_dir(rd, proc, 12)
+    summary = check_run_dir(rd, proc, 12)
+    # Periodic evals land on exactly the multiples of run.eval_every (the learner keeps those exports for the
+    # launcher), between the initial eval of v0 and the final one; none are left on disk afterwards.
+    evals = [p["version"] for p in summary["eval"]]
+    assert evals[0] == 0 and evals[-1] == summary["final_version"] and len(evals) >= 3, evals
+    assert all(v % 2 == 0 for v in evals[1:-1]) and evals == sorted(set(evals)), evals
+    assert not (rd / "weights" / "milestones").exists()
     # After every broadcast both ZeRO-3 ranks' own gathers equal the checksum rank 0 sent, and every actor in
     # the group acknowledged only after its received tensors matched that checksum.
     ok = read_scalars(rd / "tb", "weights/rank_checksum_ok")

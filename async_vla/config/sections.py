@@ -31,9 +31,14 @@ class RunConfig(Section):
     max_versions: int = Field(50, ge=1)
     """Stop after the learner has produced this many policy versions (optimizer steps)."""
     max_wall_s: float = Field(600.0, gt=0)
-    """Stop after this many seconds of wall time, whichever comes first."""
+    """Stop training after this many seconds of wall time, whichever comes first (counted by the learner from
+    its start). The final checkpoint, policy export, final evaluation and shutdown come after it: leave a job
+    scheduler's limit some room beyond this (seconds on the built-in task, minutes for a LIBERO evaluation)."""
     eval_every: int = Field(5, ge=0)
-    """Greedy evaluation on held-out init states every this many versions (0 = only at the end)."""
+    """Greedy evaluation on held-out init states every this many versions (0 = only at the start and end).
+    async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's
+    evaluator has scored it, so evals land on exactly these versions; an evaluator that falls behind scores the
+    newest one waiting and skips the older ones."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every this many versions (0 = only at the end)."""
     pin_cores: bool = False
