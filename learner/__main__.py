@@ -275,6 +275,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
 
     from async_vla.metrics import Monitor
     from async_vla.policy import build_policy
+    from async_vla.policy.interface import write_policy_version
     from learner.core import TorchLearner, checkpoint_tag, latest_tag, tensors_digest
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -405,6 +406,8 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
     if learner.version != last_ckpt or not (ckpt_dir / "latest").is_file():
         checkpoint()
     learner.export_policy(run_dir / "policy")
+    if rank == 0:   # which version <run>/policy holds (bin/train evaluates it when weights.export is off)
+        write_policy_version(run_dir / "policy", learner.version)
     if publisher is not None:
         for fn in ("wait_export", "close"):
             if hasattr(publisher, fn):

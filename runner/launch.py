@@ -165,24 +165,31 @@ class Evaluator:
             (self.run_dir / "weights" / MILESTONES).rmdir()
 
     def evaluate(self, use_latest: bool = True, path: Optional[Path] = None) -> tuple[int, dict]:
-        """Greedy held-out success of the export at ``path``, else of the latest export (``use_latest``), else of
-        the weights loaded last (the initial policy at first)."""
-        from actors.weight_loading import load_weights, load_weights_path
+        """Greedy held-out success of the export at ``path`` (deleted once loaded: a milestone), else - with
+        ``use_latest`` - of the latest export, or where there is none (weights.export=false) of the learner's
+        final ``<run>/policy`` once it has written one; else of the weights loaded last (the initial policy)."""
+        from async_vla.policy.interface import read_policy_version
         from async_vla.sft import evaluate_greedy
 
+        final = self.run_dir / "policy"
         if path is not None:
-            version, state = load_weights_path(str(path), max(self.version, 0))
-            load_weights(self.policy, state)
-            self.version = version
+            self._load(path)
             with contextlib.suppress(OSError):
                 path.unlink()
-        elif use_latest and (self.run_dir / "weights").exists():
-            version, state = load_weights_path(str(self.run_dir / "weights"), max(self.version, 0))
-            load_weights(self.policy, state)
-            self.version = version
+        elif use_latest and self.latest_version() >= 0:
+            self._load(self.run_dir / "weights")
+        elif use_latest and (v := read_policy_version(final)) is not None and v >= self.version:
+            self._load(final, v)
         else:
             self.version = max(self.version, 0)
         return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+
+    def _load(self, path: Path, version: Optional[int] = None) -> None:
+        from actors.weight_loading import load_weights, load_weights_path
+
+        got, state = load_weights_path(str(path), max(self.version, 0) if version is None else version)
+        load_weights(self.policy, state)
+        self.version = got
 
     def close(self) -> None:
         for env in self.envs:
@@ -264,6 +271,9 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
             _, res = evaluator.evaluate(use_latest=False)
             recorder.eval_result(evaluator.version, res)
         evaluator.ask_for_milestones()
+        if not cfg.weights.export:
+            print("[train] weights.export=false: no evaluation during the run (it loads the exported versions); "
+                  "the learner's final policy is evaluated when it stops", flush=True)
         children = start_children(cfg, run_dir, cfg_path, resume)
         last_status = next_eval_check = time.time()
         while not stop["flag"]:

@@ -363,7 +363,10 @@ class WeightsConfig(Section):
     One extra ZeRO-3 gather per version: for tests and debugging."""
     export: bool = True
     """Also write every published version to <run>/weights/v<version>.safetensors + `latest` (the fallback
-    a restarted or late actor loads)."""
+    a restarted or late actor loads, and what bin/train's evaluator scores during the run). False (a large model
+    on a slow disk): a restarted actor gets weights only from the next broadcast (until then it samples with its
+    starting policy, work the buffer may drop as stale), and bin/train evaluates only the learner's final
+    <run>/policy."""
     export_keep: int = Field(2, ge=1)
     """Exported versions kept on disk (older ones are deleted)."""
     export_async: bool = True

@@ -27,7 +27,21 @@ if TYPE_CHECKING:
 ArrayLike = Union[np.ndarray, Tensor]
 CONFIG_FILE = "async_vla_policy.json"
 WEIGHTS_FILE = "model.safetensors"
+VERSION_FILE = "async_vla_version.json"    # the policy version a saved directory holds (the learner's final export)
 FORMAT_VERSION = 1
+
+
+def write_policy_version(directory: Union[str, Path], version: int) -> None:
+    """Record which policy version a saved policy directory holds (``VERSION_FILE``; the learner's final export)."""
+    (Path(directory) / VERSION_FILE).write_text(json.dumps({"version": int(version)}) + "\n")
+
+
+def read_policy_version(directory: Union[str, Path]) -> Optional[int]:
+    """The version ``write_policy_version`` recorded, or None (not recorded, unreadable)."""
+    try:
+        return int(json.loads((Path(directory) / VERSION_FILE).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def effective_temperature(temperature: float) -> float:

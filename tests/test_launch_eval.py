@@ -1,0 +1,63 @@
+"""bin/train's evaluator (runner.launch.Evaluator): which weights it scores - a milestone export, the latest
+export, or with weights.export=false the learner's final <run>/policy - and that it really loaded them."""
+
+import torch
+
+from async_vla.config import load_config
+from async_vla.policy import build_policy, save_policy
+from async_vla.policy.interface import read_policy_version, write_policy_version
+from async_vla.weight_export import MILESTONES, export_weights, milestones
+from runner.launch import Evaluator
+
+SMALL = ["env.num_train_init_states=2", "env.num_eval_init_states=1", "env.task_ids=[0]", "actor.group_size=2",
+         "policy.hidden_size=32", "policy.num_heads=2", "policy.num_layers=1", "policy.intermediate_size=64",
+         "run.eval_every=2"]
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.clone() for k, v in build_policy(load_config(None, SMALL)).state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_milestone_then_latest_then_final_policy(tmp_path):
+    cfg = load_config(None, SMALL)
+    ev = Evaluator(cfg, tmp_path)
+    try:
+        (tmp_path / "weights" / MILESTONES).mkdir(parents=True)
+        (tmp_path / "weights" / MILESTONES / "v9.safetensors").write_bytes(b"left by an earlier part")
+        ev.ask_for_milestones()                     # a resumed part: what came after its checkpoint is gone
+        assert milestones(tmp_path / "weights") == []
+
+        assert ev.next_milestone() is None
+        export_weights(tmp_path / "weights", 2, _weights(2), 0.0, milestone=True)
+        export_weights(tmp_path / "weights", 3, _weights(3), 0.0)
+        path = ev.next_milestone()
+        version, res = ev.evaluate(path=path)
+        assert version == 2 and res["episodes"] == 1 and not path.exists()
+        assert _same(ev.policy.state_dict(), _weights(2))
+
+        assert ev.evaluate()[0] == 3 and _same(ev.policy.state_dict(), _weights(3))
+        ev.close_milestones()
+        assert not (tmp_path / "weights" / MILESTONES).exists()
+    finally:
+        ev.close()
+
+
+def test_without_exports_the_final_policy_is_scored_as_its_version(tmp_path):
+    cfg = load_config(None, SMALL + ["weights.export=false"])
+    ev = Evaluator(cfg, tmp_path)
+    try:
+        (tmp_path / "weights").mkdir()              # the publisher makes it, exports or not
+        assert ev.evaluate()[0] == 0                # nothing written yet: the initial weights
+        policy = build_policy(cfg)
+        policy.load_state_dict(_weights(5))
+        save_policy(policy, tmp_path / "policy")
+        write_policy_version(tmp_path / "policy", 5)
+        assert read_policy_version(tmp_path / "policy") == 5
+        assert ev.evaluate()[0] == 5 and _same(ev.policy.state_dict(), _weights(5))
+    finally:
+        ev.close()
