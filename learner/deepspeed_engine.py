@@ -391,12 +391,16 @@ class DeepSpeedLearner(Learner):
         ctx = self._zero_gather(params, modifier_rank=None) if self.stage == 3 else nullcontext()
         with ctx:
             if self.rank == 0:
-                if self.stage == 3:
-                    # Gathered parameters are views into one flat buffer, which safetensors refuses to save
-                    # ("none is covering the entire storage"): give each its own storage. Leaving the context
-                    # frees them again (modifier_rank=None: the shards are not touched).
+                # ZeRO 1-2 keep the parameters as views of one flat buffer, and ZeRO-3 gathers them into one:
+                # safetensors refuses to save those ("none is covering the entire storage"). Save copies with
+                # storages of their own, then put the views back (the optimizer steps through them).
+                views = [p.data for p in params]
+                try:
                     for p in params:
                         p.data = p.data.clone()
-                save_policy_dir(self.policy, directory)
+                    save_policy_dir(self.policy, directory)
+                finally:
+                    for p, v in zip(params, views):
+                        p.data = v
         self._dist.barrier()
         return directory if self.rank == 0 else None
