@@ -23,6 +23,7 @@ multi-rank learner they are reduced over ranks, so every rank returns the global
 from __future__ import annotations
 
 import abc
+import copy
 import hashlib
 import logging
 import random
@@ -143,9 +144,10 @@ class Learner(abc.ABC):
         self.cfg = cfg
         self.policy = policy
         self.rank, self.world = rank, world
-        if cfg.loss.kl_beta > 0:
-            raise ValueError("loss.kl_beta > 0 needs reference-policy log-probs; the learner keeps no reference "
-                             "model yet: set loss.kl_beta=0 (the SimpleVLA-RL recipe uses no KL term)")
+        # loss.kl_beta > 0: a frozen copy of the starting policy (policy.path, or the seeded initial weights) is
+        # the KL reference; each backend keeps its own (``_ref_logprobs``). Taken before any step or checkpoint
+        # load, so a resumed run keeps the same reference as long as it starts from the same policy.
+        self.uses_reference = cfg.loss.kl_beta > 0
         self.version = 0
         self.skipped_steps = 0
         self.extra_steps = 0
@@ -167,8 +169,10 @@ class Learner(abc.ABC):
         mbs = micro_batches(batch, cfg.learner.micro_batch_trajectories)
         mbs = self._pad_micro_batches(mbs)
 
-        with torch.no_grad():  # pi_prox: the weights at batch start, once per batch
+        with torch.no_grad():  # pi_prox: the weights at batch start, once per batch (and the reference's)
             prox = [mb.layout(self._logprobs(mb).float()) for mb in mbs]
+            refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in mbs] if self.uses_reference
+                    else [None] * len(mbs))
         t_prox = time.perf_counter() - t0
         loss_masks = [loss_token_mask(p, mb.behav_logprobs, mb.mask, cfg.loss) for p, mb in zip(prox, mbs)]
         units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
@@ -181,11 +185,11 @@ class Learner(abc.ABC):
         for step in range(cfg.learner.steps_per_batch):
             nonfinite = False
             steps_run += 1
-            for i, (mb, p, lm, w, u) in enumerate(zip(mbs, prox, loss_masks, weights, units)):
+            for i, (mb, p, ref, lm, w, u) in enumerate(zip(mbs, prox, refs, loss_masks, weights, units)):
                 self._begin_micro_batch(i == len(mbs) - 1)
                 logp = mb.layout(self._logprobs(mb).float())
                 loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
-                                           generator=self.loss_generator)
+                                           generator=self.loss_generator, ref_logp=ref)
                 finite = bool(torch.isfinite(loss))
                 nonfinite |= not finite
                 self._backward(loss * w, finite)
@@ -267,6 +271,10 @@ class Learner(abc.ABC):
     def _logprobs(self, mb: TrainBatch) -> Tensor:
         """Per-call token log-probs [C, T] under the current weights at ``self.temperature``."""
 
+    def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
+        """Per-call token log-probs [C, T] under the frozen reference policy (only with ``loss.kl_beta`` > 0)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no reference policy")
+
     @abc.abstractmethod
     def _backward(self, loss: Tensor, finite: bool) -> None:
         """Accumulate gradients of ``loss`` (``finite`` False: the backend must make this step be skipped)."""
@@ -334,6 +342,14 @@ def save_policy_dir(policy: torch.nn.Module, directory: Path) -> Path:
         raise
 
 
+def frozen_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``policy`` that never trains: the KL reference (eval mode, no gradients)."""
+    ref = copy.deepcopy(policy)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
 # ---------------------------------------------------------------------------------- TorchLearner
 class TorchLearner(Learner):
     """Single-process learner with torch AdamW (serial mode, tests, debugging). fp32, or bf16 autocast on
@@ -348,6 +364,7 @@ class TorchLearner(Learner):
         self.policy.eval()
         lc = cfg.learner
         self._params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.ref_policy = frozen_copy(self.policy) if self.uses_reference else None
         self.optimizer = torch.optim.AdamW(self._params, lr=lc.lr, betas=tuple(lc.betas),
                                            weight_decay=lc.weight_decay)
         self._bf16 = self._device.type == "cuda" and lc.precision in ("auto", "bf16")
@@ -356,10 +373,13 @@ class TorchLearner(Learner):
     def device(self) -> torch.device:
         return self._device
 
-    def _logprobs(self, mb: TrainBatch) -> Tensor:
+    def _logprobs(self, mb: TrainBatch, policy: Optional[torch.nn.Module] = None) -> Tensor:
         with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._bf16):
-            return self.policy.token_logprobs(mb.images, mb.proprio, mb.instructions, mb.action_tokens,
-                                              self.temperature)
+            return (policy or self.policy).token_logprobs(mb.images, mb.proprio, mb.instructions, mb.action_tokens,
+                                                          self.temperature)
+
+    def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
+        return self._logprobs(mb, self.ref_policy)
 
     def _backward(self, loss: Tensor, finite: bool) -> None:
         if finite:  # a non-finite loss skips the step anyway: no point in its gradient

@@ -56,8 +56,8 @@ from torch import Tensor
 
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
-from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, latest_tag, prune_checkpoints,
-                          restore_rng_state, save_policy_dir, tensors_digest)
+from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
+                          prune_checkpoints, restore_rng_state, save_policy_dir, tensors_digest)
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,8 @@ class DeepSpeedLearner(Learner):
         on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(cfg, on_gpu)
         self.ds_config = load_ds_config(cfg, world)
+        # The KL reference is copied before initialize partitions the policy's parameters in place (ZeRO-3).
+        ref = frozen_copy(policy) if self.uses_reference else None
         self.module = LogProbModule(policy)
         self.module.eval()  # no dropout: learner and actor log-probs agree at equal weights
         lc = cfg.learner
@@ -227,8 +229,19 @@ class DeepSpeedLearner(Learner):
         self._own_skip_check = (self.engine.optimizer is getattr(self.engine, "basic_optimizer", None)
                                 or not hasattr(self.engine.optimizer, "overflow"))
         self._dtype = next(self.module.parameters()).dtype
-        log.info("rank %d/%d: DeepSpeed ZeRO-%d %s on %s", rank, world, self.stage, self.precision,
-                 self.engine.device)
+        self.ref_engine: Optional[Any] = None
+        self.ref_module: Optional[torch.nn.Module] = None
+        if ref is not None:
+            if self.stage == 3:
+                # Sharded like the policy (ZeRO-3 inference: an engine without an optimizer), as TRL and verl do
+                # for their reference models: one more model in memory would defeat ZeRO-3.
+                ref_cfg = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
+                self.ref_engine = deepspeed.initialize(model=LogProbModule(ref), config=ref_cfg)[0]
+                self.ref_engine.eval()
+            else:   # ZeRO 0-2 keep a whole policy on every rank anyway: the reference is one more, unwrapped
+                self.ref_module = LogProbModule(ref.to(device=self.engine.device, dtype=self._dtype))
+        log.info("rank %d/%d: DeepSpeed ZeRO-%d %s on %s%s", rank, world, self.stage, self.precision,
+                 self.engine.device, " (+ KL reference)" if ref is not None else "")
 
     # ------------------------------------------------------------------------------------- hooks
     @property
@@ -241,6 +254,13 @@ class DeepSpeedLearner(Learner):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
             return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
                                self.temperature)
+
+    def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
+        ref = self.ref_engine if self.ref_engine is not None else self.ref_module
+        if ref is None:
+            raise RuntimeError("this learner was built without a KL reference (loss.kl_beta = 0)")
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
+            return ref(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens, self.temperature)
 
     def _begin_micro_batch(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)

@@ -71,11 +71,6 @@ def test_checkpoint_round_trip_is_bit_equal(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000004", "v00000005"]
 
 
-def test_kl_beta_without_reference_is_refused():
-    with pytest.raises(ValueError, match="kl_beta"):
-        TorchLearner(small_cfg("loss.kl_beta=0.1"), StandInPolicy())
-
-
 # ------------------------------------------------------------------------- single-rank DeepSpeed
 @pytest.fixture(scope="module")
 def dist_env():
@@ -192,3 +187,43 @@ def test_latest_tag_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     assert latest_tag(tmp_path) == "v00000010"                         # a valid pointer wins
     (tmp_path / "latest").write_text("v00000050")
     assert latest_tag(tmp_path) == "v00000020"
+
+
+# ------------------------------------------------------------------------------- KL to a reference
+def _two_steps(learner, groups) -> list[dict]:
+    return [learner.train_step(groups) for _ in range(2)]
+
+
+def test_kl_reference_is_the_frozen_starting_policy_and_enters_the_update_once_the_policy_moved():
+    groups = make_groups(policy=StandInPolicy(seed=1), behav_noise=0.1)
+    plain = TorchLearner(small_cfg(), StandInPolicy(seed=1))
+    kl = TorchLearner(small_cfg("loss.kl_beta=1.0"), StandInPolicy(seed=1))
+    start = tensors_digest(kl.full_state_items())
+    m_plain, m_kl = plain.train_step(groups), kl.train_step(groups)
+    assert "loss/kl_ref" not in m_plain and "loss/kl_ref" in m_kl
+    # step 1: the policy is the reference (k3 = 0 and so is its gradient): the same update as without KL
+    assert m_kl["loss/kl_ref"] == 0.0 and m_kl["loss/kl"] == m_kl["loss/kl_ref"]
+    assert tensors_digest(kl.full_state_items()) == tensors_digest(plain.full_state_items())
+    # step 2: the policy has moved, KL to the reference is positive and changes the update
+    m_plain, m_kl = plain.train_step(groups), kl.train_step(groups)
+    assert m_kl["loss/kl_ref"] > 1e-6
+    assert tensors_digest(kl.full_state_items()) != tensors_digest(plain.full_state_items())
+    assert tensors_digest(kl.ref_policy.named_parameters()) == start          # the reference never trains
+    assert not any(p.requires_grad for p in kl.ref_policy.parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_deepspeed_kl_reference_matches_torch(dist_env, stage):
+    from learner.deepspeed_engine import DeepSpeedLearner
+
+    cfg = small_cfg(f"learner.zero_stage={stage}", "learner.micro_batch_trajectories=3", "loss.kl_beta=0.5")
+    groups = make_groups(policy=StandInPolicy(seed=1), behav_noise=0.1)
+    ref, ds = TorchLearner(cfg, StandInPolicy(seed=1)), DeepSpeedLearner(cfg, StandInPolicy(seed=1))
+    assert (ds.ref_engine is not None) == (stage == 3) and (ds.ref_module is not None) == (stage != 3)
+    for m_ref, m_ds in zip(_two_steps(ref, groups), _two_steps(ds, groups)):
+        assert m_ds["loss/kl_ref"] == pytest.approx(m_ref["loss/kl_ref"], rel=1e-4, abs=1e-7)
+        assert m_ds["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-7)
+    assert m_ds["loss/kl_ref"] > 1e-6
+    for (n1, t1), (n2, t2) in zip(ref.full_state_items(), ds.full_state_items()):
+        assert n1 == n2
+        torch.testing.assert_close(t2, t1, rtol=1e-4, atol=1e-5)
