@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from async_vla.config import Config, load_config, write_resolved
 from async_vla.metrics import Monitor
+from async_vla.transport import endpoints
 from runner.report import RunRecorder, fmt_rate
 
 log = logging.getLogger("runner.launch")
@@ -209,7 +210,8 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
     learner_cores, actor_cores = core_sets(cfg)
     children = {"buffer": Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
                                 run_dir, cores=learner_cores)}
-    control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
+    eps = endpoints(cfg.transport, run_dir, side="connect")   # tcp, or ipc socket files (transport.use_ipc)
+    control = eps["control"]
     deadline = time.time() + 60
     keys = client_keys(cfg)
     while buffer_stats(control, 0.5, keys) is None:
@@ -218,7 +220,7 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
     learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
     children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir,
                                 cores=learner_cores)
-    connect = f"tcp://{cfg.transport.connect_host}:{cfg.transport.trajectory_port}," + control
+    connect = f"{eps['trajectory']},{control}"
     children["actors"] = Child("actors", [py, str(REPO / "bin" / "actors"), str(cfg_path), "--num",
                                           str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],
                                run_dir, cores=actor_cores)
@@ -252,7 +254,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
     evaluator = Evaluator(cfg, run_dir)
     children: dict[str, Child] = {}
-    control = f"tcp://{cfg.transport.connect_host}:{cfg.transport.control_port}"
+    control = endpoints(cfg.transport, run_dir, side="connect")["control"]
     keys = client_keys(cfg)
     stats: Optional[dict] = None
     failed = False

@@ -22,6 +22,7 @@ import psutil
 
 from actors.status import read_status, status_path
 from async_vla.config import load_config, write_resolved
+from async_vla.transport import endpoints
 from runner.launch import REPO, Child, buffer_stats, client_keys, resolve_ports
 
 DEFAULT_CONFIG = REPO / "configs" / "chaos.yaml"
@@ -36,10 +37,10 @@ class LiveSystem:
         cfg = load_config(str(config or DEFAULT_CONFIG), list(overrides or []))
         self.cfg = resolve_ports(cfg)
         self.cfg_path = write_resolved(self.cfg, self.run_dir)
-        t = self.cfg.transport
-        self.control = f"tcp://{t.connect_host}:{t.control_port}"
+        eps = endpoints(self.cfg.transport, self.run_dir, side="connect")
+        self.control = eps["control"]
         self.keys = client_keys(self.cfg)
-        self.trajectory = f"tcp://{t.connect_host}:{t.trajectory_port}"
+        self.trajectory = eps["trajectory"]
         self.children: dict[str, Child] = {}
         self.starts: dict[str, int] = {}
         self.killed: set[str] = set()

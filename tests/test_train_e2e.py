@@ -102,9 +102,11 @@ def test_sync_mode_trains_every_version_on_fresh_data(tmp_path):
     # Sync (eta = 0): each version waits for rollouts of the previous one. The actor joins the weight broadcast
     # after v1 went out (the learner steps as soon as the first batch lands), so this also covers the actor
     # catching up from the exported weights; without it the run deadlocked at v1 with every trajectory stale.
-    proc, rd = bin_train(tmp_path, "sync", ["run.mode=sync", "run.max_versions=4", "run.max_wall_s=200"],
-                         timeout=400)
+    # Over ipc:// socket files (transport.use_ipc) instead of tcp: the launcher, buffer and actors must agree.
+    proc, rd = bin_train(tmp_path, "sync", ["run.mode=sync", "run.max_versions=4", "run.max_wall_s=200",
+                                            "transport.use_ipc=true"], timeout=400)
     check_run_dir(rd, proc, 4)
+    assert (rd / "sockets" / "trajectory").exists() and (rd / "sockets" / "control").exists()
     ledger = json.loads((rd / "ledger.json").read_text())
     assert ledger["max_staleness"] == 0 and set(ledger["lag_histogram"]) == {"0"}
     assert ledger["ledger"]["stale"] <= 2 * 4  # at most the groups in flight when a version lands
