@@ -309,7 +309,9 @@ class LossConfig(Section):
     nsr_noise: float = Field(0.2, gt=0, lt=1)
     """delta of the noise mode: xi ~ U(1 - delta, 1 + delta)."""
     kl_beta: float = Field(0.0, ge=0)
-    """KL (k3) coefficient to a reference policy; 0 needs no reference model."""
+    """KL (k3) coefficient to a reference policy: the starting policy (policy.path), frozen by the learner (one
+    more forward per batch and one more copy of the weights, sharded under ZeRO-3). 0 = no term, no reference
+    (the SimpleVLA-RL recipe)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How token losses become one scalar (token_mean = DAPO)."""
     adv_norm: Literal["group", "batch", "none"] = "group"
