@@ -206,10 +206,23 @@ def core_sets(cfg: Config) -> tuple[Optional[set[int]], Optional[set[int]]]:
 
 
 def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Child]:
+    """Buffer (waited for), learner, actor fleet (+ TensorBoard). If any start fails, those already started are
+    stopped before the error propagates: the caller never saw them, so nobody else would."""
+    children: dict[str, Child] = {}
+    try:
+        _start_children(children, cfg, run_dir, cfg_path, resume)
+    except BaseException:
+        for child in reversed(list(children.values())):
+            child.stop(timeout_s=10)
+        raise
+    return children
+
+
+def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> None:
     py = sys.executable
     learner_cores, actor_cores = core_sets(cfg)
-    children = {"buffer": Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
-                                run_dir, cores=learner_cores)}
+    children["buffer"] = Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
+                               run_dir, cores=learner_cores)
     eps = endpoints(cfg.transport, run_dir, side="connect")   # tcp, or ipc socket files (transport.use_ipc)
     control = eps["control"]
     deadline = time.time() + 60
@@ -226,7 +239,6 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
                                run_dir, cores=actor_cores)
     if cfg.logging.serve_tensorboard:
         children["tensorboard"] = start_tensorboard(cfg, run_dir)
-    return children
 
 
 def start_tensorboard(cfg: Config, run_dir: Path) -> Child:

@@ -1,6 +1,7 @@
 """bin/train's evaluator (runner.launch.Evaluator): which weights it scores - a milestone export, the latest
 export, or with weights.export=false the learner's final <run>/policy - and that it really loaded them."""
 
+import pytest
 import torch
 
 from async_vla.config import load_config
@@ -61,3 +62,31 @@ def test_without_exports_the_final_policy_is_scored_as_its_version(tmp_path):
         assert ev.evaluate()[0] == 5 and _same(ev.policy.state_dict(), _weights(5))
     finally:
         ev.close()
+
+
+def test_a_failed_start_stops_the_children_already_started(tmp_path, monkeypatch):
+    """start_children raising (here: the learner cannot be started) must not leave the buffer running: the
+    launcher never got the dict of children, so nothing else would stop it (an orphaned buffer held its ports)."""
+    import runner.launch as launch
+
+    started, stopped = [], []
+
+    class FakeChild:
+        def __init__(self, name, argv, run_dir, env=None, cores=None):
+            if name == "learner":
+                raise OSError("cannot start the learner")
+            self.name = name
+            started.append(name)
+
+        def alive(self):
+            return True
+
+        def stop(self, timeout_s=30.0):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(launch, "Child", FakeChild)
+    monkeypatch.setattr(launch, "buffer_stats", lambda *a, **k: {"received": 0})
+    cfg = load_config(None, SMALL)
+    with pytest.raises(OSError, match="learner"):
+        launch.start_children(cfg, tmp_path, tmp_path / "config.yaml", resume=False)
+    assert started == ["buffer"] and stopped == ["buffer"]
