@@ -47,7 +47,7 @@ def _auto_model_class():
 
 
 def _stats_from_checkpoint(model, action_dim: int) -> dict[str, ActionStats]:
-    norm_stats = getattr(model, "norm_stats", None) or getattr(model.config, "norm_stats", None) or {}
+    norm_stats = getattr(model, "norm_stats", None) or getattr(getattr(model, "config", None), "norm_stats", None) or {}
     out = {}
     for key, entry in norm_stats.items():
         act = entry.get("action", entry)

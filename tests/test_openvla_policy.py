@@ -1,0 +1,96 @@
+"""``OpenVLAPolicy`` (the loader's side of a real OpenVLA / OpenVLA-OFT checkpoint) on a tiny stand-in for
+Prismatic's forward contract (tests/openvla_standin.py): sampling with the KV cache and the learner's
+teacher-forced recomputation agree, per-instruction batching, OFT's parallel positions, the checkpoint's action
+statistics. Loading a real checkpoint from disk: tests/test_policy.py (needs ASYNC_VLA_OPENVLA_PATH)."""
+
+import numpy as np
+import pytest
+import torch
+
+from async_vla.config import load_config
+from async_vla.policy.openvla_loader import OpenVLAPolicy
+from tests.openvla_standin import StandInPrismatic, standin_processor
+
+STATS = {"libero_spatial_no_noops": {"action": {"q01": [-0.5, -1.0, -2.0, -0.1, -0.2, -0.3, 0.0],
+                                                "q99": [0.5, 1.0, 2.0, 0.1, 0.2, 0.3, 1.0],
+                                                "mask": [True] * 6 + [False]}}}
+INSTR = ["Pick up the black bowl", "put it on the plate", "Pick up the black bowl"]
+
+
+def _policy(arch: str, stats=None) -> OpenVLAPolicy:
+    oft = arch == "openvla_oft"
+    cfg = load_config(None, [f"policy.arch={arch}", "policy.path=standin", f"policy.chunk_size={8 if oft else 1}",
+                             f"policy.decoding={'parallel' if oft else 'autoregressive'}"])
+    model = StandInPrismatic(action_positions=56 if oft else 0, norm_stats=stats or STATS).eval()
+    return OpenVLAPolicy(model, standin_processor(), cfg.policy)
+
+
+def _obs(n: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(n, 16, 16, 3), dtype=np.uint8), np.zeros((n, 8), dtype=np.float32)
+
+
+@pytest.mark.parametrize("arch,tokens", [("openvla", 7), ("openvla_oft", 56)])
+@pytest.mark.parametrize("temperature", [1.6, 1.0])
+def test_sampled_logprobs_equal_the_learners_recomputation(arch, tokens, temperature):
+    pol = _policy(arch)
+    images, proprio = _obs()
+    toks, logp = pol.act(images, proprio, INSTR, temperature, torch.Generator().manual_seed(1))
+    assert toks.shape == (3, tokens) and toks.min() >= 31744 and toks.max() <= 31999 and logp.shape == (3, tokens)
+    assert np.all(logp <= 0) and np.all(np.isfinite(logp))
+    # one teacher-forced pass (autoregressive) or the same parallel pass, rows of both instructions mixed
+    re = pol.token_logprobs(images, proprio, INSTR, torch.from_numpy(toks), temperature)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    # and row by row, alone: batching rows by instruction changes nothing
+    for i in range(3):
+        alone = pol.token_logprobs(images[i:i + 1], proprio[i:i + 1], INSTR[i:i + 1], torch.from_numpy(toks[i:i + 1]),
+                                   temperature)
+        np.testing.assert_allclose(alone.detach().numpy()[0], logp[i], atol=1e-5, rtol=0)
+
+
+def test_autoregressive_tokens_condition_on_the_earlier_ones_and_greedy_is_the_argmax():
+    pol = _policy("openvla")
+    images, proprio = _obs(1)
+    toks, _ = pol.act(images, proprio, INSTR[:1], 0.0)
+    again, _ = pol.act(images, proprio, INSTR[:1], 0.0)
+    assert np.array_equal(toks, again)
+    idx = pol.tokenizer.token_to_index(torch.from_numpy(toks))
+    logits = pol.action_logits(images, proprio, INSTR[:1], idx)
+    assert torch.equal(logits.argmax(-1), idx)                 # greedy = argmax at every teacher-forced position
+    other = idx.clone()
+    other[0, 0] = (other[0, 0] + 1) % 256                      # change the first token: later positions see it
+    assert not torch.allclose(pol.action_logits(images, proprio, INSTR[:1], other)[0, 1:], logits[0, 1:])
+
+
+def test_gradients_reach_the_language_model_and_the_image_projection():
+    pol = _policy("openvla_oft")
+    images, proprio = _obs(2)
+    toks, _ = pol.act(images, proprio, INSTR[:2], 1.6, torch.Generator().manual_seed(0))
+    pol.token_logprobs(images, proprio, INSTR[:2], torch.from_numpy(toks), 1.6).sum().backward()
+    for name in ("model.proj.weight", "model.queries", "model.llm.model.layers.0.self_attn.q_proj.weight"):
+        grad = dict(pol.named_parameters())[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+def test_actions_are_unnormalised_with_the_checkpoints_statistics():
+    pol = _policy("openvla")
+    lo, hi = np.array(STATS["libero_spatial_no_noops"]["action"]["q01"]), np.array(
+        STATS["libero_spatial_no_noops"]["action"]["q99"])
+    tokens = np.array([[31744, 31999, 31744 + 128, 31744, 31999, 31744 + 128, 31999]])
+    norm = pol.tokenizer.decode(tokens)[0]                     # bin centres in [-1, 1]
+    actions = pol.decode_actions(tokens)
+    assert actions.shape == (1, 1, 7)
+    expected = np.where(np.arange(7) < 6, 0.5 * (norm + 1) * (hi - lo) + lo, norm)   # BOUNDS_Q99; gripper as is
+    np.testing.assert_allclose(actions[0, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_ambiguous_or_unknown_unnorm_key_is_refused():
+    two = dict(STATS, other={"action": STATS["libero_spatial_no_noops"]["action"]})
+    cfg = load_config(None, ["policy.arch=openvla", "policy.path=standin", "policy.chunk_size=1",
+                             "policy.decoding=autoregressive"])
+    with pytest.raises(ValueError, match="policy.unnorm_key"):
+        OpenVLAPolicy(StandInPrismatic(norm_stats=two), standin_processor(), cfg.policy)
+    cfg = load_config(None, ["policy.arch=openvla", "policy.path=standin", "policy.chunk_size=1",
+                             "policy.decoding=autoregressive", "policy.unnorm_key=nope"])
+    with pytest.raises(ValueError, match="nope"):
+        OpenVLAPolicy(StandInPrismatic(norm_stats=STATS), standin_processor(), cfg.policy)
