@@ -18,7 +18,9 @@ code shipped with the checkpoint; transformers >= 5 renamed the auto class to
 - Un-normalisation uses the checkpoint's ``norm_stats[unnorm_key]["action"]`` (q01, q99, mask).
 - Proprio is ignored (OpenVLA has no proprio input; OFT's proprio projector is not part of the HF model).
 
-Untested without a checkpoint: tests/test_policy.py runs it only when ASYNC_VLA_OPENVLA_PATH is set.
+Tests: ``OpenVLAPolicy`` itself runs in CI on a tiny stand-in for Prismatic's forward contract
+(tests/test_openvla_policy.py); loading a real checkpoint from disk (``load_openvla_policy``, its remote code and
+processor) is untested without one: tests/test_policy.py runs it only when ASYNC_VLA_OPENVLA_PATH is set.
 """
 
 from __future__ import annotations
