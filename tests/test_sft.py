@@ -2,6 +2,7 @@
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,14 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     assert ev.returncode == 0, ev.stderr
     assert f"config: {out / 'config.yaml'}" in ev.stdout and "tasks [4]" in ev.stdout, ev.stdout
     assert [line.split(":")[0].strip() for line in ev.stdout.splitlines() if line.startswith("  task ")] == ["task 4"]
+    # ... and on a run directory, its final policy/ with the run's config
+    run = tmp_path / "run"
+    shutil.copytree(out, run / "policy")
+    shutil.copy(out / "config.yaml", run / "config.yaml")
+    ev = subprocess.run([sys.executable, str(REPO / "bin" / "eval"), str(run), "--json"], capture_output=True,
+                        text=True, timeout=300, cwd=REPO)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["by_task"].keys() == {"4"}, ev.stdout
     bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "policy.nope=1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "policy.nope" in bad.stderr
