@@ -5,6 +5,7 @@ second with the field and the fix named, instead of a traceback from a child pro
 from __future__ import annotations
 
 import errno
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     errors: list[str] = []
     warnings: list[str] = []
     errors += _policy_path(cfg)
+    errors += _deepspeed_json(cfg.learner.deepspeed_config)
     if cfg.policy.path is None and cfg.policy.arch == "tiny" and not resume:
         warnings.append(
             "policy.path is not set: the tiny policy starts from random weights, from which binary-reward RL "
@@ -56,6 +58,24 @@ def _policy_path(cfg: Any) -> list[str]:
     if marker and not (where / marker).is_file():
         return [f"policy.path: {path} has no {marker}, so it is not a policy.arch={cfg.policy.arch} checkpoint; "
                 f"set it to {what}"]
+    return []
+
+
+def _deepspeed_json(path: Any) -> list[str]:
+    """A user DeepSpeed JSON must be readable here and hold a JSON object (the learner reads it on every rank)."""
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        return [f"learner.deepspeed_config: cannot read {path} ({exc.strerror or exc}); point it at a DeepSpeed "
+                "JSON file on this host, or unset it to use the generated config"]
+    except ValueError as exc:
+        return [f"learner.deepspeed_config: {path} is not valid JSON ({exc}); fix the file, or unset it to use the "
+                "generated config"]
+    if not isinstance(data, dict):
+        return [f"learner.deepspeed_config: {path} holds a JSON {type(data).__name__}, not an object of DeepSpeed "
+                "settings"]
     return []
 
 

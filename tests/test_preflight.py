@@ -24,6 +24,21 @@ def test_a_missing_or_wrong_policy_path_is_an_error_naming_the_field(tmp_path):
     assert preflight(load_config(None, [f"policy.path={tmp_path / 'empty'}"]), tmp_path / "run", False)[0] == []
 
 
+def test_a_user_deepspeed_json_must_be_a_readable_json_object(tmp_path):
+    ports = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0"]
+
+    def errors_for(path):
+        return preflight(load_config(None, ports + [f"learner.deepspeed_config={path}"]), tmp_path / "run", False)[0]
+
+    assert errors_for(tmp_path / "missing.json")[0].startswith("learner.deepspeed_config: cannot read")
+    (tmp_path / "bad.json").write_text("{stage: 3")
+    assert "not valid JSON" in errors_for(tmp_path / "bad.json")[0]
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert "not an object" in errors_for(tmp_path / "list.json")[0]
+    (tmp_path / "ok.json").write_text('{"zero_optimization": {"stage": 2}}')
+    assert errors_for(tmp_path / "ok.json") == []
+
+
 def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
     errors, warnings = preflight(load_config(None, ["transport.trajectory_port=0", "transport.control_port=0",
                                                     "transport.weights_port=0"]), tmp_path, False)
