@@ -21,6 +21,8 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     warnings: list[str] = []
     errors += _policy_path(cfg)
     errors += _deepspeed_json(cfg.learner.deepspeed_config)
+    if cfg.transport.curve and cfg.run.mode != "serial":
+        errors += _curve_keys(cfg.transport.curve_dir)
     if cfg.policy.path is None and cfg.policy.arch == "tiny" and not resume:
         warnings.append(
             "policy.path is not set: the tiny policy starts from random weights, from which binary-reward RL "
@@ -76,6 +78,22 @@ def _deepspeed_json(path: Any) -> list[str]:
     if not isinstance(data, dict):
         return [f"learner.deepspeed_config: {path} holds a JSON {type(data).__name__}, not an object of DeepSpeed "
                 "settings"]
+    return []
+
+
+def _curve_keys(directory: Any) -> list[str]:
+    """bin/train runs the buffer (server keys) and the actors and learner (client keys) here: all must load."""
+    from async_vla.transport import CurveKeys
+
+    if not directory or not Path(directory).is_dir():
+        return [f"transport.curve_dir: {directory!r} is not a directory here; make the keys with bin/keys DIR and "
+                "set transport.curve_dir=DIR"]
+    for role in ("server", "client"):
+        try:
+            CurveKeys.load(str(directory), role)
+        except (OSError, ValueError) as exc:
+            return [f"transport.curve_dir: {role} keys do not load from {directory} ({exc}); make them with "
+                    f"bin/keys {directory}"]
     return []
 
 

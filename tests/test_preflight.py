@@ -39,6 +39,22 @@ def test_a_user_deepspeed_json_must_be_a_readable_json_object(tmp_path):
     assert errors_for(tmp_path / "ok.json") == []
 
 
+def test_curve_keys_must_load_before_anything_starts(tmp_path):
+    base = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0",
+            "transport.curve=true", f"transport.curve_dir={tmp_path / 'keys'}"]
+    errors = preflight(load_config(None, base), tmp_path / "run", False)[0]
+    assert len(errors) == 1 and errors[0].startswith("transport.curve_dir: ") and "bin/keys" in errors[0]
+    (tmp_path / "keys").mkdir()
+    errors = preflight(load_config(None, base), tmp_path / "run", False)[0]
+    assert len(errors) == 1 and errors[0].startswith("transport.curve_dir: server keys") and "bin/keys" in errors[0]
+    made = subprocess.run([sys.executable, str(REPO / "bin" / "keys"), str(tmp_path / "keys")], capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert preflight(load_config(None, base), tmp_path / "run", False)[0] == []
+    (tmp_path / "keys" / "client.key_secret").unlink()
+    assert preflight(load_config(None, base), tmp_path / "run", False)[0][0].startswith("transport.curve_dir: client")
+
+
 def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
     errors, warnings = preflight(load_config(None, ["transport.trajectory_port=0", "transport.control_port=0",
                                                     "transport.weights_port=0"]), tmp_path, False)
