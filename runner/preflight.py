@@ -28,6 +28,12 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
             "policy.path is not set: the tiny policy starts from random weights, from which binary-reward RL "
             "rarely finds its first success. Bootstrap it with bin/sft, as bin/quickstart does (it then trains "
             "with policy.path=checkpoints/quickstart_sft).")
+    if cfg.run.mode == "serial":   # one process, one learner, one actor: say what the config asks for in vain
+        ignored = [f"{k}={v}" for k, v in (("learner.num_ranks", cfg.learner.num_ranks),
+                                             ("actor.num_actors", cfg.actor.num_actors)) if v > 1]
+        if ignored:
+            warnings.append(f"run.mode=serial runs one learner and one actor in this process: {', '.join(ignored)} "
+                            "ignored (run.mode=async starts them)")
     run_dir = Path(run_dir)
     if resume:
         if not (run_dir / "config.yaml").is_file():

@@ -63,6 +63,9 @@ def test_cross_field_checks():
     with pytest.raises(ConfigError, match="weights.publish_every"):
         load_config(None, ["weights.publish_every=2", "run.mode=sync"])
     assert load_config(None, ["weights.publish_every=3", "buffer.max_staleness=2"]).weights.publish_every == 3
+    with pytest.raises(ConfigError, match="actor.temperature=0 .* buffer.dynamic_sampling"):
+        load_config(None, ["actor.temperature=0"])
+    assert load_config(None, ["actor.temperature=0", "buffer.dynamic_sampling=false"]).actor.temperature == 0
 
 
 def test_vllm_backend_without_vllm_fails_at_config_time():

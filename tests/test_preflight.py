@@ -55,6 +55,13 @@ def test_curve_keys_must_load_before_anything_starts(tmp_path):
     assert preflight(load_config(None, base), tmp_path / "run", False)[0][0].startswith("transport.curve_dir: client")
 
 
+def test_serial_mode_says_which_process_counts_it_ignores(tmp_path):
+    cfg = load_config(None, ["run.mode=serial", "learner.num_ranks=2", "buffer.groups_per_batch=4"])
+    errors, warnings = preflight(cfg, tmp_path / "run", False)
+    assert errors == [] and any("learner.num_ranks=2 ignored" in w for w in warnings), warnings
+    assert not any("ignored" in w for w in preflight(load_config(None, ["run.mode=serial"]), tmp_path, False)[1])
+
+
 def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
     errors, warnings = preflight(load_config(None, ["transport.trajectory_port=0", "transport.control_port=0",
                                                     "transport.weights_port=0"]), tmp_path, False)

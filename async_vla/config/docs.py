@@ -51,6 +51,15 @@ def render_config_doc() -> str:
         "- `policy.hidden_size` divisible by `policy.num_heads`; `env.image_size` a multiple of `policy.patch_size`.",
         "- `loss.mis_low < loss.mis_high`; `buffer.difficulty_mask` as `0 <= lo < hi <= 1`.",
         "- `run.mode=sync` forces `buffer.max_staleness=0`.",
+        "- `weights.publish_every <= buffer.max_staleness + 1` (0 + 1 in sync mode).",
+        "- `run.serial_lag` only with `run.mode=serial`, and `<= buffer.max_staleness`.",
+        "- `actor.temperature=0` (greedy) cannot go with `buffer.dynamic_sampling=true`: every group would have one "
+        "outcome and be dropped.",
+        "- `transport.host` beyond loopback needs `transport.curve=true` (unless `transport.use_ipc`); "
+        "`transport.curve=true` needs `transport.curve_dir`.",
+        "- Checked by `bin/train` before it starts anything (`runner/preflight.py`): `policy.path` exists and is a "
+        "checkpoint of `policy.arch`, `learner.deepspeed_config` is a JSON object, the CURVE keys load, the ports "
+        "are free.",
         "",
     ]
     return "\n".join(lines)

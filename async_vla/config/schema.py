@@ -85,6 +85,13 @@ class Config(Section):
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
                 f"({self.policy.patch_size})"
             )
+        if self.actor.temperature == 0 and self.buffer.dynamic_sampling:
+            # Greedy rollouts of one init state are identical (the simulators are deterministic): every group has
+            # one outcome, dynamic sampling drops it, and the learner waits forever.
+            raise ValueError(
+                "actor.temperature=0 samples all G rollouts of a group identically, so no group is ever of mixed "
+                "outcome and buffer.dynamic_sampling drops every one (nothing would train; GRPO's advantages would "
+                "be 0 anyway): set actor.temperature > 0 (SimpleVLA-RL: 1.6)")
         if self.run.serial_lag and self.run.mode != "serial":
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) only applies to run.mode=serial (got {self.run.mode!r}): "
