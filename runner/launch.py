@@ -270,6 +270,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     keys = client_keys(cfg)
     stats: Optional[dict] = None
     failed = False
+    hinted = False
     try:
         if resume:
             # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
@@ -325,6 +326,9 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                                                       "wall_s": recorder.wall(), "success_rate": rate})
                         recorder.save_progress()
                     print(status_line(recorder, stats), flush=True)
+                    if not hinted and (hint := stall_hint(cfg, stats)):
+                        hinted = True
+                        print(hint, flush=True)
     finally:
         if "actors" in children:
             children["actors"].stop(timeout_s=30)   # first: their last ActorStats reach the buffer as they stop
@@ -348,6 +352,27 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                                                 "buffer_metrics": (stats or {}).get("metrics", {})})
     monitor.close()
     return None if failed else summary
+
+
+STALL_GROUPS = 20   # groups filtered for one outcome, with none trained yet, before bin/train says why it waits
+
+
+def stall_hint(cfg: Config, stats: dict) -> Optional[str]:
+    """Why nothing trains, once it is clear: dynamic sampling has dropped many groups, all of one outcome."""
+    led = stats.get("ledger", {})
+    if led.get("trained", 0) or led.get("filtered_uniform", 0) < STALL_GROUPS * cfg.actor.group_size:
+        return None
+    rate = stats.get("metrics", {}).get("rollout/success_rate")
+    if rate is None or rate != rate:
+        which = "each had a single outcome"
+    elif rate < 0.05:
+        which = "all failed: the policy never succeeds (start from an SFT checkpoint: policy.path)"
+    elif rate > 0.95:
+        which = "all succeeded: the tasks are already solved by this policy"
+    else:
+        which = "each had a single outcome (some init states always succeed, the others always fail)"
+    return (f"[train] nothing trained yet: buffer.dynamic_sampling dropped {led['filtered_uniform']} trajectories "
+            f"whose groups {which}; the learner waits for mixed-outcome groups (or set buffer.dynamic_sampling=false)")
 
 
 def status_line(recorder: RunRecorder, stats: dict) -> str:

@@ -90,3 +90,21 @@ def test_a_failed_start_stops_the_children_already_started(tmp_path, monkeypatch
     with pytest.raises(OSError, match="learner"):
         launch.start_children(cfg, tmp_path, tmp_path / "config.yaml", resume=False)
     assert started == ["buffer"] and stopped == ["buffer"]
+
+
+def test_a_stalled_run_says_why_once_it_is_clear():
+    from runner.launch import STALL_GROUPS, stall_hint
+
+    cfg = load_config(None, SMALL)
+    g = cfg.actor.group_size
+
+    def stats(trained, uniform, rate):
+        return {"ledger": {"trained": trained, "filtered_uniform": uniform},
+                "metrics": {"rollout/success_rate": rate}}
+
+    assert stall_hint(cfg, stats(0, STALL_GROUPS * g - 1, 0.0)) is None          # too early to tell
+    assert stall_hint(cfg, stats(8, 10 * STALL_GROUPS * g, 0.0)) is None         # it trains: no hint
+    hint = stall_hint(cfg, stats(0, STALL_GROUPS * g, 0.0))
+    assert "all failed" in hint and "policy.path" in hint and "buffer.dynamic_sampling" in hint
+    assert "all succeeded" in stall_hint(cfg, stats(0, STALL_GROUPS * g, 1.0))
+    assert "single outcome" in stall_hint(cfg, stats(0, STALL_GROUPS * g, float("nan")))
