@@ -337,7 +337,7 @@ def save_policy_dir(policy: torch.nn.Module, directory: Path) -> Path:
         return save_policy(policy, directory)  # type: ignore[arg-type]
     except ValueError:
         if hasattr(policy, "save_pretrained"):
-            policy.save_pretrained(str(directory), safe_serialization=True)
+            policy.save_pretrained(str(directory))   # safetensors: transformers' default (the flag is gone in 5.x)
             return directory
         raise
 

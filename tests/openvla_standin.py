@@ -71,3 +71,39 @@ class StandInPrismatic(torch.nn.Module):
         # (transformers >= 5.24 names the cache argument ``cache``; Prismatic's own forward keeps the old name)
         cache_arg = "cache" if "cache" in inspect.signature(self.llm.forward).parameters else "past_key_values"
         return self.llm(inputs_embeds=emb, use_cache=use_cache, **{cache_arg: past_key_values})
+
+
+# ---------------------------------------------------------------------------- as a checkpoint directory on disk
+WORDS = ("in what action should the robot take to out pick up put place push open close turn on off it and of "
+         "black bowl plate drawer top middle bottom cabinet stove ketchup basket").split()
+
+
+def write_standin_checkpoint(path, oft: bool = False, norm_stats: Optional[dict] = None, image_size: int = 16,
+                             seed: int = 0) -> None:
+    """A directory ``load_openvla_policy`` loads as it loads a real OpenVLA(-OFT) checkpoint: config.json with an
+    ``auto_map`` to remote code saved beside it (tests/standin_vla_remote.py), safetensors weights, and an
+    ``AutoProcessor`` (a fast word-level tokenizer with BOS, and a SigLIP image processor)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests import standin_vla_remote as remote
+
+    auto_model = "AutoModelForVision2Seq" if hasattr(transformers, "AutoModelForVision2Seq") else \
+        "AutoModelForImageTextToText"
+    remote.StandInVLAConfig.register_for_auto_class()
+    remote.StandInVLAForActionPrediction.register_for_auto_class(auto_model)
+    remote.StandInVLAProcessor.register_for_auto_class("AutoProcessor")
+    torch.manual_seed(seed)
+    cfg = remote.StandInVLAConfig(action_positions=56 if oft else 0, norm_stats=norm_stats or {})
+    remote.StandInVLAForActionPrediction(cfg).save_pretrained(path)
+
+    vocab = {"[UNK]": 0, "<s>": BOS, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="[UNK]")
+    image_cls = getattr(transformers, "SiglipImageProcessorPil", None) or transformers.SiglipImageProcessor
+    images = image_cls(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    remote.StandInVLAProcessor(images, tokenizer).save_pretrained(path)

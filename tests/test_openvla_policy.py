@@ -9,7 +9,7 @@ import torch
 
 from async_vla.config import load_config
 from async_vla.policy.openvla_loader import OpenVLAPolicy
-from tests.openvla_standin import StandInPrismatic, standin_processor
+from tests.openvla_standin import StandInPrismatic, standin_processor, write_standin_checkpoint
 
 STATS = {"libero_spatial_no_noops": {"action": {"q01": [-0.5, -1.0, -2.0, -0.1, -0.2, -0.3, 0.0],
                                                 "q99": [0.5, 1.0, 2.0, 0.1, 0.2, 0.3, 1.0],
@@ -94,3 +94,59 @@ def test_an_ambiguous_or_unknown_unnorm_key_is_refused():
                              "policy.decoding=autoregressive", "policy.unnorm_key=nope"])
     with pytest.raises(ValueError, match="nope"):
         OpenVLAPolicy(StandInPrismatic(norm_stats=STATS), standin_processor(), cfg.policy)
+
+
+# ------------------------------------------------------------------- a checkpoint directory, through transformers
+@pytest.mark.parametrize("arch", ["openvla", "openvla_oft"])
+def test_a_checkpoint_directory_loads_through_transformers_remote_code(tmp_path, arch):
+    """config.json + auto_map to remote code + safetensors + AutoProcessor, as a real checkpoint ships them:
+    bin/train's preflight accepts it, build_policy loads it (load_openvla_policy), sampling and recomputation agree."""
+    from async_vla.policy import build_policy
+    from runner.preflight import preflight
+
+    write_standin_checkpoint(tmp_path / "ckpt", oft=arch == "openvla_oft", norm_stats=STATS)
+    oft = arch == "openvla_oft"
+    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={tmp_path / 'ckpt'}", "transport.weights_port=0",
+                             f"policy.chunk_size={8 if oft else 1}", "transport.trajectory_port=0",
+                             f"policy.decoding={'parallel' if oft else 'autoregressive'}", "transport.control_port=0"])
+    assert preflight(cfg, tmp_path / "run", False)[0] == []
+    pol = build_policy(cfg)
+    assert isinstance(pol, OpenVLAPolicy)
+    images, proprio = _obs()
+    toks, logp = pol.act(images, proprio, INSTR, 1.6, torch.Generator().manual_seed(0))
+    re = pol.token_logprobs(images, proprio, INSTR, torch.from_numpy(toks), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    assert pol.decode_actions(toks).shape == (3, 8 if oft else 1, 7)
+
+
+@pytest.mark.timeout(300)
+def test_serial_rl_from_an_openvla_oft_checkpoint_exports_one_that_loads_and_evaluates(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from async_vla.policy import build_policy
+    from runner.serial import run_serial
+
+    stats = {"builtin": STATS["libero_spatial_no_noops"]}
+    write_standin_checkpoint(tmp_path / "ckpt", oft=True, norm_stats=stats)
+    overrides = ["policy.arch=openvla_oft", f"policy.path={tmp_path / 'ckpt'}", "policy.decoding=parallel",
+                 "run.mode=serial", "learner.backend=torch", "learner.lr=1e-3", "buffer.dynamic_sampling=false",
+                 "actor.group_size=2", "env.envs_per_actor=2", "buffer.groups_per_batch=1", "run.max_versions=2",
+                 "learner.micro_batch_trajectories=2", "env.num_train_init_states=2", "env.num_eval_init_states=1",
+                 "env.task_ids=[0]", "logging.tensorboard=false", "run.eval_every=0"]
+    summary = run_serial(load_config(None, overrides), tmp_path / "run")
+    assert summary["final_version"] == 2
+    # The exported checkpoint loads as a policy.path and holds the learner's final weights (its checkpoint's).
+    exported = build_policy(load_config(None, overrides + [f"policy.path={tmp_path / 'run' / 'policy'}"]))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    final = torch.load(ckpt_dir / (ckpt_dir / "latest").read_text().strip() / "learner.pt", weights_only=False)
+    assert final["learner"]["version"] == 2
+    got = exported.state_dict()
+    assert got.keys() == final["policy"].keys() and all(torch.equal(got[k], final["policy"][k]) for k in got)
+    assert (tmp_path / "run" / "config.yaml").is_file()      # bin/eval <run> takes the run's config and policy/
+    ev = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bin" / "eval"),
+                         str(tmp_path / "run"), "--json"], capture_output=True, text=True, timeout=240)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout)["episodes"] == 1

@@ -18,9 +18,11 @@ code shipped with the checkpoint; transformers >= 5 renamed the auto class to
 - Un-normalisation uses the checkpoint's ``norm_stats[unnorm_key]["action"]`` (q01, q99, mask).
 - Proprio is ignored (OpenVLA has no proprio input; OFT's proprio projector is not part of the HF model).
 
-Tests: ``OpenVLAPolicy`` itself runs in CI on a tiny stand-in for Prismatic's forward contract
-(tests/test_openvla_policy.py); loading a real checkpoint from disk (``load_openvla_policy``, its remote code and
-processor) is untested without one: tests/test_policy.py runs it only when ASYNC_VLA_OPENVLA_PATH is set.
+Tests: on a tiny stand-in for Prismatic's forward contract, written to disk as a checkpoint directory with its
+own remote code and processor (tests/openvla_standin.py), CI loads it through ``load_openvla_policy``, samples,
+recomputes, trains it in serial mode and evaluates the exported checkpoint (tests/test_openvla_policy.py). A real
+OpenVLA / OpenVLA-OFT checkpoint (Prismatic's own remote code) is tested only when ASYNC_VLA_OPENVLA_PATH points
+at one (tests/test_policy.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ def _auto_model_class():
 
     cls = getattr(transformers, "AutoModelForVision2Seq", None)
     return cls if cls is not None else transformers.AutoModelForImageTextToText
+
+
+def _dtype_kwarg() -> str:
+    """``from_pretrained``'s name for the weights' dtype: ``dtype`` from transformers 4.56 (``torch_dtype`` is
+    deprecated there), ``torch_dtype`` before (what OpenVLA's own remote code was written against: 4.40)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def _stats_from_checkpoint(model, action_dim: int) -> dict[str, ActionStats]:
@@ -81,6 +92,13 @@ class OpenVLAPolicy(VLAPolicy):
         self.tokens_per_call = policy_cfg.chunk_size * policy_cfg.action_dim
         self._lo = self.tokenizer.first_action_id
         self._hi = self.tokenizer.vocab_size
+
+    def save_pretrained(self, directory) -> None:
+        """A checkpoint directory like the one loaded: the model (config, safetensors weights - transformers' default
+        format - and its remote code) and the processor, so ``policy.path`` / bin/eval take it as they took the
+        original."""
+        self.model.save_pretrained(str(directory))
+        self.processor.save_pretrained(str(directory))
 
     # ---- inputs ---------------------------------------------------------------------------------------
     def _prompt_ids(self, instruction: str) -> Tensor:
@@ -158,8 +176,8 @@ def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None
         raise ValueError("policy.arch=openvla predicts one step (7 tokens) per call: set policy.chunk_size=1")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = _auto_model_class().from_pretrained(policy_cfg.path, trust_remote_code=True, torch_dtype=dtype,
-                                                low_cpu_mem_usage=True).to(device)
+    model = _auto_model_class().from_pretrained(policy_cfg.path, trust_remote_code=True, low_cpu_mem_usage=True,
+                                                **{_dtype_kwarg(): dtype}).to(device)
     model.eval()
     processor = AutoProcessor.from_pretrained(policy_cfg.path, trust_remote_code=True)
     return OpenVLAPolicy(model, processor, policy_cfg)
