@@ -54,7 +54,8 @@ class StandInVLAForActionPrediction(PreTrainedModel):
         new_api = "cache" in inspect.signature(self.llm.forward).parameters     # transformers >= 5.24
         out = self.llm(inputs_embeds=emb, use_cache=use_cache, **{"cache" if new_api else "past_key_values":
                                                                    past_key_values})
-        # Prismatic returns its own output type with ``past_key_values``
+        # Prismatic returns its own output type with ``past_key_values`` (a ModelOutput with that field cannot be
+        # made on transformers 5.24, which renames it ``cache``; DeepSpeed warns that it cannot see into this one)
         return SimpleNamespace(logits=out.logits, past_key_values=out.cache if new_api else out.past_key_values)
 
 
