@@ -227,3 +227,23 @@ def test_deepspeed_kl_reference_matches_torch(dist_env, stage):
     for (n1, t1), (n2, t2) in zip(ref.full_state_items(), ds.full_state_items()):
         assert n1 == n2
         torch.testing.assert_close(t2, t1, rtol=1e-4, atol=1e-5)
+
+
+def test_openvla_checkpoint_under_zero3_exports_a_checkpoint_that_reloads(dist_env, tmp_path):
+    """An HF-format policy (the OpenVLA path, on the stand-in checkpoint of tests/openvla_standin.py) gathered from
+    ZeRO-3 shards and written with save_pretrained: it reloads as policy.path with the learner's weights."""
+    from async_vla.config import load_config
+    from async_vla.policy import build_policy
+    from learner.deepspeed_engine import DeepSpeedLearner
+    from tests.openvla_standin import write_standin_checkpoint
+
+    write_standin_checkpoint(tmp_path / "ckpt", oft=True)
+    base = ["policy.arch=openvla_oft", "policy.decoding=parallel", "learner.zero_stage=3",
+            "learner.zero3_persistence_threshold=0"]
+    ds = DeepSpeedLearner(load_config(None, base + [f"policy.path={tmp_path / 'ckpt'}"]),
+                          build_policy(load_config(None, base + [f"policy.path={tmp_path / 'ckpt'}"])))
+    full = dict(ds.full_state_items())
+    ds.export_policy(tmp_path / "out")
+    reloaded = build_policy(load_config(None, base + [f"policy.path={tmp_path / 'out'}"])).state_dict()
+    assert reloaded.keys() == full.keys() and all(torch.equal(reloaded[k], full[k]) for k in full)
+    assert tensors_digest(ds.full_state_items()) == tensors_digest(full.items())   # shards untouched
