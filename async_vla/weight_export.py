@@ -127,8 +127,8 @@ class Exporter:
 
     ``milestone_every`` (``run.eval_every``): the first export at or past each multiple of it is also kept in
     ``milestones/`` when that directory exists (``bin/train``'s evaluator makes it), so the evaluator scores
-    exactly those versions however far the latest export has moved on by the time it looks (with ``weights.publish_every`` > 1 a multiple that is never published
-    is stood in for by the next export past it)."""
+    exactly those versions however far the latest export has moved on by the time it looks (with
+    ``weights.publish_every`` > 1 a multiple that is never published is stood in for by the next export past it)."""
 
     def __init__(self, weights_dir: Union[str, Path], keep: int, session: str = "", milestone_every: int = 0):
         self.weights_dir, self.keep, self.session = Path(weights_dir), keep, session
