@@ -256,7 +256,9 @@ class Fleet:
         sts = [s.last_status or read_status(status_path(self.run_dir, s.actor_id)) or {} for s in self.slots]
         # A starting actor has no weights yet: its version 0 would show as a bogus lag.
         versions = [int(st["version"]) for st in sts if "version" in st and st.get("state") != "starting"]
-        learner = max([int(st.get("learner_version", 0)) for st in sts] or [0])
+        # The buffer's view of the learner (its last batch request) can trail the version the learner broadcast
+        # last: the learner is at least as new as any actor's weights.
+        learner = max([int(st.get("learner_version", 0)) for st in sts] + versions + [0])
         version = f"{min(versions)}..{max(versions)}" if versions and min(versions) != max(versions) else \
             (str(versions[0]) if versions else "-")
         lag = learner - min(versions) if versions else 0

@@ -129,6 +129,13 @@ def test_status_line_sums_counters_across_restarts(tmp_path):
                                             "version": 4, "learner_version": 4})  # restarted: counts from 0
     line = fleet.status_line(now=2.0)
     assert "trajectories 14" in line and "env steps/s 20" in line and "groups/s 0.50" in line
+    # the buffer's view of the learner trails the version it broadcast last (no batch request since): no lag -1
+    write_status(status_path(tmp_path, 1), {"pid": 2, "groups": 1, "env_steps": 10, "trajectories": 2,
+                                            "version": 6, "learner_version": 5})
+    write_status(status_path(tmp_path, 0), {"pid": 9, "groups": 1, "env_steps": 40, "trajectories": 2,
+                                            "version": 6, "learner_version": 5})
+    line = fleet.status_line(now=3.0)
+    assert "learner 6 | lag 0" in line, line
 
 
 # ---------------------------------------------------------------------------------------------- real fleet
