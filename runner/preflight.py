@@ -42,6 +42,8 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
                             "run.name / --run-dir if you meant to continue another.")
         elif not any((run_dir / "checkpoints").glob("*")):
             warnings.append(f"--resume: no checkpoint in {run_dir / 'checkpoints'} yet: starting at version 0.")
+        elif cfg.run.mode != "serial" and cfg.learner.backend == "deepspeed":
+            errors += _checkpoint_world(run_dir / "checkpoints", cfg.learner.num_ranks)
     if cfg.run.mode != "serial":
         t = cfg.transport
         errors += busy_ports(t.host, [("transport.trajectory_port", 0 if t.use_ipc else t.trajectory_port),
@@ -66,6 +68,20 @@ def _policy_path(cfg: Any) -> list[str]:
     if marker and not (where / marker).is_file():
         return [f"policy.path: {path} has no {marker}, so it is not a policy.arch={cfg.policy.arch} checkpoint; "
                 f"set it to {what}"]
+    return []
+
+
+def _checkpoint_world(ckpt_dir: Path, num_ranks: int) -> list[str]:
+    """A DeepSpeed checkpoint holds one optimizer partition per rank (and one ``rng_rank<r>.pt``, ours): it resumes
+    only on as many ranks as saved it (DeepSpeed refuses otherwise, after everything has started)."""
+    try:
+        tag = (ckpt_dir / "latest").read_text().strip()
+    except OSError:
+        return []     # no pointer: the learner falls back to the newest complete checkpoint, left to it
+    saved = len(list((ckpt_dir / tag).glob("rng_rank*.pt")))
+    if saved and saved != num_ranks:
+        return [f"learner.num_ranks={num_ranks} but checkpoint {tag} was saved by {saved} rank(s), and ZeRO's "
+                f"optimizer partitions are per rank: resume with learner.num_ranks={saved} (or start a new run)"]
     return []
 
 

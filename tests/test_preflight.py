@@ -78,6 +78,21 @@ def test_resume_of_nothing_starts_fresh_with_a_warning_and_warns_without_a_check
     assert errors == [] and any("no checkpoint" in w for w in warnings)
 
 
+def test_resume_on_another_number_of_deepspeed_ranks_is_an_error(tmp_path):
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "v00000004"
+    tag.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("v00000004")
+    for r in range(2):   # what a 2-rank DeepSpeed learner leaves beside its ZeRO partitions
+        (tag / f"rng_rank{r:05d}.pt").write_bytes(b"")
+    ports = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0"]
+    errors = preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, True)[0]
+    assert len(errors) == 1 and "learner.num_ranks=1" in errors[0] and "learner.num_ranks=2" in errors[0]
+    assert preflight(load_config(None, ports + ["learner.num_ranks=2"]), run, True)[0] == []
+    assert preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, False)[0] == []   # not resuming
+
+
 def test_a_port_in_use_names_its_field_and_port_zero_never_clashes(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
