@@ -18,7 +18,6 @@ SIGKILL the rest; every child is reaped (no zombies).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -30,21 +29,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
 from actors.status import log_path, read_status, status_path
+from async_vla.child_process import die_with_parent
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the fleet dies (Linux); elsewhere the --parent-pid check does it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -109,7 +100,7 @@ class Fleet:
             fh.flush()
             slot.proc = subprocess.Popen(self._command(slot), stdout=fh, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, cwd=str(REPO),
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         slot.started, slot.restart_at = self.clock(), None
         slot.starts += 1
         slot.last_status = {}

@@ -93,6 +93,8 @@ def _free_port() -> int:
 
 def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
+    from async_vla.child_process import die_with_parent
+
     port = _free_port()
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
@@ -101,14 +103,16 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "learner", *child_args], env=env, cwd=str(REPO)))
+        # A launcher killed outright takes its ranks along (SIGTERM: they stop and checkpoint as on Ctrl-C).
+        procs.append(subprocess.Popen([sys.executable, "-m", "learner", *child_args], env=env, cwd=str(REPO),
+                                      preexec_fn=die_with_parent))
 
     def forward(signum: int, _frame: Any) -> None:
-        for p in procs:
+        for p in procs:   # a hang-up becomes SIGTERM: ranks stop (and checkpoint) on INT/TERM only
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     rc = 0
     while any(p.poll() is None for p in procs):

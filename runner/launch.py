@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from async_vla.child_process import die_with_parent
 from async_vla.config import Config, load_config, write_resolved
 from async_vla.metrics import Monitor
 from async_vla.transport import endpoints
@@ -67,10 +68,15 @@ class Child:
         self._log = open(self.log_path, "ab")
         full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
-        # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
-        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # children inherit the affinity
+        # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order; and a
+        # launcher that dies without doing so (kill -9, OOM) takes them along (SIGTERM: each stops cleanly).
+        def setup() -> None:
+            die_with_parent()
+            if cores:
+                os.sched_setaffinity(0, cores)   # its own children inherit the affinity
+
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(REPO), env=full_env,
-                                     start_new_session=True, preexec_fn=pin)
+                                     start_new_session=True, preexec_fn=setup)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -261,7 +267,8 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     def on_signal(signum, _frame):
         stop["flag"] = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: a closed terminal or dropped ssh session stops the run cleanly instead of orphaning it.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
     recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
     evaluator = Evaluator(cfg, run_dir)

@@ -1,6 +1,7 @@
 """End to end through bin/train: serial mode, and async with 2 learner ranks (ZeRO-3) + 2 actors + buffer;
 then a real TensorBoard server reads a scalar back over HTTP."""
 
+import contextlib
 import json
 import os
 import socket
@@ -154,3 +155,58 @@ def test_tensorboard_server_serves_a_scalar(tmp_path):
         except subprocess.TimeoutExpired:
             tb.kill()
             tb.wait(10)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever adopted it, maybe later)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_killed_launcher_takes_its_children_along(tmp_path):
+    """kill -9 of bin/train (OOM killer, a scheduler's hard stop): buffer, learner ranks and actors get SIGTERM
+    from the kernel (PR_SET_PDEATHSIG) and stop as on Ctrl-C - the learner with a final checkpoint - instead of
+    running on as orphans holding ports and cores."""
+    cfg = REPO / "configs" / "quickstart.yaml"
+    rd = tmp_path / "k9"
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(cfg), f"run.out_dir={tmp_path}", "run.name=k9", *SMALL,
+            "run.mode=async", "run.max_versions=100000", "run.max_wall_s=250", "learner.num_ranks=2"]
+    launcher = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 150
+        while not (rd / "weights" / "latest").exists():   # the learner published: every child is up
+            assert launcher.poll() is None and time.monotonic() < deadline, "bin/train did not get going"
+            time.sleep(0.5)
+        children = [p for p in _processes_mentioning(str(rd)) if p != launcher.pid]
+        assert len(children) >= 5, children   # buffer, bin/learner + 2 ranks, fleet (+ its actor)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 90
+        while (left := [p for p in children if _running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"orphans still running: {left}"
+        assert "stopped at version" in (rd / "logs" / "learner.log").read_text()   # a clean stop, checkpointed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_mentioning(str(rd)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
