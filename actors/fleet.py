@@ -197,8 +197,8 @@ class Fleet:
                         s.proc.kill()
             self.request_stop(f"signal {signal.Signals(signum).name}")
 
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a closed terminal stops it cleanly too
+            signal.signal(sig, handler)
 
     def stop(self) -> None:
         """SIGTERM every actor, wait up to actor.stop_timeout_s, SIGKILL the rest, reap all of them."""

@@ -322,7 +322,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
         log.warning("--resume: no checkpoint in %s, starting at version 0", ckpt_dir)
 
     stop = {"signal": False}
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a closed terminal: a clean stop, checkpointed
         signal.signal(sig, lambda *_: stop.__setitem__("signal", True))
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard and rank == 0,
                       flush_secs=cfg.logging.tensorboard_flush_s)
