@@ -247,6 +247,19 @@ def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_
         children["tensorboard"] = start_tensorboard(cfg, run_dir)
 
 
+BUFFER_RESTARTS = 3   # a buffer that dies is started again this many times in one run, then the run fails
+
+
+def restart_buffer(cfg: Config, run_dir: Path, dead: Child, attempt: int) -> Child:
+    """Start a dead buffer again on the same ports: actors and learner ranks reconnect by themselves (ZeroMQ, with
+    their grant / batch-request retries), the new buffer moves the old ledger aside (``ledger-<n>.json``) and group
+    ids never repeat; what the dead one held in memory (its pending trajectories) is lost (docs/RELIABILITY.md)."""
+    code = dead.stop(timeout_s=1)
+    print(f"[train] buffer exited with code {code}: starting it again ({attempt}/{BUFFER_RESTARTS}; actors and "
+          f"learner reconnect, the trajectories it held are lost):\n{dead.tail(5)}", flush=True)
+    return Child("buffer", dead.argv, run_dir, cores=core_sets(cfg)[0])
+
+
 def start_tensorboard(cfg: Config, run_dir: Path) -> Child:
     """A TensorBoard server on the run's tb/ for as long as the training runs (logging.serve_tensorboard)."""
     lc = cfg.logging
@@ -278,6 +291,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     stats: Optional[dict] = None
     failed = False
     hinted = False
+    buffer_restarts = 0
     try:
         if resume:
             # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
@@ -306,6 +320,9 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 if failed:
                     print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
                 break
+            if not children["buffer"].alive() and buffer_restarts < BUFFER_RESTARTS:
+                buffer_restarts += 1
+                children["buffer"] = restart_buffer(cfg, run_dir, children["buffer"], buffer_restarts)
             for name in ("buffer", "actors"):
                 if not children[name].alive():
                     print(f"[train] {name} exited unexpectedly:\n{children[name].tail()}", flush=True)

@@ -210,3 +210,34 @@ def test_a_killed_launcher_takes_its_children_along(tmp_path):
         for pid in _processes_mentioning(str(rd)):
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_bin_train_starts_a_killed_buffer_again_and_the_run_finishes(tmp_path):
+    cfg = REPO / "configs" / "quickstart.yaml"
+    rd = tmp_path / "bufkill"
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(cfg), f"run.out_dir={tmp_path}", "run.name=bufkill",
+            *SMALL, "run.mode=async", "run.max_versions=12", "run.max_wall_s=250"]
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 150
+        while not (rd / "weights" / "latest").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "bin/train did not get going"
+            time.sleep(0.5)
+        buffers = [p for p in _processes_mentioning(str(rd)) if "bin/buffer" in
+                   Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(buffers) == 1, buffers
+        os.kill(buffers[0], 9)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out[-3000:]
+    assert "starting it again (1/3" in out, out[-3000:]
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["final_version"] >= 12 and not summary["failed"]
+    starts = (rd / "logs" / "buffer.log").read_text().count("buffer: trajectories on")
+    assert starts == 2, starts                        # the killed one and the one started again, on the same log
