@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from async_vla.child_process import die_with_parent
 from async_vla.config import Config, load_config, write_resolved
@@ -149,6 +149,17 @@ class Evaluator:
         except (OSError, ValueError):
             return -1
 
+    def final_version(self) -> int:
+        """The version ``evaluate()`` would score now: the latest export's, else the learner's final policy's
+        (weights.export=false), else the one loaded last (the initial policy if nothing was trained)."""
+        from async_vla.policy.interface import read_policy_version
+
+        latest = self.latest_version()
+        if latest >= 0:
+            return latest
+        final = read_policy_version(self.run_dir / "policy")
+        return final if final is not None and final >= self.version else max(self.version, 0)
+
     def ask_for_milestones(self) -> None:
         """Have the learner keep the export of every ``run.eval_every``-th version for us (``weights/milestones``);
         any left from an earlier part of this run (a resume discards what came after its checkpoint) go."""
@@ -211,12 +222,14 @@ def core_sets(cfg: Config) -> tuple[Optional[set[int]], Optional[set[int]]]:
     return {cores[0]}, set(cores[1:])
 
 
-def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Child]:
+def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool,
+                   should_stop: Callable[[], bool] = lambda: False) -> dict[str, Child]:
     """Buffer (waited for), learner, actor fleet (+ TensorBoard). If any start fails, those already started are
-    stopped before the error propagates: the caller never saw them, so nobody else would."""
+    stopped before the error propagates: the caller never saw them, so nobody else would. ``should_stop`` (a
+    Ctrl-C while the buffer starts) returns early with what has been started."""
     children: dict[str, Child] = {}
     try:
-        _start_children(children, cfg, run_dir, cfg_path, resume)
+        _start_children(children, cfg, run_dir, cfg_path, resume, should_stop)
     except BaseException:
         for child in reversed(list(children.values())):
             child.stop(timeout_s=10)
@@ -224,7 +237,8 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> 
     return children
 
 
-def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> None:
+def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_path: Path, resume: bool,
+                    should_stop: Callable[[], bool]) -> None:
     py = sys.executable
     learner_cores, actor_cores = core_sets(cfg)
     children["buffer"] = Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
@@ -234,6 +248,8 @@ def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_
     deadline = time.time() + 60
     keys = client_keys(cfg)
     while buffer_stats(control, 0.5, keys) is None:
+        if should_stop():
+            return
         if not children["buffer"].alive() or time.time() > deadline:
             raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
     learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
@@ -310,7 +326,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
         if not cfg.weights.export:
             print("[train] weights.export=false: no evaluation during the run (it loads the exported versions); "
                   "the learner's final policy is evaluated when it stops", flush=True)
-        children = start_children(cfg, run_dir, cfg_path, resume)
+        children = start_children(cfg, run_dir, cfg_path, resume, should_stop=lambda: stop["flag"])
         last_status = next_eval_check = time.time()
         while not stop["flag"]:
             time.sleep(0.5)
@@ -365,8 +381,8 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 children[name].stop(timeout_s=60 if name == "learner" else 30)
         for s, h in old.items():
             signal.signal(s, h)
-    v = evaluator.latest_version()
-    if v < 0 or recorder.last_eval_version() != v:   # not when the last periodic eval was of the final weights
+    v = evaluator.final_version()
+    if recorder.last_eval_version() != v:   # not when the last eval was of the final weights already
         v, res = evaluator.evaluate()
         recorder.eval_result(v, res)
     evaluator.close_milestones()

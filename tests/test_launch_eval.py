@@ -41,6 +41,7 @@ def test_milestone_then_latest_then_final_policy(tmp_path):
         assert version == 2 and res["episodes"] == 1 and not path.exists()
         assert _same(ev.policy.state_dict(), _weights(2))
 
+        assert ev.final_version() == 3                       # what the final evaluation would score
         assert ev.evaluate()[0] == 3 and _same(ev.policy.state_dict(), _weights(3))
         ev.close_milestones()
         assert not (tmp_path / "weights" / MILESTONES).exists()
@@ -54,11 +55,12 @@ def test_without_exports_the_final_policy_is_scored_as_its_version(tmp_path):
     try:
         (tmp_path / "weights").mkdir()              # the publisher makes it, exports or not
         assert ev.evaluate()[0] == 0                # nothing written yet: the initial weights
+        assert ev.final_version() == 0              # so a run stopped now does not score v0 twice
         policy = build_policy(cfg)
         policy.load_state_dict(_weights(5))
         save_policy(policy, tmp_path / "policy")
         write_policy_version(tmp_path / "policy", 5)
-        assert read_policy_version(tmp_path / "policy") == 5
+        assert read_policy_version(tmp_path / "policy") == 5 and ev.final_version() == 5
         assert ev.evaluate()[0] == 5 and _same(ev.policy.state_dict(), _weights(5))
     finally:
         ev.close()
@@ -108,3 +110,25 @@ def test_a_stalled_run_says_why_once_it_is_clear():
     assert "all failed" in hint and "policy.path" in hint and "buffer.dynamic_sampling" in hint
     assert "all succeeded" in stall_hint(cfg, stats(0, STALL_GROUPS * g, 1.0))
     assert "single outcome" in stall_hint(cfg, stats(0, STALL_GROUPS * g, float("nan")))
+
+
+def test_ctrl_c_while_the_buffer_starts_returns_at_once_with_what_was_started(tmp_path, monkeypatch):
+    import time
+
+    import runner.launch as launch
+
+    started = []
+
+    class FakeChild:
+        def __init__(self, name, argv, run_dir, env=None, cores=None):
+            started.append(name)
+
+        def alive(self):
+            return True
+
+    monkeypatch.setattr(launch, "Child", FakeChild)
+    monkeypatch.setattr(launch, "buffer_stats", lambda *a, **k: None)     # the buffer never answers
+    t0 = time.monotonic()
+    children = launch.start_children(load_config(None, SMALL), tmp_path, tmp_path / "config.yaml", resume=False,
+                                     should_stop=lambda: True)
+    assert list(children) == ["buffer"] and started == ["buffer"] and time.monotonic() - t0 < 5
