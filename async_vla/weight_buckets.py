@@ -13,8 +13,8 @@ the manifest (a few KB of JSON) ever crosses the wire, never offsets:
 - a tensor larger than the cap gets a bucket of its own (the open bucket stays open);
 - bucket order is dtype by first appearance, then creation order within the dtype.
 
-The packer applies the same rule while tensors stream in, so a ZeRO-3 learner can gather layer by layer
-and copy each full tensor into its bucket before the next layer is gathered.
+The packer (``async_vla.weight_packer``) applies the same rule while tensors stream in, so a ZeRO-3 learner can
+gather layer by layer and copy each full tensor into its bucket before the next layer is gathered.
 
 Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
 bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float (the
@@ -30,7 +30,6 @@ import functools
 import hashlib
 import json
 import math
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -40,7 +39,6 @@ from async_vla import native
 from async_vla.weight_pool import BufferPool
 
 ALIGN = 64
-SPLIT_BYTES = 4 * 2**20   # native packing copies tensors from this size in two halves at once (helper thread)
 MANIFEST_SCHEMA = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_RANK = 8
@@ -210,162 +208,6 @@ def plan(specs: Sequence[TensorSpec], cap_bytes: int) -> Layout:
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))     # (torch.Size holds ints already)
-
-
-class _Summer:
-    """Per-tensor sums of ``checksum`` computed on a helper thread while the packer goes on copying: both
-    release the GIL, so the checksum pass overlaps the copy instead of following it (reading what was just
-    written, often still in cache). Work is handed over in batches of ~``BATCH`` bytes: a hand-off per small
-    tensor would cost more than its sum. Without an executor the sums are taken in ``result()``; tensors the
-    native kernel copied arrive already summed (``add_sum``), which costs no second pass at all."""
-
-    BATCH = 4 * 2**20
-
-    def __init__(self, executor: Optional[Executor]):
-        self._ex = executor
-        self._futures: list[Future] = []
-        self._batch: list[tuple[str, torch.Tensor]] = []
-        self._bytes = 0
-        self._done: list[tuple[str, int, int]] = []
-
-    def add_sum(self, name: str, total: int, numel: int) -> None:
-        """A tensor whose sum is already known (the native kernel summed it while copying)."""
-        self._done.append((name, total, numel))
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        self._batch.append((name, t))
-        self._bytes += t.numel() * t.element_size()
-        if self._bytes >= self.BATCH:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._batch and self._ex is not None:
-            batch, self._batch, self._bytes = self._batch, [], 0
-            self._futures.append(self._ex.submit(lambda: [(n, tensor_sum(t), t.numel()) for n, t in batch]))
-
-    def result(self) -> float:
-        """Equal to ``checksum`` of every tensor added."""
-        return float(fold(self.sums()))
-
-    def sums(self) -> list[tuple[str, int, int]]:
-        """(name, tensor_sum, numel) of every tensor added (waits for the helper thread)."""
-        self._flush()
-        rest = [(n, tensor_sum(t), t.numel()) for n, t in self._batch]    # no helper thread: summed here
-        self._done += [item for f in self._futures for item in f.result()] + rest
-        self._futures, self._batch, self._bytes = [], [], 0
-        return list(self._done)
-
-
-class BucketPacker:
-    """Streams (name, tensor) into buckets following the layout rule; ``finish()`` -> (layout, buckets).
-
-    Each tensor is copied as soon as it is added, so the caller may free or re-partition it right after
-    (ZeRO-3 gathers). With ``zero_copy`` a contiguous tensor that gets its own bucket is referenced instead
-    of copied: only safe if it stays unchanged until the broadcast (and any export) is done. With ``summer``
-    (a one-thread executor; CPU only) the checksum of what was packed is computed alongside (``checksum()``);
-    with the native kernel (which sums while it copies) that thread copies half of each large tensor instead.
-    """
-
-    def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
-                 pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True,
-                 previous: Optional["Layout"] = None):
-        self.cap = int(cap_bytes)
-        self._previous = previous    # the last version's layout: reused (manifest, digest, shares) when equal
-        self.device = torch.device(device)
-        self.zero_copy = zero_copy
-        self._alloc = pool.get if pool is not None else (
-            lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device))
-        self._planner = _Planner(self.cap)
-        self._store: dict[str, list[torch.Tensor]] = {}
-        self._names: set[str] = set()
-        self._summer = _Summer(summer if self.device.type == "cpu" else None) if sums else None
-        # One pass that copies with non-temporal stores and sums on the way (async_vla.native): about twice
-        # the bandwidth of copy_ into memory other processes read next, and no checksum pass after it.
-        self._native = self.device.type == "cpu" and native.available()
-        self._helper = summer if self._native else None
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._names:
-            raise ValueError(f"duplicate tensor name {name!r}")
-        self._names.add(name)
-        t = tensor.detach()
-        spec = spec_of(name, t)
-        local, off, own = self._planner.add(spec)
-        bufs = self._store.setdefault(spec.dtype, [])
-        dtype = DTYPES[spec.dtype]
-        total: Optional[int] = None
-        if own and self.zero_copy and t.is_contiguous() and t.device == self.device:
-            bufs.append(t.reshape(-1))
-            dst = bufs[-1]
-        else:
-            if own:
-                bufs.append(self._alloc(spec.numel, dtype, self.device))
-                dst = bufs[-1]
-            else:
-                if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
-                    bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
-                dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
-            if self._native:
-                total = self._copy_sum(dst, t.reshape(-1) if t.is_contiguous() else t)
-            if total is None:
-                dst.view(spec.shape).copy_(t)
-        if self._summer is not None:
-            if total is None:
-                self._summer.add(name, dst)
-            else:
-                self._summer.add_sum(name, total, spec.numel)
-
-    def _copy_sum(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
-        """The native copy; a large tensor is copied in two halves at once, the second on the helper thread (one
-        thread is memory-latency bound: two moved 390 MB in 31 ms instead of 45 here). Both halves are done
-        before this returns: the caller may free ``src`` (a ZeRO-3 gather) right after ``add``."""
-        # (``native.can_copy`` with fewer steps: ``dst`` is ours - a contiguous CPU slice of src's dtype and size)
-        if src.device.type != "cpu" or not src.is_contiguous() or src.is_neg() or src.dtype != dst.dtype:
-            return None
-        nbytes, d, s = src.nbytes, dst.data_ptr(), src.data_ptr()
-        if self._helper is None or nbytes < SPLIT_BYTES:
-            return native.copy_sum_raw(d, s, nbytes)
-        half = nbytes // 2 // ALIGN * ALIGN      # a multiple of 8: both halves' word sums add up to the whole
-        far = self._helper.submit(native.copy_sum_raw, d + half, s + half, nbytes - half)
-        try:
-            near = native.copy_sum_raw(d, s, half)
-        finally:   # never return (or raise) while the helper still reads src / writes dst
-            rest = far.result()
-        return (near + rest) & _U64
-
-    def checksum(self) -> float:
-        """``checksum`` of everything packed (by name), from the helper thread's sums when there is one."""
-        if self._summer is None:
-            raise RuntimeError("this packer was made with sums=False")
-        return self._summer.result()
-
-    def tensor_sums(self) -> dict[str, tuple[int, int]]:
-        """name -> (tensor_sum, numel) of everything packed: what ``share_checksum`` folds."""
-        if self._summer is None:
-            raise RuntimeError("this packer was made with sums=False")
-        return {name: (total, numel) for name, total, numel in self._summer.sums()}
-
-    def finish(self) -> tuple[Layout, list[torch.Tensor]]:
-        prev = self._previous
-        # A layout is a function of (specs, cap): the same tensors as last time give the same layout object, whose
-        # manifest, digest and shares are already computed (~0.3 ms a version at 100 tensors).
-        specs = tuple(s for s, _, _ in self._planner.placed)
-        if prev is not None and prev.cap_bytes == self.cap and prev.specs == specs:
-            layout = prev
-        else:
-            layout = self._planner.finish(self.cap)
-        flat = [b for d in self._planner.order for b in self._store[d]]
-        buckets = [b if b.numel() == spec.numel else b.narrow(0, 0, spec.numel)
-                   for b, spec in zip(flat, layout.buckets)]
-        return layout, buckets
-
-
-def pack(named: NamedTensors, cap_bytes: int, device: Union[str, torch.device] = "cpu",
-         zero_copy: bool = False, pool: Optional[BufferPool] = None) -> tuple[Layout, list[torch.Tensor]]:
-    packer = BucketPacker(cap_bytes, device, zero_copy, pool)
-    for name, t in named_items(named):
-        packer.add(name, t)
-    return packer.finish()
 
 
 def empty_buckets(layout: Layout, device: Union[str, torch.device] = "cpu",

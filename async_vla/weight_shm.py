@@ -248,6 +248,7 @@ class ShmPublisher:
         self._placed: Optional[tuple[int, int, list[int]]] = None    # (version, generation, offsets)
         self._no_room: tuple[int, float] = (0, 0.0)                   # (bytes that did not fit, until when)
         self.failed = ""          # why the last placement went over the wire instead ("" = it did not)
+        self.packed_in_place = False   # the last placement found every bucket already in its segment
         self.remade_pinned = 0    # slots given a fresh segment because a reader still pinned the old one
 
     def _locked_probe(self, session: str) -> int:
@@ -314,6 +315,11 @@ class ShmPublisher:
         return (a or self._fallback).get(numel, dtype, device)
 
     @property
+    def generation(self) -> int:
+        """The current slot's segment generation (-1: none yet)."""
+        return self._gens[self._turn] if self._arenas[self._turn] is not None else -1
+
+    @property
     def in_place(self) -> bool:
         """Both slots have a segment (packing no longer touches the fallback pool)."""
         return all(a is not None for a in self._arenas)
@@ -327,6 +333,7 @@ class ShmPublisher:
             return self._placed[1], self._placed[2]
         slot = self._turn
         a = self._arenas[slot]
+        self.packed_in_place = a is not None and all(a.offset_of(b) is not None for b in buckets)
         offsets = a.place(buckets) if a is not None else None
         if offsets is None:
             need = max(sum(_aligned(_nbytes(b)) for b in buckets), self._requested)
@@ -427,13 +434,31 @@ class ShmReader:
         with self._lock:
             return self._pin(gen, version, offsets, nbytes)
 
-    def _pin(self, gen: int, version: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
-        m = self._mapping(gen)
+    def views(self, gen: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
+        """The same byte views as ``pin``, without pinning or checking the version: for reading while the publisher
+        is still writing (the doorbell's progress says which bytes are complete, ``async_vla.weight_bell``). Pin
+        before handing any out; ``pin`` says whether these views are of the mapping it pinned."""
+        with self._lock:
+            m = self._mapping(gen)
+            self._check_bounds(m, offsets, nbytes)
+            return [m.base.narrow(0, int(off), int(n)) for off, n in zip(offsets, nbytes)]
+
+    def mapped(self, gen: int) -> torch.Tensor:
+        """The whole mapping of segment ``gen`` (its ``data_ptr`` is where the bucket offsets count from)."""
+        with self._lock:
+            return self._mapping(gen).base
+
+    @staticmethod
+    def _check_bounds(m: "_Mapping", offsets: Sequence[int], nbytes: Sequence[int]) -> None:
         if len(offsets) != len(nbytes) or m.base.numel() < CTL:
             raise ShmUnreadable("shared-memory offsets do not match the buckets or the segment")
         for off, n in zip(offsets, nbytes):
             if not CTL <= off <= m.base.numel() - n:
                 raise ShmUnreadable(f"shared-memory offset {off} (+{n} bytes) outside the segment")
+
+    def _pin(self, gen: int, version: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
+        m = self._mapping(gen)
+        self._check_bounds(m, offsets, nbytes)
         if not m.pinned:
             try:
                 fcntl.flock(m.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from async_vla import weight_bell
+from async_vla.weight_bell import BellDropped, BellMember, PostReplaced
+from async_vla.weight_bell_versions import SharePlan, ViewPlan
+from async_vla.weight_buckets import Layout
 from async_vla.weight_pool import BufferPool, views_tracked
 from async_vla.weight_export import read_latest
 from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
@@ -68,6 +72,9 @@ class WeightSubscriber:
         self._export_session = ""       # session of the export fetch_latest handed out last ("": none/unknown)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._group: Optional[BroadcastGroup] = None
+        self._bell: Optional[BellMember] = None     # this epoch's doorbell, when it runs on one
+        self._layouts: dict[int, Layout] = {}       # bell epochs: layouts by digest (manifests come from the store)
+        self._plans: dict[tuple, tuple[ViewPlan, Optional[SharePlan]]] = {}
         self._pool = BufferPool()
         self._shm_reader: Optional[ShmReader] = None
         self._shm_refused = False      # a segment of this learner session could not be read: use the wire
@@ -136,11 +143,14 @@ class WeightSubscriber:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
+        bell = self._bell
+        if bell is not None:     # our thread may sleep on the bell's futexes: wake it
+            bell.wake()
         with self._hb_lock:
             hb, self._hb = self._hb, None
         if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
             with contextlib.suppress(Exception):
-                hb[0].set(hb[1].replace("/hb/", "/leave/"), "1")
+                self._leave(hb[0], int(hb[1].rsplit("/", 1)[1]))
                 hb[0].queue_push(hb[2], json.dumps({"t": "stop"}))
         self._thread.join(timeout)
         self._beat.join(timeout)
@@ -192,6 +202,9 @@ class WeightSubscriber:
         if self._group is not None:
             self._group.close()
             self._group = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
 
     def _session(self) -> None:
         port = self._resolve_port()
@@ -227,11 +240,14 @@ class WeightSubscriber:
                 self._publisher_session = session
                 self._shm_refused, self._shm_reader = False, None
         # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
-        shm = (self.cfg.shm and not self._shm_refused and views_tracked() and store.check(["w/shm"])
-               and probe_ok(store.get("w/shm").decode(), session, self.cfg.shm_dir))
+        probe = store.get("w/shm").decode() if store.check(["w/shm"]) else ""
+        shm = (self.cfg.shm and not self._shm_refused and views_tracked()
+               and probe_ok(probe, session, self.cfg.shm_dir))
         token = store.add("w/tokens", 1)
+        store.add(f"w/hb/{token}", 1)      # before the member info: the publisher reads every member's at once
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
-                                                   "host": socket.gethostname(), "shm": bool(shm)}))
+                                                   "host": socket.gethostname(), "shm": bool(shm),
+                                                   "bell": bool(shm and weight_bell.available())}))
         mbox = f"w/mbox/{token}"
         with self._hb_lock:
             if self._stop.is_set():
@@ -262,6 +278,9 @@ class WeightSubscriber:
                 self._leave_group()
                 pending = epoch
                 store.set(f"w/e{epoch}/ack/{token}", "1")
+            elif kind == "roster" and epoch == pending and msg.get("bell"):
+                pending = -1
+                self._bell_epoch(store, msg, epoch, probe, token)
             elif kind == "roster" and epoch == pending:
                 pending = -1
                 try:
@@ -287,7 +306,7 @@ class WeightSubscriber:
                     # (a new token re-forms the group on the wire) and do not claim it again for this learner.
                     self.stats["failures"] += 1
                     self._shm_refused, self._shm_reader = True, None
-                    store.set(f"w/leave/{token}", "1")   # so a retry does not invite this token again
+                    self._leave(store, token)   # so a retry does not invite this token again
                     log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
                                 "for the wire", self.actor_id, exc)
                     raise
@@ -296,6 +315,135 @@ class WeightSubscriber:
                     log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
                              str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
                     self._leave_group()
+
+    @staticmethod
+    def _leave(store, token: int) -> None:
+        """Tell the publisher this registration is over (it looks at the keys only when the count moved)."""
+        store.set(f"w/leave/{token}", "1")
+        store.add("w/leaves", 1)
+
+    # ------------------------------------------------------------------ doorbell epochs (async_vla.weight_bell)
+    def _bell_epoch(self, store, msg: dict, epoch: int, probe: str, token: int) -> None:
+        """Join an epoch that runs on a bell and take its versions until it is dropped; then back to the mailbox."""
+        path, prefix = str(msg.get("bell", "")), str(msg.get("shm") or "")
+        try:
+            if not (valid_path(path, self.cfg.shm_dir) and valid_path(prefix, self.cfg.shm_dir)):
+                raise ValueError(f"roster names a bell or segments outside {self.cfg.shm_dir}")
+            if self._shm_reader is None or self._shm_reader.prefix != prefix:
+                self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
+            self._bell = BellMember(path, int(msg["rank"]), epoch, probe)
+            self.stats["epochs"] += 1
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            self.stats["failures"] += 1
+            log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
+            self._leave_group()
+            return
+        member = self._bell
+        try:
+            while not member.dropped:
+                if self._stop.is_set():
+                    raise _Stop()
+                p = member.next_post(weight_bell.MEMBER_SLICE_S)
+                if p is None:
+                    if not member.publisher_alive():
+                        raise RuntimeError("the weight publisher is gone")
+                    continue
+                rec = member.record(p)
+                if rec is None:       # aborted, or already replaced by the next post: take that one
+                    continue
+                try:
+                    self._bell_receive(store, member, p, rec)
+                except PostReplaced:
+                    continue
+        except ShmUnreadable as exc:
+            self.stats["failures"] += 1
+            self._shm_refused, self._shm_reader = True, None
+            self._leave(store, token)
+            log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering for the "
+                        "wire", self.actor_id, exc)
+            raise
+        except BellDropped:
+            pass
+        except (TimeoutError, ValueError, RuntimeError) as exc:
+            self.stats["failures"] += 1
+            log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch, str(exc).splitlines()[0][:160])
+            if not member.publisher_alive():
+                raise
+        finally:
+            self._leave_group()
+
+    def _bell_receive(self, store, member: BellMember, p: int, rec: dict[str, int]) -> None:
+        """One posted version: views and share sum while the publisher packs, pin once sealed, acknowledge, verdict."""
+        t0 = time.monotonic()
+        deadline, stop = t0 + self.timeout_s, self._stop.is_set
+        acked = False
+        try:
+            layout = self._layout_of(store, rec["digest"])
+            gen, version, offsets = rec["generation"], rec["version"], rec["offsets"]
+            if len(offsets) != len(layout.buckets) or rec["stream_bytes"] != layout.total_bytes:
+                raise ValueError("bell record does not match its manifest")
+            nbytes = [b.nbytes for b in layout.buckets]
+            reader = self._shm_reader
+            reader.views(gen, offsets, nbytes)              # bounds checked (the views themselves are not needed)
+            base = reader.mapped(gen)
+            views, shares = self._bell_plans(layout, rec["split"], member.rank, offsets)
+            tensors = views.views(base)                     # made while the publisher packs
+            share = 0
+            if shares is not None:
+                share = shares.value(member.follow_sum(p, shares, base.data_ptr(), deadline, stop))
+            member.wait_sealed(p, layout.total_bytes, deadline, stop)
+            reader.pin(gen, version, offsets, nbytes)
+            pinned = reader.mapped(gen)
+            if pinned is not base:       # re-mapped in between: hand out views of the mapping that is pinned
+                tensors = views.views(pinned)
+            del base, pinned
+            member.ack(p, True, share)
+            acked = True
+            ok = member.wait_verdict(p, deadline, stop)
+            reader.check(gen, version)   # pinned, so it cannot have changed: never take another version
+        except (PostReplaced, BellDropped):
+            raise
+        except BaseException:
+            if not acked:   # tell the publisher now rather than letting it wait out its timeout
+                member.ack(p, False, 0)
+            raise
+        self._hand_over(version, tensors, ok, t0, reader)
+        del tensors
+        member.released(p)
+        with self._lock:
+            self._lock.notify_all()
+
+    def _bell_plans(self, layout: Layout, split: int, rank: int, offsets: list[int]
+                    ) -> tuple[ViewPlan, Optional[SharePlan]]:
+        key = (layout.digest, split, rank, tuple(offsets))
+        if key not in self._plans:       # the last two (segments alternate)
+            self._plans = {key: (ViewPlan(layout, offsets), SharePlan(layout, split, rank, offsets) if split else None),
+                           **dict(list(self._plans.items())[-1:])}
+        return self._plans[key]
+
+    def _layout_of(self, store, digest: int) -> Layout:
+        if digest not in self._layouts:
+            layout = Layout.from_manifest_bytes(store.get(f"w/manifest/{digest}"))
+            if layout.digest != digest:
+                raise ValueError("the manifest in the store does not match the bell's digest")
+            self._layouts = {digest: layout, **dict(list(self._layouts.items())[-1:])}
+        return self._layouts[digest]
+
+    def _hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader]) -> None:
+        """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch),
+        then unpin what nobody holds any more, so the publisher may rewrite it."""
+        if not ok:
+            self.stats["checksum_errors"] += 1
+            log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, version)
+        else:
+            self.stats.update(received=self.stats["received"] + 1, last_version=version,
+                              last_recv_s=time.monotonic() - t0,
+                              bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
+            with self._lock:
+                if version > self._delivered:
+                    self._latest = (version, tensors)   # drops an older one nobody took
+        if reader is not None:
+            reader.release_unused()
 
     @staticmethod
     def _dropped(store, epoch: int) -> bool:
@@ -313,18 +461,7 @@ class WeightSubscriber:
         t0 = time.monotonic()
 
         def hand_over(h: dict, tensors: dict, ok: bool) -> None:   # runs before the acknowledgement
-            if not ok:
-                self.stats["checksum_errors"] += 1
-                log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, h["version"])
-            else:
-                self.stats.update(received=self.stats["received"] + 1, last_version=h["version"],
-                                  last_recv_s=time.monotonic() - t0,
-                                  bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
-                with self._lock:
-                    if h["version"] > self._delivered:
-                        self._latest = (h["version"], tensors)   # drops an older one nobody took
-            if g.shm_reader is not None:   # so the publisher may rewrite what no one holds any more
-                g.shm_reader.release_unused()
+            self._hand_over(h["version"], tensors, ok, t0, g.shm_reader)
 
         recv_version(g, self.timeout_s, self._pool, self.cfg.verify, hand_over)
         log.debug("weights: actor %d received in %.3f s", self.actor_id, time.monotonic() - t0)

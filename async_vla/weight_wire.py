@@ -31,8 +31,9 @@ from async_vla.weight_shm import ShmReader, ShmUnreadable
 
 MAGIC = 0x5745494748      # "WEIGH"
 # What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not
-# join). 2: the verification-shares header slot; 3: split verification ends at the verdict + a release count.
-WIRE_VERSION = 3
+# join). 2: the verification-shares header slot; 3: split verification ends at the verdict + a release count;
+# 4: doorbell epochs (async_vla.weight_bell), heartbeat keys made before registering, a count of leaves.
+WIRE_VERSION = 4
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm", "split")
 DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up
 INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header itself (the rest in one more op)

@@ -41,10 +41,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla.weight_buckets import BucketPacker, Layout
+from async_vla import weight_bell
+from async_vla.weight_bell import BellGroup, BellPublisher
+from async_vla.weight_bell_versions import BellSender, EarlyPost, NoRoom
+from async_vla.weight_buckets import Layout
+from async_vla.weight_packer import BucketPacker
 from async_vla.weight_pool import BufferPool
 from async_vla.weight_export import Exporter
-from async_vla.weight_shm import ShmPublisher
+from async_vla.weight_shm import RETRY_S as SHM_RETRY_S, ShmPublisher
 from async_vla import native
 from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
 
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 
 SETTLE_S = 1.0          # longest a publish waits for receivers to let go of what the last one replaced
 SETTLE_POLL_S = 0.0005
+BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors to read their goodbye
 
 
 @dataclass
@@ -62,6 +67,7 @@ class _Member:
     fails: int = 0
     suspended_until: float = 0.0
     shm: bool = False          # can read our shared-memory segments (same host, same /dev/shm, same user)
+    bell: bool = False         # can take versions through a doorbell page (async_vla.weight_bell)
 
 
 class WeightPublisher:
@@ -87,6 +93,8 @@ class WeightPublisher:
         self.session = uuid.uuid4().hex
         self._store.set("w/session", self.session)
         self._store.set("w/wire", str(WIRE_VERSION))
+        for key in ("w/tokens", "w/leaves"):    # counters read with multi_get, which waits for missing keys
+            self._store.add(key, 0)
         self._pool = BufferPool()
         # Helper thread: half of each large copy (native kernel) or the sums while packing (torch fallback).
         self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")
@@ -100,12 +108,16 @@ class WeightPublisher:
                 log.warning("weights: no shared-memory path in %s (%s); broadcasting over gloo only",
                             self.cfg.shm_dir, exc)
         self._store.set("w/shm", self._shm.probe if self._shm is not None else "")
+        self._bell_ok = self._shm is not None and weight_bell.available()
+        self._bell = BellSender(self._store, self._shm) if self._bell_ok else None
+        self._wire_until = 0.0     # shared memory had no room: groups stay on the wire until then
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
                                    "session": self.session, "pid": os.getpid()}))
         os.replace(tmp, self._endpoint)
         self._members: dict[int, _Member] = {}
+        self._leaves = 0           # the store's count of members that left, when we last looked
         self._missing: dict[int, float] = {}
         self._known = 0
         self._epoch = 0
@@ -121,7 +133,12 @@ class WeightPublisher:
     def _live_tokens(self) -> list[int]:
         s, now = self._store, time.monotonic()
         stale = 5 * self.cfg.heartbeat_s
-        while self._known < s.add("w/tokens", 0):
+        # One store round trip when nothing changed (every publish asks): the registration and leave counts and
+        # every member's heartbeat (a member creates its heartbeat key before it registers).
+        toks = list(self._members)
+        got = [int(x) for x in s.multi_get(["w/tokens", "w/leaves"] + [f"w/hb/{tok}" for tok in toks])]
+        registered, leaves, beats = got[0], got[1], dict(zip(toks, got[2:]))
+        while self._known < registered:
             tok = self._known + 1
             if not s.check([f"w/member/{tok}"]):
                 # Registered a moment ago, info not written yet: look again next time - unless it has been
@@ -132,14 +149,17 @@ class WeightPublisher:
                 self._known = tok
                 continue
             info = json.loads(s.get(f"w/member/{tok}"))
-            self._members[tok] = _Member(int(info.get("actor_id", -tok)), shm=bool(info.get("shm")))
+            self._members[tok] = _Member(int(info.get("actor_id", -tok)), shm=bool(info.get("shm")),
+                                         bell=bool(info.get("bell")))
+            beats[tok] = s.add(f"w/hb/{tok}", 0)
             self._known = tok
-        newest: dict[int, int] = {}
-        for tok, m in list(self._members.items()):
-            if s.check([f"w/leave/{tok}"]):
+        if leaves != self._leaves:      # someone left: find who (one store round trip per member, only now)
+            self._leaves = leaves
+            for tok in [t for t in self._members if s.check([f"w/leave/{t}"])]:
                 del self._members[tok]
-                continue
-            hb = s.add(f"w/hb/{tok}", 0)
+        newest: dict[int, int] = {}
+        for tok, m in self._members.items():
+            hb = beats[tok]
             if hb != m.hb:
                 m.hb, m.seen = hb, now
             newest[m.actor_id] = max(tok, newest.get(m.actor_id, 0))
@@ -196,12 +216,20 @@ class WeightPublisher:
         if not acked:
             return
         world = len(acked) + 1
-        use_shm = self._shm is not None and all(self._members[tok].shm for tok in acked)
+        # Everyone on shared memory and able to: the epoch runs on a bell, no process group at all.
+        use_shm, use_bell = self._kind(acked)
+        bell = BellPublisher(self._shm.prefix, e, len(acked)) if use_bell else None
         for rank, tok in enumerate(acked, 1):
             s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": world,
                                                       "backend": self.backend,
-                                                      "shm": self._shm.prefix if use_shm else ""}))
+                                                      "shm": self._shm.prefix if use_shm else "",
+                                                      "bell": bell.path if bell is not None else ""}))
         left = deadline - time.monotonic()
+        if bell is not None:
+            self._group = BellGroup(bell, e, tuple(acked))
+            # Raises when one does not open it in time (the retry re-forms without it).
+            bell.wait_joined(min(deadline, time.monotonic() + self.cfg.join_timeout_s))
+            return
         if left <= 0:
             raise TimeoutError("no time left to form the group")
         self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked))
@@ -225,9 +253,13 @@ class WeightPublisher:
         """
         t0 = time.monotonic()
         shm = self._shm is not None and self.cfg.shm
-        early = self._announce_early(version)
+        bell = self._group if isinstance(self._group, BellGroup) and shm and self._standing() else None
+        early = False if bell is not None else self._announce_early(version)
+        post: Optional[EarlyPost] = None
         try:
             into = self._shm.arena(self._settle) if shm else self._pool
+            if bell is not None:    # receivers check their shares while we pack, when the offsets are known now
+                post = self._bell.post_early(bell, version, self._layout, self._split(bell))
             zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
@@ -235,6 +267,8 @@ class WeightPublisher:
                                   sums=summing, previous=self._layout)
             for name, t in named_tensors:
                 packer.add(name, t)
+                if post is not None:
+                    post.packed(name, t)
             layout, buckets = packer.finish()
             self._layout = layout
             # One version exporting, one packing; none once both shared-memory segments take the packing.
@@ -243,6 +277,8 @@ class WeightPublisher:
             # Receivers through shared memory each check a share of these (weight_wire.send_version).
             sums = packer.tensor_sums() if self.cfg.verify else None
         except BaseException:
+            if post is not None:
+                post.abort()
             if shm:     # the slot we were packing into is ours again; the other may still be exporting v-1
                 self._shm.undo()
             if early:   # the members wait in the header broadcast: closing the group fails them at once
@@ -254,30 +290,45 @@ class WeightPublisher:
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
                                  "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
                                  "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
-                                 "announced_early": early, "verify_shares": 0}
-        for _attempt in range(2):
+                                 "announced_early": early or post is not None, "verify_shares": 0,
+                                 "doorbell": False}
+        attempts = 2
+        while attempts > 0:
+            attempts -= 1
             if deadline - time.monotonic() < 0.05:
                 break
             try:
-                if not early:   # (an announced group broadcasts as it is; a newcomer joins at the next publish)
+                if not early and bell is None:   # (an announced group broadcasts as it is; newcomers come next time)
                     live = self._live_tokens()
-                    if self._group is None or set(live) != set(self._group.members):
+                    if self._group is None or self._reform(live):
                         self._form(live, deadline)
                         stats["formed"] = True
                 if self._group is None:
                     break
-                stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout, buckets,
-                                                                         csum, deadline, not early, sums)
+                stats["doorbell"] = isinstance(self._group, BellGroup)
+                if stats["doorbell"]:
+                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, sums, post,
+                                                         self._split(self._group))
+                    stats["transport"] = "shm"
+                else:
+                    stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout,
+                                                                             buckets, csum, deadline, not early,
+                                                                             sums)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
                 stats["verify_shares"] = self._group.verify_shares
                 break
+            except NoRoom as exc:   # planned: this version (and the next ones, a while) over the wire
+                log.warning("weights: v%d over the wire: %s", version, exc)
+                self._wire_until = time.monotonic() + SHM_RETRY_S
+                self._drop_group()
+                early, bell, post, attempts = False, None, None, attempts + 1
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
                 stats["failures"] += 1
                 stats["error"] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 log.warning("weights: broadcast of v%d failed in epoch %d (%s); re-forming",
                             version, self._epoch, stats["error"])
                 self._drop_group()
-                early = False
+                early, bell, post = False, None, None
         stats["epoch"] = self._epoch
         stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
         stats["pack_s"] = t_pack - t0
@@ -291,6 +342,37 @@ class WeightPublisher:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
+    # ------------------------------------------------------------------ doorbell epochs (async_vla.weight_bell)
+    def _standing(self) -> bool:
+        """The current group still matches the live set (so a version may be posted to it before packing)."""
+        try:
+            return not self._reform(self._live_tokens())
+        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
+            log.debug("weights: live-set check failed: %s", exc)
+            return False
+
+    def _reform(self, live: list[int]) -> bool:
+        """Does the group need re-forming: the live set changed, or it is not the kind ``_form`` would make now
+        (weights.shm / weights.doorbell switched, or shared memory has room again after a spell on the wire)."""
+        g = self._group
+        if g is None or set(live) != set(g.members):
+            return True
+        shm, bell = self._kind([t for t in g.members if t in self._members])
+        if isinstance(g, BellGroup) != bell:
+            return True
+        return not isinstance(g, BellGroup) and shm and not g.use_shm
+
+    def _kind(self, tokens: list[int]) -> tuple[bool, bool]:
+        """(shared memory, doorbell) for a group of these members, as things stand."""
+        members = [self._members[t] for t in tokens]
+        shm = (self._shm is not None and self.cfg.shm and time.monotonic() >= self._wire_until
+               and all(m.shm for m in members))
+        return shm, (shm and self._bell_ok and self.cfg.doorbell and all(m.bell for m in members)
+                     and len(members) <= weight_bell.MAX_MEMBERS)
+
+    def _split(self, g: BellGroup) -> int:
+        return BellSender.split(g, self.cfg.verify, self.cfg.verify_split)
+
     def _settle(self) -> None:
         """A shared-memory slot is still pinned: wait (at most ``SETTLE_S``) until every member of the group has
         counted itself released for each split-verified version (``weight_wire.send_version`` returns after the
@@ -298,6 +380,11 @@ class WeightPublisher:
         are in long before the next publish; back to back, this keeps a slot from being re-made needlessly. Past
         the wait a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
         g = self._group
+        if isinstance(g, BellGroup):
+            end = time.monotonic() + min(SETTLE_S, self.timeout_s)
+            while g.bell.released(g.bell.judged) < len(g.members) and time.monotonic() < end:
+                time.sleep(SETTLE_POLL_S)
+            return
         if g is None or not g.released_owed:
             return
         key, end = f"w/e{g.epoch}/released", time.monotonic() + min(SETTLE_S, self.timeout_s)
@@ -322,7 +409,7 @@ class WeightPublisher:
         if g is None or self.backend != "gloo" or self._last_pack_s > 0.25 * waits:
             return False
         try:
-            if set(self._live_tokens()) != set(g.members):
+            if self._reform(self._live_tokens()):
                 return False
             self._announce(g, version)
         except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
@@ -361,15 +448,25 @@ class WeightPublisher:
         return self._exporter.wait()
 
     def close(self) -> None:
+        if self._store is None:
+            return
         self.wait_export()
         self._summer.shutdown()
-        self._drop_group()
         # Goodbye to every registered actor: each closes its store connections and looks for the next learner
         # (a --resume) after a pause, instead of a blocked queue_pop failing - loudly, with a C++ stack trace in
-        # the actor's log - when this process exits. Best effort: a dead store needs no goodbye.
+        # the actor's log - when this process exits. Best effort: a dead store needs no goodbye. Before dropping
+        # the group: members of a doorbell epoch wake from the page straight into their mailbox, which must
+        # hold it by then - and the store must outlive their reading it (at most BYE_DRAIN_S).
+        boxes = [f"w/mbox/{tok}" for tok in self._members]
         with contextlib.suppress(RuntimeError, ValueError):
-            for tok in list(self._members):
-                self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bye"}))
+            for box in boxes:
+                self._store.queue_push(box, json.dumps({"t": "bye"}))
+        self._drop_group()
+        end = time.monotonic() + BYE_DRAIN_S
+        with contextlib.suppress(RuntimeError, ValueError):
+            while boxes and time.monotonic() < end:
+                boxes = [b for b in boxes if self._store.queue_len(b) > 0]
+                time.sleep(0.005)
         if self._shm is not None:
             self._shm.close()
             self._shm = None

@@ -154,13 +154,19 @@ def run(quick: bool = False) -> dict:
                 model = synthetic_model(n)
                 nbytes = sum(t.numel() * t.element_size() for _, t in model)
                 cap = Config().weights.bucket_mb
-                modes = {"per_tensor_naive": (1e-6, False, False, True), "per_tensor": (1e-6, True, False, True),
-                         "bucketed_gloo": (cap, True, False, True), "bucketed": (cap, True, True, True),
-                         "bucketed_nocheck": (cap, True, True, False), "bucketed_torch": (cap, True, True, True)}
+                # (bucket cap, overlap, shared memory, verify, doorbell)
+                modes = {"per_tensor_naive": (1e-6, False, False, True, True),
+                         "per_tensor": (1e-6, True, False, True, True),
+                         "bucketed_gloo": (cap, True, False, True, True), "bucketed": (cap, True, True, True, True),
+                         "bucketed_nocheck": (cap, True, True, False, True),
+                         # no native library: no packing kernel and no doorbell either
+                         "bucketed_torch": (cap, True, True, True, False),
+                         "bucketed_roundtrips": (cap, True, True, True, False)}
                 times: dict[str, list[float]] = {m: [] for m in modes}
                 bcast: dict[str, list[float]] = {m: [] for m in modes}
                 learner: dict[str, list[float]] = {m: [] for m in modes}
                 into: dict[str, list[float]] = {m: [] for m in modes}
+                early: dict[str, list[bool]] = {m: [] for m in modes}
                 # Warm-up rounds (untimed): the manifest, page faults, and the shared-memory path's set-up -
                 # each of its two segments is made by one publish and first packed into by a later one. Within a
                 # round each mode publishes twice and only the second is timed: a learner stays on one path, and
@@ -168,7 +174,7 @@ def run(quick: bool = False) -> dict:
                 for r in range(repeats[n] + WARMUP):
                     order = list(modes) if r % 2 == 0 else list(reversed(modes))
                     for mode, timed in ((m, k == 1) for m in order for k in (0, 1)):
-                        pub.cfg.bucket_mb, pub.cfg.overlap, pub.cfg.shm, pub.cfg.verify = modes[mode]
+                        pub.cfg.bucket_mb, pub.cfg.overlap, pub.cfg.shm, pub.cfg.verify, pub.cfg.doorbell = modes[mode]
                         version += 1
                         t0 = time.monotonic()
                         with _torch_packing(mode == "bucketed_torch"):
@@ -182,6 +188,8 @@ def run(quick: bool = False) -> dict:
                             raise RuntimeError("a receiver kept views of an old version pinned")
                         if mode == "bucketed" and st["verify_shares"] != 2:
                             raise RuntimeError(f"the default path did not split verification: {st}")
+                        if st["doorbell"] != (modes[mode][2] and modes[mode][4]):
+                            raise RuntimeError(f"{mode}: doorbell {st['doorbell']}, expected the other: {st}")
                         if r >= WARMUP and timed:
                             # Done when the learner is free again and both receivers hold the version (with split
                             # verification publish returns after the verdict, receivers hand over just after it).
@@ -190,6 +198,7 @@ def run(quick: bool = False) -> dict:
                             learner[mode].append(st["sync_s"])
                             bcast[mode].append(end - st["pack_s"])
                             into[mode].append(max(done) - t0)
+                            early[mode].append(bool(st["announced_early"]))
                 med = {m: statistics.median(v) for m, v in times.items()}
                 gbps = nbytes / med["bucketed"] / 1e9
                 same = memcpy_gbps(nbytes)     # copying these very bytes once (below ~190 MB: cached stores)
@@ -217,6 +226,10 @@ def run(quick: bool = False) -> dict:
                     "torch_pack_frac_of_memcpy": nbytes / med["bucketed_torch"] / 1e9 / memcpy,
                     "nocheck_frac_of_memcpy": nbytes / med["bucketed_nocheck"] / 1e9 / memcpy,
                     "nocheck_into_models_frac_of_memcpy": nbytes / into_s["bucketed_nocheck"] / 1e9 / memcpy,
+                    "bucketed_roundtrips_s": med["bucketed_roundtrips"],
+                    "roundtrips_frac_of_memcpy": nbytes / med["bucketed_roundtrips"] / 1e9 / memcpy,
+                    "doorbell_speedup": med["bucketed_roundtrips"] / med["bucketed"],
+                    "posted_early": f"{sum(early['bucketed'])}/{len(early['bucketed'])}",
                     "samples": {m: [round(x, 4) for x in v] for m, v in times.items()},
                 }
                 del model
@@ -277,8 +290,8 @@ def _markdown(res: dict) -> str:
              "learner's cost s | verify off: s, of memcpy | "
              "packed with torch: s, of memcpy | "
              "broadcast phase s | into both models: per-tensor s, bucketed s, of memcpy (verify off) | "
-             "gloo only: speedup, of memcpy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gloo only: speedup, of memcpy | gloo round trips (doorbell off): s, of memcpy, doorbell speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def goal(x: float, target: float) -> str:
         return "meets" if x >= target else "misses"
@@ -299,7 +312,9 @@ def _markdown(res: dict) -> str:
                      f"{r['bucketed_broadcast_only_s']:.3f} | "
                      f"{into['per_tensor']:.3f}, {into['bucketed']:.3f}, {r['into_models_frac_of_memcpy']:.0%} "
                      f"({r['nocheck_into_models_frac_of_memcpy']:.0%}) | "
-                     f"{r['speedup_gloo']:.2f}x, {r['bucketed_gloo_frac_of_memcpy']:.0%} |")
+                     f"{r['speedup_gloo']:.2f}x, {r['bucketed_gloo_frac_of_memcpy']:.0%} | "
+                     f"{r['bucketed_roundtrips_s']:.3f}, {r['roundtrips_frac_of_memcpy']:.0%}, "
+                     f"{r['doorbell_speedup']:.2f}x |")
     lines += ["", "Checksum (int64 word sums, one core): " + ", ".join(
         f"{k}: {r['checksum_gbps']:.1f} GB/s" for k, r in res["sizes"].items())
         + f". Packing kernel: {res.get('pack_kernel', '?')} (native: non-temporal stores, summing as it copies, "

@@ -10,9 +10,11 @@ _stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
 _stamp_set() { mkdir -p "$STAMPS"; echo "$2" > "$STAMPS/$1"; }
 
 setup_native() {
-  # async_vla/native: copy-with-checksum kernel for packing weights (optional: torch is the fallback, slower).
-  local src="$REPO/async_vla/native/copysum.c" lib="$REPO/async_vla/native/libavla_copysum.so" key
-  key="$(sha1sum "$src" | cut -d' ' -f1)"
+  # async_vla/native: copy-with-checksum kernel for packing weights and the doorbell primitives of the same-host
+  # broadcast (optional: torch and the gloo round trips are the fallback, slower).
+  local dir="$REPO/async_vla/native" lib="$REPO/async_vla/native/libavla_copysum.so" key
+  local src=("$dir/copysum.c" "$dir/bell.c")
+  key="$(cat "${src[@]}" | sha1sum | cut -d' ' -f1)"
   if [ -f "$lib" ] && _stamp_ok native "$key"; then return; fi
   local cc="${CC:-cc}"
   if ! command -v "$cc" >/dev/null 2>&1; then
@@ -20,7 +22,7 @@ setup_native() {
     return
   fi
   echo "[setup] building async_vla/native/$(basename "$lib")"
-  if ! "$cc" -O2 -shared -fPIC -o "$lib.tmp" "$src"; then
+  if ! "$cc" -O2 -shared -fPIC -o "$lib.tmp" "${src[@]}"; then
     rm -f "$lib.tmp"
     echo "[setup] building $(basename "$lib") failed: weight packing falls back to torch (slower)" >&2
     return

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from async_vla import native
-from async_vla.weight_buckets import SPLIT_BYTES, BucketPacker, checksum, tensor_sum, tensor_sum_torch, unpack
+from async_vla.weight_buckets import checksum, tensor_sum, tensor_sum_torch, unpack
+from async_vla.weight_packer import SPLIT_BYTES, BucketPacker
 
 needs_native = pytest.mark.skipif(not native.available(), reason=native.status())
 

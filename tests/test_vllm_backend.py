@@ -192,7 +192,7 @@ def test_openvla_name_map_and_its_errors():
 
 
 def test_update_set_is_trainable_engine_tensors_in_one_bucket_stream():
-    from async_vla.weight_buckets import pack
+    from async_vla.weight_packer import pack
 
     policy = make_policy()
     frozen = LM_PREFIX + "model.norm.weight"
@@ -249,7 +249,8 @@ def _relay(tmp_worker, name_map):
 
 def _send(group, worker, version, named, full=False):
     """Send one version as the torch actors' stream does; returns (confirmed, worker result or exception)."""
-    from async_vla.weight_buckets import checksum, pack, unpack
+    from async_vla.weight_buckets import checksum, unpack
+    from async_vla.weight_packer import pack
     from async_vla.weight_wire import send_version
 
     layout, buckets = pack(named, 1 << 16)

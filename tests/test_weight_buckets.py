@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from async_vla.weight_buckets import Layout, checksum, pack, plan, spec_of, unpack
+from async_vla.weight_buckets import Layout, checksum, plan, spec_of, unpack
+from async_vla.weight_packer import pack
 from async_vla.weight_export import export_weights, read_latest, write_safetensors
 from async_vla.weight_pool import BufferPool
 from tests.weight_helpers import mixed_model
@@ -64,7 +65,7 @@ def test_checksum_is_exact_order_independent_and_sensitive():
 def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap, zero_copy):
     from concurrent.futures import ThreadPoolExecutor
 
-    from async_vla.weight_buckets import BucketPacker
+    from async_vla.weight_packer import BucketPacker
 
     model = mixed_model(3, scale=2)
     with ThreadPoolExecutor(1) as ex:
@@ -82,7 +83,8 @@ def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a
 
 
 def test_the_same_tensors_reuse_the_previous_layout_and_any_change_makes_a_new_one():
-    from async_vla.weight_buckets import BucketPacker, verify_shares
+    from async_vla.weight_buckets import verify_shares
+    from async_vla.weight_packer import BucketPacker
 
     def packed(model, previous=None):
         packer = BucketPacker(64 * 1024, previous=previous)

@@ -3,7 +3,8 @@ so evaluation lands on exactly those versions however far the latest export has 
 
 import torch
 
-from async_vla.weight_buckets import checksum, pack
+from async_vla.weight_buckets import checksum
+from async_vla.weight_packer import pack
 from async_vla.weight_export import (
     MAX_MILESTONES, MILESTONES, Exporter, discard_milestones, milestones, newest_milestone, read_latest,
 )

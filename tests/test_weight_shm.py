@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from async_vla.config import Config
-from async_vla.weight_buckets import checksum, pack
+from async_vla.weight_buckets import checksum
+from async_vla.weight_packer import pack
 from async_vla.weight_pool import BufferPool
 from async_vla.weight_shm import (
     NAME, ShmArena, ShmPublisher, ShmReader, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
@@ -202,9 +203,12 @@ def test_same_host_subscribers_receive_through_shared_memory_across_reuse_and_gr
         assert pub.wait_for_actors(2, 20) == 2
         stats = _publish_and_check(pub, subs, [1, 2, 3, 4])
         stats += _publish_and_check(pub, subs, [5, 6], rows=2000)    # outgrows the segments: re-made
-        assert {s["transport"] for s in stats} == {"shm"}
-        segments = [p for p in (tmp_path / "shm").glob(NAME + "*") if not p.name.endswith(".probe")]
+        assert {s["transport"] for s in stats} == {"shm"} and all(s["doorbell"] for s in stats)
+        files = [p.name for p in (tmp_path / "shm").glob(NAME + "*")]
+        segments = [n for n in files if n.rsplit("_", 1)[1].isdigit()]
         assert len(segments) == 2
+        # and the epoch's doorbell page with one lock file per member
+        assert sorted(n.rsplit("_", 1)[1] for n in files if "_bell" in n) == ["bell1", "bell1.m1", "bell1.m2"]
     finally:
         for s in subs:
             s.close()
@@ -378,7 +382,8 @@ def _slow(model: dict, delay: float, fail: bool = False):
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
 def test_members_announced_before_packing_wait_it_out_or_leave_when_it_fails(tmp_path, shm):
-    cfg = _cfg(tmp_path, shm=shm)
+    # The gloo protocol (weights.doorbell off): members are told before packing and wait in the header broadcast.
+    cfg = _cfg(tmp_path, shm=shm, doorbell=False)
     pub = WeightPublisher(cfg, tmp_path)
     subs = [WeightSubscriber(cfg, i, tmp_path) for i in (1, 2)]
     try:

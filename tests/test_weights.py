@@ -131,17 +131,21 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
     torch.set_num_threads(1)
     cfg = _cfg(**overrides)
     if die_in:   # kill -9 ourselves in the middle of the die_in-th broadcast: header in, buckets in flight
+        import async_vla.weight_bell as bell_mod      # a doorbell member reads each posted version's record
         import async_vla.weight_wire as weights_mod   # recv_version (the receive path) parses through it
 
-        real, calls = weights_mod.parse_header, []
+        calls: list[int] = []
 
-        def dying(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == die_in:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
+        def dying(real):
+            def call(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == die_in:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+            return call
 
-        weights_mod.parse_header = dying
+        weights_mod.parse_header = dying(weights_mod.parse_header)
+        bell_mod.BellMember.record = dying(bell_mod.BellMember.record)
     sub = WeightSubscriber(cfg, actor_id, run_dir, "127.0.0.1", port)
     if fetch:
         got = sub.fetch_latest()
@@ -230,15 +234,20 @@ def world(tmp_path):
         pub.close()
 
 
+# The three same-host paths: doorbell (shared memory, versions through a shared page), shared memory with gloo
+# round trips (weights.doorbell off, or no native library), everything over gloo.
+PATHS = {"doorbell": {"shm": True}, "shm": {"shm": True, "doorbell": False}, "wire": {"shm": False}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
-def test_two_actor_processes_receive_versions_with_matching_checksums(world, shm):
-    pub, actors = world(2, shm=shm)
-    for version in (1, 2):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_two_actor_processes_receive_versions_with_matching_checksums(world, path):
+    pub, actors = world(2, **PATHS[path])
+    for version in (1, 2, 3):
         model = mixed_model(10 + version)
         st = pub.publish(version, model.items())
         assert st["receivers"] == 2 and st["confirmed"] == 2 and st["failures"] == 0, st
-        assert st["transport"] == ("shm" if shm else "gloo")
+        assert st["transport"] == ("gloo" if path == "wire" else "shm") and st["doorbell"] == (path == "doorbell")
         assert st["bytes"] == sum(t.numel() * t.element_size() for t in model.values())
         for a in (1, 2):
             assert actors.got(a, version)[3] == st["checksum"] == checksum(model)
@@ -264,12 +273,12 @@ def test_kill9_between_broadcasts_learner_continues_and_survivor_receives(world)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "wire"])
-def test_kill9_during_broadcast_never_hangs_the_learner(world, shm):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kill9_during_broadcast_never_hangs_the_learner(world, path):
     # actor 1 dies inside broadcast 2. join_timeout_s at the production default (3 s, not FAST's 1 s): the
     # survivor must notice the broken epoch and answer the re-forming invite in time; under a loaded CI machine
     # 1 s was once too short (it then misses only this publish, which this test asserts it does not).
-    pub, actors = world(2, die={1: 2}, bucket_mb=4.0, join_timeout_s=3.0, shm=shm)
+    pub, actors = world(2, die={1: 2}, bucket_mb=4.0, join_timeout_s=3.0, **PATHS[path])
     model = {f"w{i}": torch.randn(1024, 1024) for i in range(12)}        # 48 MiB in 12 buckets
     st = pub.publish(1, model.items())
     assert st["confirmed"] == 2, st
@@ -278,6 +287,7 @@ def test_kill9_during_broadcast_never_hangs_the_learner(world, shm):
     st = pub.publish(2, model.items())
     assert time.monotonic() - t0 < pub.timeout_s + 3.0, st
     assert st["failures"] >= 1 and st["receivers"] == 1 and st["confirmed"] == 1, st   # retried without it
+    assert st["doorbell"] == (path == "doorbell"), st
     assert actors.got(2, 2)[3] == st["checksum"] == checksum(model)
     assert not actors.procs[1].is_alive()
 

@@ -383,6 +383,11 @@ class WeightsConfig(Section):
     100M parameters). Costs two model-sized segments in shm_dir; falls back to the wire when they do not fit."""
     shm_dir: str = "/dev/shm"
     """Directory (a tmpfs) for the shared-memory segments of weights.shm."""
+    doorbell: bool = True
+    """weights.shm groups: exchange each version through a small shared page (futexes) instead of gloo round
+    trips, and let receivers check their verification share while the learner is still packing (10M parameters:
+    ~2x faster end to end, docs/WEIGHTS.md). Needs the native library (bin/build-native) on both sides and Linux;
+    otherwise, or False, such groups use the gloo header/acknowledgement protocol."""
 
 
 class TransportConfig(Section):
