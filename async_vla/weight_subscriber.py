@@ -392,13 +392,16 @@ class WeightSubscriber:
             if shares is not None:
                 share = shares.value(member.follow_sum(p, shares, base.data_ptr(), deadline, stop))
             member.wait_sealed(p, layout.total_bytes, deadline, stop)
+            member.ack(p, True, share)
+            acked = True
+            # Pin while the publisher judges (off its path): the segment cannot be rewritten before the publisher
+            # has our answer and posted the next version into the other one, and a pin that finds another version
+            # sealed there refuses it (ShmTorn) - nothing of a rewritten segment is ever handed out.
             reader.pin(gen, version, offsets, nbytes)
             pinned = reader.mapped(gen)
             if pinned is not base:       # re-mapped in between: hand out views of the mapping that is pinned
                 tensors = views.views(pinned)
             del base, pinned
-            member.ack(p, True, share)
-            acked = True
             ok = member.wait_verdict(p, deadline, stop)
             reader.check(gen, version)   # pinned, so it cannot have changed: never take another version
         except (PostReplaced, BellDropped):
@@ -407,7 +410,7 @@ class WeightSubscriber:
             if not acked:   # tell the publisher now rather than letting it wait out its timeout
                 member.ack(p, False, 0)
             raise
-        self._hand_over(version, tensors, ok, t0, reader)
+        self._hand_over(version, tensors, ok, t0, reader, layout.total_bytes)
         del tensors
         member.released(p)
         with self._lock:
@@ -429,7 +432,8 @@ class WeightSubscriber:
             self._layouts = {digest: layout, **dict(list(self._layouts.items())[-1:])}
         return self._layouts[digest]
 
-    def _hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader]) -> None:
+    def _hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader],
+                   nbytes: Optional[int] = None) -> None:
         """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch),
         then unpin what nobody holds any more, so the publisher may rewrite it."""
         if not ok:
@@ -438,7 +442,8 @@ class WeightSubscriber:
         else:
             self.stats.update(received=self.stats["received"] + 1, last_version=version,
                               last_recv_s=time.monotonic() - t0,
-                              bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
+                              bytes=self.stats["bytes"] + (sum(t.nbytes for t in tensors.values())
+                                                           if nbytes is None else nbytes))
             with self._lock:
                 if version > self._delivered:
                     self._latest = (version, tensors)   # drops an older one nobody took

@@ -348,6 +348,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
                   "weights/receivers": float(stats.get("receivers", 0)),
                   "weights/confirmed": float(stats.get("confirmed", 0)),
                   "weights/shared_memory": float(stats.get("transport") == "shm"),
+                  "weights/doorbell": float(bool(stats.get("doorbell"))),
                   "weights/shm_pinned_remakes": float(stats.get("shm_remade", 0)),
                   "weights/version": float(learner.version)}
         if "rank_checksum_ok" in stats:
