@@ -392,16 +392,15 @@ class WeightSubscriber:
             if shares is not None:
                 share = shares.value(member.follow_sum(p, shares, base.data_ptr(), deadline, stop))
             member.wait_sealed(p, layout.total_bytes, deadline, stop)
-            member.ack(p, True, share)
-            acked = True
-            # Pin while the publisher judges (off its path): the segment cannot be rewritten before the publisher
-            # has our answer and posted the next version into the other one, and a pin that finds another version
-            # sealed there refuses it (ShmTorn) - nothing of a rewritten segment is ever handed out.
+            # Pinned before we acknowledge: a member that confirms a version holds it (one that cannot pin it
+            # refuses it, and the verdict fails it for everyone).
             reader.pin(gen, version, offsets, nbytes)
             pinned = reader.mapped(gen)
             if pinned is not base:       # re-mapped in between: hand out views of the mapping that is pinned
                 tensors = views.views(pinned)
             del base, pinned
+            member.ack(p, True, share)
+            acked = True
             ok = member.wait_verdict(p, deadline, stop)
             reader.check(gen, version)   # pinned, so it cannot have changed: never take another version
         except (PostReplaced, BellDropped):
