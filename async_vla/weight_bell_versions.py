@@ -5,7 +5,7 @@ before packing when the offsets are known (``EarlyPost``), then seal, acknowledg
 from __future__ import annotations
 
 import ctypes
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -46,10 +46,13 @@ class BellSender:
         return EarlyPost(g.bell, p, layout, gen, seen[1], split)
 
     def send(self, g: BellGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], deadline: float,
-             sums: Optional[Mapping[str, tuple[int, int]]], post: Optional["EarlyPost"], split: int) -> int:
+             sums: Optional[Callable[[], Mapping[str, tuple[int, int]]]], post: Optional["EarlyPost"],
+             split: int) -> int:
         """Seal the packed version, post it (or complete the early post), collect every member's share and judge
-        them all at once; returns how many members confirmed (all or none). Raises NoRoom when shared memory cannot
-        hold it, or what ``BellPublisher.collect`` raises for a member that died or does not answer."""
+        them all at once; returns how many members confirmed (all or none). ``sums()`` gives the packing's
+        per-tensor sums (folded into each share's value while the members finish: after the seal). Raises NoRoom
+        when shared memory cannot hold it, or what ``BellPublisher.collect`` raises for a member that died or does
+        not answer."""
         placed = self._shm.place(buckets, version)      # seals the segment
         if placed is None:
             if post is not None:
@@ -70,10 +73,12 @@ class BellSender:
             if post is not None:
                 post.abort()
             p = g.bell.post(version, gen, offsets, split, layout.digest, layout.total_bytes, sealed=True)
+        if split:
+            by_name = sums()
+            expected = [share_checksum(names, by_name) for names in verify_shares(layout, split)]
         acks = g.bell.collect(p, deadline)
         ok = all(status == 1 for status, _ in acks)
         if split:
-            expected = [share_checksum(names, sums) for names in verify_shares(layout, split)]
             ok = ok and all(got == expected[r % split] for r, (_, got) in enumerate(acks))
         g.bell.verdict(p, ok)
         g.verify_shares = split if split > 1 else 0
@@ -102,7 +107,7 @@ class EarlyPost:
             return
         self._i, self._done = i + 1, self._done + specs[i].nbytes
         # Reported in steps of at least a chunk (members wait for that much at a time) and at the end (the seal).
-        if self._done - self._reported >= CHUNK_BYTES:
+        if self._done - self._reported >= CHUNK_BYTES or self._i == len(specs):   # (the last: before the seal)
             self._reported = self._done
             self.bell.progress(self._done)
 

@@ -75,7 +75,7 @@ class BucketPacker:
 
     def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
                  pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True,
-                 previous: Optional["Layout"] = None):
+                 previous: Optional["Layout"] = None, split: bool = True):
         self.cap = int(cap_bytes)
         self._previous = previous    # the last version's layout: reused (manifest, digest, shares) when equal
         self.device = torch.device(device)
@@ -89,7 +89,9 @@ class BucketPacker:
         # One pass that copies with non-temporal stores and sums on the way (async_vla.native): about twice
         # the bandwidth of copy_ into memory other processes read next, and no checksum pass after it.
         self._native = self.device.type == "cpu" and native.available()
-        self._helper = summer if self._native else None
+        # ``split=False``: the other core is busy anyway (receivers following a doorbell post sum while we pack;
+        # measured: one thread was as fast at 10M and 100M)
+        self._helper = summer if self._native and split else None
         self._allocs: list[tuple[str, int]] = []    # (dtype, numel) of each buffer asked for, in order
         self._replay: Optional[Layout] = None
         allocs = previous.__dict__.get("_allocs") if previous is not None else None

@@ -29,7 +29,8 @@ from async_vla.weight_bell_versions import SharePlan, ViewPlan
 from async_vla.weight_buckets import Layout
 from async_vla.weight_pool import BufferPool, views_tracked
 from async_vla.weight_export import read_latest
-from async_vla.weight_shm import ShmReader, ShmUnreadable, probe_ok, valid_path
+from async_vla.weight_shm import ShmUnreadable, probe_ok, valid_path
+from async_vla.weight_shm_reader import ShmReader
 from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
 
 log = logging.getLogger(__name__)
@@ -394,8 +395,7 @@ class WeightSubscriber:
             member.wait_sealed(p, layout.total_bytes, deadline, stop)
             # Pinned before we acknowledge: a member that confirms a version holds it (one that cannot pin it
             # refuses it, and the verdict fails it for everyone).
-            reader.pin(gen, version, offsets, nbytes)
-            pinned = reader.mapped(gen)
+            pinned = reader.pin_mapping(gen, version)
             if pinned is not base:       # re-mapped in between: hand out views of the mapping that is pinned
                 tensors = views.views(pinned)
             del base, pinned

@@ -27,7 +27,8 @@ from async_vla.weight_buckets import (
     DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, share_sums,
     unpack, verify_shares,
 )
-from async_vla.weight_shm import ShmReader, ShmUnreadable
+from async_vla.weight_shm import ShmUnreadable
+from async_vla.weight_shm_reader import ShmReader
 
 MAGIC = 0x5745494748      # "WEIGH"
 # What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 SETTLE_S = 1.0          # longest a publish waits for receivers to let go of what the last one replaced
 SETTLE_POLL_S = 0.0005
+LIVE_RECHECK_S = 0.1    # a standing doorbell group's live set is re-read from the store at most this often
 BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors to read their goodbye
 
 
@@ -118,6 +119,7 @@ class WeightPublisher:
         os.replace(tmp, self._endpoint)
         self._members: dict[int, _Member] = {}
         self._leaves = 0           # the store's count of members that left, when we last looked
+        self._live_at: tuple[float, list[int]] = (-1e9, [])     # when the live set was last read, and what it was
         self._missing: dict[int, float] = {}
         self._known = 0
         self._epoch = 0
@@ -167,7 +169,9 @@ class WeightPublisher:
         # a silent token is kept (cheap) because a stopped actor that resumes heartbeats on it again.
         for tok in [t for t, m in self._members.items() if newest[m.actor_id] != t]:
             del self._members[tok]
-        return sorted(t for t, m in self._members.items() if now - m.seen <= stale and now >= m.suspended_until)
+        live = sorted(t for t, m in self._members.items() if now - m.seen <= stale and now >= m.suspended_until)
+        self._live_at = (now, live)
+        return live
 
     def live_actors(self) -> list[int]:
         """Actor ids registered and heartbeating now (the next publish invites these)."""
@@ -264,7 +268,7 @@ class WeightPublisher:
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
             packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
-                                  sums=summing, previous=self._layout)
+                                  sums=summing, previous=self._layout, split=post is None)
             for name, t in named_tensors:
                 packer.add(name, t)
                 if post is not None:
@@ -273,9 +277,10 @@ class WeightPublisher:
             self._layout = layout
             # One version exporting, one packing; none once both shared-memory segments take the packing.
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
-            csum = packer.checksum() if summing else None
+            # On a bell the members wait for the seal: the checksum and the per-tensor sums are folded after it.
+            csum = packer.checksum() if summing and bell is None else None
             # Receivers through shared memory each check a share of these (weight_wire.send_version).
-            sums = packer.tensor_sums() if self.cfg.verify else None
+            sums_of = packer.tensor_sums if self.cfg.verify else None
         except BaseException:
             if post is not None:
                 post.abort()
@@ -307,13 +312,15 @@ class WeightPublisher:
                     break
                 stats["doorbell"] = isinstance(self._group, BellGroup)
                 if stats["doorbell"]:
-                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, sums, post,
-                                                         self._split(self._group))
+                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, sums_of,
+                                                         post, self._split(self._group))
                     stats["transport"] = "shm"
                 else:
-                    stats["confirmed"], stats["transport"] = self._broadcast(self._group, version, layout,
-                                                                             buckets, csum, deadline, not early,
-                                                                             sums)
+                    if csum is None and summing:
+                        csum = stats["checksum"] = packer.checksum()
+                    stats["confirmed"], stats["transport"] = self._broadcast(
+                        self._group, version, layout, buckets, csum, deadline, not early,
+                        sums_of() if sums_of is not None else None)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
                 stats["verify_shares"] = self._group.verify_shares
                 break
@@ -332,6 +339,8 @@ class WeightPublisher:
         stats["epoch"] = self._epoch
         stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
         stats["pack_s"] = t_pack - t0
+        if csum is None and summing:
+            csum = stats["checksum"] = packer.checksum()
         stats["sync_s"] = time.monotonic() - t0
         stats["export_path"], stats["export_error"] = "", ""
         self.last = stats
@@ -344,9 +353,15 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------ doorbell epochs (async_vla.weight_bell)
     def _standing(self) -> bool:
-        """The current group still matches the live set (so a version may be posted to it before packing)."""
+        """The current doorbell group still matches the live set (so a version may be posted to it before packing).
+        The live set is read from the store at most every ``LIVE_RECHECK_S``: on a bell a member that dies is seen
+        at once (its lock) and a silent one at the acknowledgement deadline, so the store round trip (~0.2 ms) only
+        tells about newcomers, who then join at the first publish after it."""
+        seen_at, live = self._live_at
         try:
-            return not self._reform(self._live_tokens())
+            if time.monotonic() - seen_at >= LIVE_RECHECK_S:
+                live = self._live_tokens()
+            return not self._reform(live)
         except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
             log.debug("weights: live-set check failed: %s", exc)
             return False

@@ -17,8 +17,9 @@ from async_vla.weight_buckets import checksum
 from async_vla.weight_packer import pack
 from async_vla.weight_pool import BufferPool
 from async_vla.weight_shm import (
-    NAME, ShmArena, ShmPublisher, ShmReader, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
+    NAME, ShmArena, ShmPublisher, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
 )
+from async_vla.weight_shm_reader import ShmReader
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
 
@@ -318,7 +319,7 @@ def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the
     import async_vla.weight_subscriber as weights_mod
 
     class Unreadable(ShmReader):
-        def pin(self, *args, **kwargs):
+        def _mapping(self, gen):     # every way in (pin, views, the whole mapping) maps the segment first
             raise ShmUnreadable("segment vanished")
 
     monkeypatch.setattr(weights_mod, "ShmReader", Unreadable)

@@ -96,7 +96,7 @@ def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bo
     from async_vla.weights import WeightSubscriber
 
     if not polls:   # a slow machine: letting go of a replaced version takes a while
-        from async_vla.weight_shm import ShmReader
+        from async_vla.weight_shm_reader import ShmReader
 
         release = ShmReader.release_unused
         ShmReader.release_unused = lambda self: (time.sleep(release_s), release(self))[1]
