@@ -63,6 +63,7 @@ MAX_MEMBERS = (8192 - _SLOTS) // SLOT
 _OFFSETS = 8192
 MAX_BUCKETS = (BELL_BYTES - _OFFSETS) // 8
 CHUNK_BYTES = 1 << 20      # progress is reported, and waited for, in steps of at least this (bell.c CHUNK_BYTES)
+SPIN_S = 0.0002           # acknowledgements and the verdict come within microseconds: poll (yielding) before sleeping
 SLICE_S = 0.005             # publisher: how often a wait looks at its members' locks and its deadline
 MEMBER_SLICE_S = 0.25       # member: how often a wait looks at the publisher's lock and at stop requests
 _NS = 1_000_000_000
@@ -130,9 +131,11 @@ class _Page:
     def wake(self, off: int) -> None:
         self._lib.avla_futex_wake(self.addr + off)
 
-    def wait_eq(self, off: int, want: int, timeout_s: float) -> bool:
-        """True once the int32 at ``off`` equals ``want``; False after ``timeout_s``."""
-        return self._lib.avla_wait_eq(self.addr + off, _i32(want), int(max(0.0, timeout_s) * _NS)) == 0
+    def wait_eq(self, off: int, want: int, timeout_s: float, spin_s: float = 0.0) -> bool:
+        """True once the int32 at ``off`` equals ``want``; False after ``timeout_s`` (polling, yielding the core,
+        for the first ``spin_s``)."""
+        return self._lib.avla_wait_eq(self.addr + off, _i32(want), int(max(0.0, timeout_s) * _NS),
+                                      int(spin_s * _NS)) == 0
 
     def wait_change(self, off: int, seen: int, timeout_s: float) -> int:
         """The int32 at ``off`` once it differs from ``seen`` (or ``seen`` after ``timeout_s``)."""
@@ -162,6 +165,7 @@ class BellPublisher:
         for off, value in ((_PAGE, PAGE_VERSION), (_EPOCH, epoch), (_MEMBERS, members), (_SEALED, -1),
                            (_MAGIC, MAGIC)):
             p.set_i64(off, value)
+        self.spin_s = SPIN_S
         self._post = 0
         self.judged = 0           # the last post with a verdict (members mark it released once they let go)
         self.dropped = False
@@ -226,7 +230,7 @@ class BellPublisher:
         out = []
         for r in range(1, self.members + 1):
             slot = self._slot(r)
-            while not self._page.wait_eq(slot + _ACK, p, min(SLICE_S, deadline - time.monotonic())):
+            while not self._page.wait_eq(slot + _ACK, p, min(SLICE_S, deadline - time.monotonic()), self.spin_s):
                 if not _locked(member_lock_path(self.path, r)):
                     raise RuntimeError(f"bell member {r} is gone (its lock was released)")
                 if time.monotonic() >= deadline:
@@ -277,6 +281,7 @@ class BellMember:
                 or not 1 <= self.rank <= page.i64(_MEMBERS) <= MAX_MEMBERS):
             raise ValueError(f"bell {path} does not match epoch {epoch} / rank {rank}")
         self.members = page.i64(_MEMBERS)
+        self.spin_s = SPIN_S
         self._slot = _SLOTS + (self.rank - 1) * SLOT
         # Our liveness for the publisher: an exclusive lock that the kernel drops with us.
         self._lock_fd: Optional[int] = os.open(member_lock_path(path, rank), os.O_RDWR | os.O_CREAT, 0o600)
@@ -352,7 +357,7 @@ class BellMember:
         page.set_wake(self._slot + _ACK, p)
 
     def wait_verdict(self, p: int, deadline: float, stop: Callable[[], bool]) -> bool:
-        while not self._page.wait_eq(_VERDICT, p, min(MEMBER_SLICE_S, deadline - time.monotonic())):
+        while not self._page.wait_eq(_VERDICT, p, min(MEMBER_SLICE_S, deadline - time.monotonic()), self.spin_s):
             self._check(p, deadline, stop)
         return self._page.i64(_VERDICT_OK) == 1
 

@@ -86,34 +86,32 @@ class BellSender:
 
 
 class EarlyPost:
-    """A version posted before packing: moves the bell's progress after each tensor the packer took, as long as
-    the tensors come in the order (and sizes) of the layout that was announced; otherwise the post is aborted and
-    the version is posted again once sealed (``matches`` is then False)."""
+    """A version posted before packing, driven by the packer (``BucketPacker(stream=...)``) while it replays the
+    posted layout: ``advance`` moves the bell's progress as tensors land; a packing that leaves the layout aborts
+    the post, and the version is posted again once sealed (``matches`` is then False)."""
 
     def __init__(self, bell: BellPublisher, p: int, layout: Layout, generation: int, offsets: Sequence[int],
                  split: int):
         self.bell, self.p, self.layout, self.split = bell, p, layout, split
         self.generation, self.offsets = generation, list(offsets)
-        self._specs = layout.specs
+        self._n = len(layout.specs)
         self._i = 0
         self._done = self._reported = 0
 
-    def packed(self, name: str, t: torch.Tensor) -> None:
+    def advance(self, nbytes: int) -> None:
+        """The next tensor of the posted layout (``nbytes`` of it) is in the segment."""
         if self.p is None:
             return
-        specs, i = self._specs, self._i
-        if i >= len(specs) or specs[i].name != name or specs[i].nbytes != t.numel() * t.element_size():
-            self.abort()
-            return
-        self._i, self._done = i + 1, self._done + specs[i].nbytes
-        # Reported in steps of at least a chunk (members wait for that much at a time) and at the end (the seal).
-        if self._done - self._reported >= CHUNK_BYTES or self._i == len(specs):   # (the last: before the seal)
+        self._i, self._done = self._i + 1, self._done + nbytes
+        # Reported in steps of at least a chunk (members wait for that much at a time) and at the last tensor
+        # (before the seal, so the member with the last share finishes it while the segment is sealed).
+        if self._done - self._reported >= CHUNK_BYTES or self._i == self._n:
             self._reported = self._done
             self.bell.progress(self._done)
 
     def matches(self, layout: Layout, generation: int, offsets: Sequence[int], split: int) -> bool:
         """Was the version packed exactly as posted (same layout, segment and offsets, every tensor streamed)?"""
-        return (self.p is not None and self._i == len(self._specs) and layout.digest == self.layout.digest
+        return (self.p is not None and self._i == self._n and layout.digest == self.layout.digest
                 and generation == self.generation and list(offsets) == self.offsets and split == self.split)
 
     def abort(self) -> None:

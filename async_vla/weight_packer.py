@@ -75,7 +75,7 @@ class BucketPacker:
 
     def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
                  pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True,
-                 previous: Optional["Layout"] = None, split: bool = True):
+                 previous: Optional["Layout"] = None, split: bool = True, stream=None):
         self.cap = int(cap_bytes)
         self._previous = previous    # the last version's layout: reused (manifest, digest, shares) when equal
         self.device = torch.device(device)
@@ -97,6 +97,11 @@ class BucketPacker:
         allocs = previous.__dict__.get("_allocs") if previous is not None else None
         if allocs is not None and not zero_copy and previous.cap_bytes == self.cap:
             self._start_replay(previous, allocs)
+        # ``stream``: a doorbell post of ``previous`` (``weight_bell_versions.EarlyPost``), told of each tensor as it
+        # lands while the replay holds, aborted as soon as the packing leaves that layout (or cannot replay it).
+        self._stream = stream
+        if stream is not None and (self._replay is None or self._replay is not stream.layout):
+            stream.abort()
 
     # Replay: the same tensors as last time (a learner publishes the same parameters every version) go to the same
     # places, so the buffers are asked for up front in the order the last packing asked for them - the same
@@ -137,12 +142,16 @@ class BucketPacker:
             else:
                 self._summer.add_sum(name, total, spec.numel)
         self._ri = i + 1
+        if self._stream is not None:
+            self._stream.advance(spec.nbytes)
         return True
 
     def _end_replay(self) -> None:
         """Go on the usual way from here: place the tensors replayed so far (the same places), keep their buckets."""
         prev, n = self._replay, self._ri
         self._replay = None
+        if self._stream is not None:
+            self._stream.abort()
         for spec in prev.specs[:n]:
             self._planner.add(spec)
             self._names.add(spec.name)

@@ -268,11 +268,9 @@ class WeightPublisher:
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
             packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
-                                  sums=summing, previous=self._layout, split=post is None)
+                                  sums=summing, previous=self._layout, split=post is None, stream=post)
             for name, t in named_tensors:
                 packer.add(name, t)
-                if post is not None:
-                    post.packed(name, t)
             layout, buckets = packer.finish()
             self._layout = layout
             # One version exporting, one packing; none once both shared-memory segments take the packing.

@@ -8,8 +8,12 @@ whether the bytes go through shared memory:
   * per-tensor overlapped: the same, but all broadcasts issued before waiting;
   * bucketed gloo: cap = weights.bucket_mb (default 16 MiB), tensors copied into flat typed buckets first,
     overlapped, all bytes over gloo (what a group with a remote member uses);
-  * bucketed (the default path here): the same buckets packed into a shared-memory segment, only their
-    offsets over gloo; each receiver pins the segment and holds read-only views of it (``async_vla.weight_shm``).
+  * bucketed (the default path here): the same buckets packed into a shared-memory segment, each version
+    exchanged through the epoch's doorbell page (``async_vla.weight_bell``: posted before packing, receivers check
+    their shares while it runs, then seal, acknowledgements and verdict through futexes); each receiver pins the
+    segment and holds read-only views of it (``async_vla.weight_shm``);
+  * gloo round trips: the same shared-memory segment with ``weights.doorbell`` off - header, acknowledgements and
+    verdict as gloo messages (the protocol before the doorbell, and where the native library is missing).
 Times per publish: *end to end* runs from the start of the publish until the learner is free again (its
 ``sync_s``: pack + checksum + broadcast + acknowledgements) *and* both receivers hold the version (their
 ``poll()`` returned; with split verification publish returns after the verdict and receivers hand the version
@@ -19,10 +23,12 @@ their own model tensors (what an actor's ``load_state_dict`` does between chunks
 CLOCK_MONOTONIC. Export to disk is off;
 checksums are on (the default: the learner sums while packing, receivers verify - on shared memory each one
 share, ``weights.verify_split``), except in the "verify off" mode. The model is transformer-shaped (many
-small bias/norm tensors beside large matrices). Single-core memcpy bandwidth is measured in the same run, twice:
-the goal's yardstick is a 256 MiB copy (libc switches to non-temporal stores there: its peak), and for context
-one copy of the model's own bytes (below ~190 MB libc copies through the cache, slower). "of memcpy" = bytes
-per second delivered to each receiver / memcpy bytes per second. Timed publishes alternate the
+small bias/norm tensors beside large matrices). Single-core memcpy bandwidth is measured in the same run: the
+goal's yardstick is a 256 MiB copy (libc switches to non-temporal stores there: its peak), sampled once per round
+of publishes and taken as the median of a size's own rounds (the machine's memory bandwidth drifts by ~20% from
+minute to minute; the figure from before the run is reported too), and for context one copy of the model's own
+bytes (below ~190 MB libc copies through the cache, slower). "of memcpy" = bytes per second delivered to each
+receiver / memcpy bytes per second. Timed publishes alternate the
 modes (each mode publishes twice in a row, the second is timed); medians are reported. This benchmark starts
 its own receiver processes (spawn), as a benchmark must.
 """
@@ -36,6 +42,7 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from async_vla import native
@@ -63,6 +70,27 @@ def synthetic_model(n_params: int) -> list[tuple[str, torch.Tensor]]:
                 (p + "norm1.weight", torch.ones(h)), (p + "norm2.weight", torch.ones(h))]
     out.append(("norm.weight", torch.ones(h)))
     return out
+
+
+class _Yardstick:
+    """Single-core libc memcpy of 256 MiB (``np.copyto``, as ``memcpy_gbps``), sampled once per round of publishes:
+    this machine's memory bandwidth drifts by ~20% from one minute to the next, so each size is judged against the
+    median of the samples taken while its own publishes ran, not against one figure from before them."""
+
+    def __init__(self, nbytes: int = 256 * 2**20):
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)          # (pages faulted in here, not in a sample)
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        self.samples.append(self.src.nbytes / (time.perf_counter() - t0) / 1e9)
+
+    def take(self) -> list[float]:
+        out, self.samples = self.samples, []
+        return out
 
 
 def torch_copy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -132,9 +160,10 @@ def run(quick: bool = False) -> dict:
     # The yardstick is libc memcpy (np.copyto, 256 MiB: the transport bench's): ~1.7x what Tensor.copy_ reaches
     # on this machine at that size (non-temporal stores), so a figure against copy_ would flatter us.
     memcpy, torch_copy = memcpy_gbps(), torch_copy_gbps()
+    yard = _Yardstick()
     ctx = mp.get_context("spawn")
     ready, loaded = ctx.Queue(), ctx.Queue()
-    results: dict = {"memcpy_gbps": round(memcpy, 2), "torch_copy_gbps": round(torch_copy, 2), "receivers": 2,
+    results: dict = {"memcpy_start_gbps": round(memcpy, 2), "torch_copy_gbps": round(torch_copy, 2), "receivers": 2,
                      "pack_kernel": native.status(),
                      "transport": "gloo tcp loopback (+ /dev/shm segment for the default bucketed path)",
                      "bucket_mb": Config().weights.bucket_mb, "load_avg_1m": os.getloadavg()[0], "sizes": {}}
@@ -172,6 +201,8 @@ def run(quick: bool = False) -> dict:
                 # round each mode publishes twice and only the second is timed: a learner stays on one path, and
                 # a publish right after another mode ran into caches that mode had just filled (TCP copies).
                 for r in range(repeats[n] + WARMUP):
+                    if r >= WARMUP:
+                        yard.sample()
                     order = list(modes) if r % 2 == 0 else list(reversed(modes))
                     for mode, timed in ((m, k == 1) for m in order for k in (0, 1)):
                         pub.cfg.bucket_mb, pub.cfg.overlap, pub.cfg.shm, pub.cfg.verify, pub.cfg.doorbell = modes[mode]
@@ -199,6 +230,8 @@ def run(quick: bool = False) -> dict:
                             bcast[mode].append(end - st["pack_s"])
                             into[mode].append(max(done) - t0)
                             early[mode].append(bool(st["announced_early"]))
+                samples = yard.take()
+                memcpy = statistics.median(samples)     # the yardstick of this size: sampled during its rounds
                 med = {m: statistics.median(v) for m, v in times.items()}
                 gbps = nbytes / med["bucketed"] / 1e9
                 same = memcpy_gbps(nbytes)     # copying these very bytes once (below ~190 MB: cached stores)
@@ -207,6 +240,7 @@ def run(quick: bool = False) -> dict:
                 t_ck = min(_timed(lambda: checksum(model)) for _ in range(2))
                 results["sizes"][f"{n // 1_000_000}M"] = {
                     "params": sum(t.numel() for _, t in model), "tensors": len(model), "bytes": nbytes,
+                    "memcpy_gbps": memcpy, "memcpy_samples_gbps": [round(x, 2) for x in samples],
                     "per_tensor_naive_s": med["per_tensor_naive"], "per_tensor_s": med["per_tensor"],
                     "bucketed_s": med["bucketed"], "bucketed_broadcast_only_s": statistics.median(bcast["bucketed"]),
                     "bucketed_gloo_s": med["bucketed_gloo"],
@@ -269,16 +303,22 @@ def _loaded(loaded, version: int, timeout_s: float = 60.0) -> tuple[list[float],
 
 
 def _markdown(res: dict) -> str:
+    yard = "; ".join(f"{k}: {r['memcpy_gbps']:.2f} GB/s (median of {len(r['memcpy_samples_gbps'])} samples "
+                     f"{min(r['memcpy_samples_gbps']):.1f}-{max(r['memcpy_samples_gbps']):.1f})"
+                     for k, r in res["sizes"].items())
     lines = [f"Broadcast to {res['receivers']} receiver processes on this host, buckets of {res['bucket_mb']:g} MiB; "
-             f"single-core memcpy {res['memcpy_gbps']:.2f} GB/s (libc, 256 MiB; Tensor.copy_ "
-             f"{res.get('torch_copy_gbps', float('nan')):.2f} GB/s) measured in the same run (1-min load average "
-             f"{res['load_avg_1m']:.1f} at start). Per-tensor and 'bucketed gloo' send every byte over gloo (TCP "
-             "loopback); 'bucketed' is the default same-host path: buckets packed into a shared-memory segment, "
-             "offsets in the header over gloo, each receiver pins the segment and holds read-only views of it. "
+             f"single-core memcpy (libc, 256 MiB) sampled once per round while each size ran - {yard}; before the "
+             f"run {res['memcpy_start_gbps']:.2f} GB/s (Tensor.copy_ {res.get('torch_copy_gbps', float('nan')):.2f}"
+             f" GB/s; 1-min load average {res['load_avg_1m']:.1f} at start). Per-tensor and 'bucketed gloo' send "
+             "every byte over gloo (TCP loopback); 'bucketed' is the default same-host path: buckets packed into a "
+             "shared-memory segment, each version exchanged through the epoch's doorbell page (posted before "
+             "packing, receivers check their shares while it runs, seal / acknowledgements / verdict through "
+             "futexes), each receiver pins the segment and holds read-only views of it; 'gloo round trips' is the "
+             "same segment with weights.doorbell off (header, acknowledgements and verdict as gloo messages). "
              "Default settings (weights.verify on: the learner computes the checksum while packing, the receivers "
              "check it - through shared memory one share each - before taking the version) except the 'verify "
-             "off' column; 'packed with torch' is the default path where the native packing kernel is not "
-             "built (Tensor.copy_, sums on a helper thread). Medians of one publish: end to end = from the "
+             "off' column; 'packed with torch' is the shared-memory path where the native library is not "
+             "built (Tensor.copy_, sums on a helper thread, no doorbell). Medians of one publish: end to end = from the "
              "start of the publish until the learner is free again and both receivers hold the version (their "
              "poll() returned); learner's cost = the publish call alone (with split verification it returns after "
              "the verdict, receivers hand over just after); broadcast phase = end to end minus pack and checksum; "

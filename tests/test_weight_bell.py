@@ -53,7 +53,7 @@ def _waiter(path: str, want: int, timeout_s: float, out) -> None:
     addr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
     out.put("waiting")
     t0 = time.monotonic()
-    ok = native.lib().avla_wait_eq(addr, want, int(timeout_s * 1e9)) == 0
+    ok = native.lib().avla_wait_eq(addr, want, int(timeout_s * 1e9), 0) == 0
     out.put((ok, time.monotonic() - t0))
 
 
@@ -112,7 +112,7 @@ def test_a_member_sums_its_share_while_the_publisher_packs_and_the_sums_match_th
             b = buckets[e.bucket]
             off = offsets[e.bucket] + e.offset * b.element_size()
             seg[off:off + e.spec.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-            post.packed(e.spec.name, t)
+            post.advance(e.spec.nbytes)
             time.sleep(0.002)
         pub.seal(p, layout.total_bytes)
 

@@ -149,6 +149,42 @@ def test_a_replayed_packing_equals_a_fresh_one_and_a_change_midway_loses_nothing
             assert layout.__dict__["_allocs"] == fresh_layout.__dict__["_allocs"]   # replays the same next time
 
 
+class _Stream:
+    """Stands in for a doorbell post (weight_bell_versions.EarlyPost): records what the packer tells it."""
+
+    def __init__(self, layout):
+        self.layout, self.events = layout, []
+
+    def advance(self, nbytes):
+        self.events.append(nbytes)
+
+    def abort(self):
+        self.events.append("abort")
+
+
+def test_a_replaying_packer_tells_the_post_of_each_tensor_and_aborts_it_when_the_layout_changes():
+    from async_vla.weight_packer import BucketPacker
+
+    def packed(model, previous=None, stream=None):
+        packer = BucketPacker(64 * 1024, previous=previous, stream=stream)
+        for name, t in model.items():
+            packer.add(name, t)
+        return packer.finish()[0]
+
+    first = packed(mixed_model(1))
+    same = _Stream(first)
+    packed(mixed_model(2), previous=first, stream=same)
+    assert same.events == [s.nbytes for s in first.specs]
+    changed = {**mixed_model(2), "temperature": torch.tensor([1.5, 2.5])}
+    position = list(changed).index("temperature")
+    moved = _Stream(first)
+    packed(changed, previous=first, stream=moved)
+    assert moved.events == [s.nbytes for s in first.specs[:position]] + ["abort"]    # and nothing after it
+    unknown = _Stream(first)
+    packed(mixed_model(2), previous=None, stream=unknown)          # nothing to replay: aborted before any tensor
+    assert unknown.events == ["abort"]
+
+
 def test_a_replay_into_a_shared_memory_segment_takes_the_offsets_of_the_last_packing(tmp_path):
     from async_vla.weight_packer import BucketPacker
     from async_vla.weight_pool import BufferPool

@@ -47,7 +47,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
                             ("avla_load_i64", i64, [p]), ("avla_store_i64", None, [p, i64]),
                             ("avla_load_i32", i32, [p]), ("avla_futex_wait", ctypes.c_int, [p, i32, i64]),
                             ("avla_futex_wake", ctypes.c_int, [p]), ("avla_set_wake", None, [p, i32]),
-                            ("avla_wait_eq", ctypes.c_int, [p, i32, i64]),
+                            ("avla_wait_eq", ctypes.c_int, [p, i32, i64, i64]),
                             ("avla_progress", None, [p, i64, p, i64, i64]),
                             ("avla_wake_members", None, [p, i64, i64]),
                             ("avla_wait_progress", ctypes.c_int, [p, i64, p, p, i32, i64]),

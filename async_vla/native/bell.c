@@ -13,6 +13,7 @@
  * Linux only (futex); elsewhere the library still builds and `avla_bell_supported` returns 0.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
 #if defined(__linux__)
@@ -72,9 +73,15 @@ void avla_set_wake(int32_t *word, int32_t v) {
     avla_futex_wake(word);
 }
 
-/* Wait until *word == want, at most timeout_ns. 0: equal; 1: timed out. */
-int avla_wait_eq(int32_t *word, int32_t want, int64_t timeout_ns) {
-    int64_t end = now_ns() + timeout_ns;
+/* Wait until *word == want, at most timeout_ns. 0: equal; 1: timed out. For up to spin_ns first it polls,
+ * yielding the core between looks (a waiter that expects the word within microseconds - an acknowledgement, a
+ * verdict - skips a sleep and a wake-up; one that would hold a core somebody needs gives it up at each look). */
+int avla_wait_eq(int32_t *word, int32_t want, int64_t timeout_ns, int64_t spin_ns) {
+    int64_t start = now_ns(), end = start + timeout_ns, spin_end = start + (spin_ns < timeout_ns ? spin_ns : timeout_ns);
+    while (now_ns() < spin_end) {
+        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == want) return 0;
+        sched_yield();
+    }
     for (;;) {
         int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (v == want) return 0;
