@@ -43,6 +43,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from async_vla import native
+from async_vla.weight_shm import locked
 
 BELL_BYTES = 64 * 1024
 MAGIC = 0x4C4C4542         # "BELL"
@@ -88,21 +89,6 @@ def bell_path(prefix: str, epoch: int) -> str:
 
 def member_lock_path(path: str, rank: int) -> str:
     return f"{path}.m{int(rank)}"
-
-
-def _locked(path: str) -> bool:
-    """Does a live process hold the flock on ``path``? (Missing: no.)"""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 class _Page:
@@ -231,7 +217,7 @@ class BellPublisher:
         for r in range(1, self.members + 1):
             slot = self._slot(r)
             while not self._page.wait_eq(slot + _ACK, p, min(SLICE_S, deadline - time.monotonic()), self.spin_s):
-                if not _locked(member_lock_path(self.path, r)):
+                if not locked(member_lock_path(self.path, r)):
                     raise RuntimeError(f"bell member {r} is gone (its lock was released)")
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"bell member {r} did not acknowledge post {p} in time")
@@ -294,7 +280,7 @@ class BellMember:
         return self._page.i64(_STATE) != 0
 
     def publisher_alive(self) -> bool:
-        return _locked(self.probe)
+        return locked(self.probe)
 
     def next_post(self, timeout_s: float) -> Optional[int]:
         """Wait (at most ``timeout_s``) for the post word to move; the new post number, or None."""

@@ -136,11 +136,7 @@ class BucketPacker:
             e = prev.entries[i]
             dst = self._rflat[e.bucket].narrow(0, e.offset, spec.numel)
             dst.view(spec.shape).copy_(t)
-        if self._summer is not None:
-            if total is None:
-                self._summer.add(name, dst)
-            else:
-                self._summer.add_sum(name, total, spec.numel)
+        self._record_sum(name, total, dst, spec.numel)
         self._ri = i + 1
         if self._stream is not None:
             self._stream.advance(spec.nbytes)
@@ -194,11 +190,15 @@ class BucketPacker:
                 total = self._copy_sum(dst, t.reshape(-1) if t.is_contiguous() else t)
             if total is None:
                 dst.view(spec.shape).copy_(t)
+        self._record_sum(name, total, dst, spec.numel)
+
+    def _record_sum(self, name: str, total: Optional[int], dst: Optional[torch.Tensor], numel: int) -> None:
+        """The checksum's part of a packed tensor: its sum from the native copy, or summed from ``dst`` later."""
         if self._summer is not None:
             if total is None:
                 self._summer.add(name, dst)
             else:
-                self._summer.add_sum(name, total, spec.numel)
+                self._summer.add_sum(name, total, numel)
 
     def _copy_sum(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
         """The native copy; a large tensor is copied in two halves at once, the second on the helper thread (one

@@ -82,8 +82,10 @@ def _prefix_of(name: str) -> str:
     return NAME + "_".join(name[len(NAME):].split(".")[0].split("_")[:2])
 
 
-def _locked(path: Path) -> bool:
-    """True when a live process holds the flock on ``path`` (its publisher is running)."""
+def locked(path: Union[str, Path]) -> bool:
+    """True when a live process holds the flock on ``path`` (its publisher, or a doorbell member, is running).
+    A missing file: no; a file we cannot open for another reason: cannot tell, so yes (never delete, keep
+    waiting until the deadline)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -105,7 +107,7 @@ def remove_stale_segments(shm_dir: Union[str, Path]) -> int:
     removed = 0
     for p in d.glob(NAME + "*"):
         own = p if p.name.endswith(".tmp") else d / (_prefix_of(p.name) + ".probe")
-        if not _locked(own):
+        if not locked(own):
             with contextlib.suppress(OSError):
                 p.unlink()
                 removed += 1

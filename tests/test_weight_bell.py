@@ -4,6 +4,7 @@ and timeouts, records that are not to be trusted, and publishes through it."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -42,6 +43,20 @@ def _probe(tmp_path, locked: bool = True):
 
 def _layout_and_buckets(model, cap=64 * 1024):
     return pack(model, cap)
+
+
+def _segment(buckets, fill: bool = True):
+    """A stand-in segment: the buckets laid end to end at 64-byte aligned offsets after the control word, as the
+    arena does; (offsets, the flat uint8 buffer), the bytes copied in when ``fill``."""
+    offsets, n = [], 64
+    for b in buckets:
+        offsets.append(n)
+        n = (n + b.numel() * b.element_size() + 63) // 64 * 64
+    seg = torch.zeros(n, dtype=torch.uint8)
+    if fill:
+        for b, off in zip(buckets, offsets):
+            seg[off:off + b.numel() * b.element_size()].copy_(b.view(-1).view(torch.uint8))
+    return offsets, seg
 
 
 # ----------------------------------------------------------------------------- native primitives
@@ -93,12 +108,7 @@ def _bell(tmp_path, members=2, epoch=1):
 def test_a_member_sums_its_share_while_the_publisher_packs_and_the_sums_match_the_reference(tmp_path):
     model = mixed_model(3, scale=4)
     layout, buckets = _layout_and_buckets(model.items())
-    # the "segment": the buckets laid end to end in one flat buffer, as the arena does
-    offsets, n = [], 64
-    for b in buckets:
-        offsets.append(n)
-        n = (n + b.numel() * b.element_size() + 63) // 64 * 64
-    seg = torch.zeros(n, dtype=torch.uint8)
+    offsets, seg = _segment(buckets, fill=False)     # written below, tensor by tensor, as the packer does
     pub, _ = _bell(tmp_path)
     probe, probe_fd = _probe(tmp_path)
     members = [BellMember(pub.path, r, 1, probe) for r in (1, 2)]
@@ -244,13 +254,7 @@ def test_records_out_of_range_and_members_of_another_epoch_are_refused(tmp_path)
 def test_view_plan_views_equal_unpacked_tensors_for_every_dtype_and_shape():
     model = mixed_model(7)
     layout, buckets = _layout_and_buckets(model.items())
-    offsets, n = [], 64
-    for b in buckets:
-        offsets.append(n)
-        n = (n + b.numel() * b.element_size() + 63) // 64 * 64
-    base = torch.zeros(n, dtype=torch.uint8)
-    for b, off in zip(buckets, offsets):
-        base[off:off + b.numel() * b.element_size()].copy_(b.view(-1).view(torch.uint8))
+    offsets, base = _segment(buckets)
     views = ViewPlan(layout, offsets).views(base)
     ref = unpack(layout, buckets)
     assert list(views) == list(ref)
@@ -274,31 +278,33 @@ def test_a_roster_naming_a_bell_outside_the_shm_dir_is_refused(tmp_path):
         sub.close()
 
 
-def test_publishes_go_through_the_bell_and_a_closing_publisher_removes_it(tmp_path):
+@contextlib.contextmanager
+def _publisher_and_two_subscribers(tmp_path):
     cfg = _cfg(tmp_path)
     pub = WeightPublisher(cfg, tmp_path)
     subs = [WeightSubscriber(cfg, i, tmp_path) for i in (1, 2)]
     try:
         assert pub.wait_for_actors(2, 20) == 2
-        stats = _publish_and_check(pub, subs, [1, 2, 3, 4, 5, 6])
-        assert all(s["doorbell"] and s["transport"] == "shm" and s["verify_shares"] == 2 for s in stats)
-        assert [s["announced_early"] for s in stats] == [False] * 4 + [True] * 2
-        assert os.path.exists(bell_path(pub._shm.prefix, stats[-1]["epoch"]))
+        yield pub, subs
     finally:
         for s in subs:
             s.close()
         pub.close()
+
+
+def test_publishes_go_through_the_bell_and_a_closing_publisher_removes_it(tmp_path):
+    with _publisher_and_two_subscribers(tmp_path) as (pub, subs):
+        stats = _publish_and_check(pub, subs, [1, 2, 3, 4, 5, 6])
+        assert all(s["doorbell"] and s["transport"] == "shm" and s["verify_shares"] == 2 for s in stats)
+        assert [s["announced_early"] for s in stats] == [False] * 4 + [True] * 2
+        assert os.path.exists(bell_path(pub._shm.prefix, stats[-1]["epoch"]))
     assert not [p for p in (tmp_path / "shm").iterdir() if "_bell" in p.name]
 
 
 def test_a_doorbell_post_before_packing_is_followed_or_aborted_without_leaving_the_epoch(tmp_path):
     # Once the layout has gone to both segments, each version is posted before packing (members sum their shares
     # while it runs); a pack that fails aborts the post: members drop it and stay in the epoch for the next one.
-    cfg = _cfg(tmp_path)
-    pub = WeightPublisher(cfg, tmp_path)
-    subs = [WeightSubscriber(cfg, i, tmp_path) for i in (1, 2)]
-    try:
-        assert pub.wait_for_actors(2, 20) == 2
+    with _publisher_and_two_subscribers(tmp_path) as (pub, subs):
         stats = _publish_and_check(pub, subs, [1, 2, 3, 4])
         # Segments are made at the first placement (packed elsewhere, copied in); from the second packing straight
         # into each one the offsets are known beforehand.
@@ -317,7 +323,3 @@ def test_a_doorbell_post_before_packing_is_followed_or_aborted_without_leaving_t
         stats = _publish_and_check(pub, subs, [7, 8])
         assert all(s["epoch"] == epoch and not s["formed"] and s["announced_early"] for s in stats), stats
         assert all(s.stats["failures"] == 0 and s.stats["checksum_errors"] == 0 for s in subs)
-    finally:
-        for s in subs:
-            s.close()
-        pub.close()
