@@ -358,7 +358,8 @@ def _markdown(res: dict) -> str:
     lines += ["", "Checksum (int64 word sums, one core): " + ", ".join(
         f"{k}: {r['checksum_gbps']:.1f} GB/s" for k, r in res["sizes"].items())
         + f". Packing kernel: {res.get('pack_kernel', '?')} (native: non-temporal stores, summing as it copies, "
-        "large tensors in two halves on two threads; torch: Tensor.copy_ with the sums on a helper thread). "
+        "large tensors in two halves on two threads unless receivers follow a doorbell post - then the other core "
+        "is theirs; torch: Tensor.copy_ with the sums on a helper thread). "
         "Through shared memory each receiver checks one share of the tensors and the learner's verdict on all "
         "shares decides for both (weights.verify_split); over gloo each checks everything."]
     return "\n".join(lines)
