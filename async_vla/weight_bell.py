@@ -143,8 +143,14 @@ class BellPublisher:
         self.path, self.members = bell_path(prefix, epoch), members
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, BELL_BYTES)
+            # Reserved, not sparse: on a full tmpfs a first write to a page of a sparse file is a SIGBUS (as for
+            # the segments: ENOSPC here instead, and the group goes on gloo).
+            os.posix_fallocate(fd, 0, BELL_BYTES)
             self._page = _Page(self.path, fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
         finally:
             os.close(fd)     # the mapping keeps the file; nothing locks it
         p = self._page
@@ -270,14 +276,24 @@ class BellMember:
         self.spin_s = SPIN_S
         self._slot = _SLOTS + (self.rank - 1) * SLOT
         # Our liveness for the publisher: an exclusive lock that the kernel drops with us.
-        self._lock_fd: Optional[int] = os.open(member_lock_path(path, rank), os.O_RDWR | os.O_CREAT, 0o600)
+        lock_path = member_lock_path(path, rank)
+        self._lock_fd: Optional[int] = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        if self.dropped:      # dropped while we joined: the publisher removed its files already, so remove ours
+            self.close()
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            raise BellDropped(f"the epoch of {path} was dropped before we joined it")
         self.seen = page.i32(_POST)
         page.set_i64(self._slot + _JOINED, 1)
 
     @property
     def dropped(self) -> bool:
         return self._page.i64(_STATE) != 0
+
+    def post_moved(self, p: int) -> bool:
+        """Has the post word moved on from ``p`` (an abort, a new post, a drop)?"""
+        return self._page.i32(_POST) != _i32(p)
 
     def publisher_alive(self) -> bool:
         return locked(self.probe)

@@ -47,7 +47,7 @@ class BellSender:
 
     def send(self, g: BellGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], deadline: float,
              sums: Optional[Callable[[], Mapping[str, tuple[int, int]]]], post: Optional["EarlyPost"],
-             split: int) -> int:
+             split: int, compact: bool = True) -> int:
         """Seal the packed version, post it (or complete the early post), collect every member's share and judge
         them all at once; returns how many members confirmed (all or none). ``sums()`` gives the packing's
         per-tensor sums (folded into each share's value while the members finish: after the seal). Raises NoRoom
@@ -59,7 +59,9 @@ class BellSender:
                 post.abort()
             raise NoRoom(self._shm.failed)
         gen, offsets = placed
-        if self._shm.packed_in_place:    # packing this layout into this segment again gives these offsets
+        # Packing this layout into this segment again gives these offsets - if it went there in one go (``compact``:
+        # a replay that ended midway leaves unused buffers between them).
+        if self._shm.packed_in_place and compact:
             self._seen = {k: v for k, v in self._seen.items() if k >= gen - 2}
             self._seen[gen] = (layout.digest, list(offsets))
         if layout.digest not in self._manifests:

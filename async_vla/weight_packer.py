@@ -94,6 +94,9 @@ class BucketPacker:
         self._helper = summer if self._native and split else None
         self._allocs: list[tuple[str, int]] = []    # (dtype, numel) of each buffer asked for, in order
         self._replay: Optional[Layout] = None
+        # False once a replay ended midway: the buffers it asked for up front and did not use leave gaps, so these
+        # offsets are not the ones the next packing of this layout will take
+        self.compact = True
         allocs = previous.__dict__.get("_allocs") if previous is not None else None
         if allocs is not None and not zero_copy and previous.cap_bytes == self.cap:
             self._start_replay(previous, allocs)
@@ -146,6 +149,7 @@ class BucketPacker:
         """Go on the usual way from here: place the tensors replayed so far (the same places), keep their buckets."""
         prev, n = self._replay, self._ri
         self._replay = None
+        self.compact = False
         if self._stream is not None:
             self._stream.abort()
         for spec in prev.specs[:n]:

@@ -115,11 +115,13 @@ class ShmReader:
 
     def pin_mapping(self, gen: int, version: int) -> torch.Tensor:
         """``pin`` without making bucket views (the caller checked the bounds with ``views`` and makes its own):
-        the whole mapping, pinned and checked to hold ``version``."""
+        a view of the whole mapping, pinned and checked to hold ``version``. A view, made under the lock, and not
+        the mapping's own tensor: pins are judged by what refers to the mapping, and a ``poll()`` between this
+        and the caller's own views would otherwise find nothing holding it and unpin it."""
         with self._lock:
             m = self._mapping(gen)
             self._pin_checked(m, gen, version)
-            return m.base
+            return m.base.narrow(0, 0, m.base.numel())
 
     def _pin(self, gen: int, version: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
         m = self._mapping(gen)

@@ -385,19 +385,28 @@ class WeightSubscriber:
                 raise ValueError("bell record does not match its manifest")
             nbytes = [b.nbytes for b in layout.buckets]
             reader = self._shm_reader
-            reader.views(gen, offsets, nbytes)              # bounds checked (the views themselves are not needed)
-            base = reader.mapped(gen)
+            try:
+                reader.views(gen, offsets, nbytes)          # bounds checked (the views themselves are not needed)
+                base = reader.mapped(gen)
+            except ShmUnreadable:
+                if member.post_moved(p):    # an aborted post's segment may be gone (re-made): not our failing
+                    raise PostReplaced(f"post {p} was replaced while its segment was mapped") from None
+                raise
             views, shares = self._bell_plans(layout, rec["split"], member.rank, offsets)
             tensors = views.views(base)                     # made while the publisher packs
             share = 0
             if shares is not None:
                 share = shares.value(member.follow_sum(p, shares, base.data_ptr(), deadline, stop))
             member.wait_sealed(p, layout.total_bytes, deadline, stop)
+            # Sealed: what is left is a pin, one acknowledgement and the verdict - a fresh deadline for them (a long
+            # packing after an early post must not eat the time the rest is allowed).
+            deadline = time.monotonic() + self.timeout_s
             # Pinned before we acknowledge: a member that confirms a version holds it (one that cannot pin it
             # refuses it, and the verdict fails it for everyone).
+            # (``pinned`` holds the pin from the moment it is taken; our views of the same mapping hold it after.)
             pinned = reader.pin_mapping(gen, version)
-            if pinned is not base:       # re-mapped in between: hand out views of the mapping that is pinned
-                tensors = views.views(pinned)
+            if pinned.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                tensors = views.views(pinned)   # re-mapped in between: views of the mapping that is pinned
             del base, pinned
             member.ack(p, True, share)
             acked = True
@@ -425,7 +434,14 @@ class WeightSubscriber:
 
     def _layout_of(self, store, digest: int) -> Layout:
         if digest not in self._layouts:
-            layout = Layout.from_manifest_bytes(store.get(f"w/manifest/{digest}"))
+            # The publisher puts a new layout's manifest in the store before posting it: a digest without one is
+            # a bad record, not something to wait the mailbox's minute for.
+            store.set_timeout(td(min(self.timeout_s, DROP_CHECK_S * 5)))
+            try:
+                raw = store.get(f"w/manifest/{digest}")
+            finally:
+                store.set_timeout(td(POP_TIMEOUT_S))
+            layout = Layout.from_manifest_bytes(raw)
             if layout.digest != digest:
                 raise ValueError("the manifest in the store does not match the bell's digest")
             self._layouts = {digest: layout, **dict(list(self._layouts.items())[-1:])}

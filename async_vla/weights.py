@@ -33,7 +33,6 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -48,6 +47,7 @@ from async_vla.weight_buckets import Layout
 from async_vla.weight_packer import BucketPacker
 from async_vla.weight_pool import BufferPool
 from async_vla.weight_export import Exporter
+from async_vla.weight_members import MemberRegistry
 from async_vla.weight_shm import RETRY_S as SHM_RETRY_S, ShmPublisher
 from async_vla import native
 from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
@@ -58,17 +58,6 @@ SETTLE_S = 1.0          # longest a publish waits for receivers to let go of wha
 SETTLE_POLL_S = 0.0005
 LIVE_RECHECK_S = 0.1    # a standing doorbell group's live set is re-read from the store at most this often
 BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors to read their goodbye
-
-
-@dataclass
-class _Member:
-    actor_id: int
-    hb: int = -1
-    seen: float = field(default_factory=time.monotonic)
-    fails: int = 0
-    suspended_until: float = 0.0
-    shm: bool = False          # can read our shared-memory segments (same host, same /dev/shm, same user)
-    bell: bool = False         # can take versions through a doorbell page (async_vla.weight_bell)
 
 
 class WeightPublisher:
@@ -112,16 +101,15 @@ class WeightPublisher:
         self._bell_ok = self._shm is not None and weight_bell.available()
         self._bell = BellSender(self._store, self._shm) if self._bell_ok else None
         self._wire_until = 0.0     # shared memory had no room: groups stay on the wire until then
+        self._bell_after = 0.0     # a doorbell page could not be made: gloo messages until then
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
                                    "session": self.session, "pid": os.getpid()}))
         os.replace(tmp, self._endpoint)
-        self._members: dict[int, _Member] = {}
-        self._leaves = 0           # the store's count of members that left, when we last looked
+        self._registry = MemberRegistry()
+        self._members = self._registry.members      # token -> Member
         self._live_at: tuple[float, list[int]] = (-1e9, [])     # when the live set was last read, and what it was
-        self._missing: dict[int, float] = {}
-        self._known = 0
         self._epoch = 0
         self._group: Optional[BroadcastGroup] = None
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
@@ -133,44 +121,8 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------ membership
     def _live_tokens(self) -> list[int]:
-        s, now = self._store, time.monotonic()
-        stale = 5 * self.cfg.heartbeat_s
-        # One store round trip when nothing changed (every publish asks): the registration and leave counts and
-        # every member's heartbeat (a member creates its heartbeat key before it registers).
-        toks = list(self._members)
-        got = [int(x) for x in s.multi_get(["w/tokens", "w/leaves"] + [f"w/hb/{tok}" for tok in toks])]
-        registered, leaves, beats = got[0], got[1], dict(zip(toks, got[2:]))
-        while self._known < registered:
-            tok = self._known + 1
-            if not s.check([f"w/member/{tok}"]):
-                # Registered a moment ago, info not written yet: look again next time - unless it has been
-                # missing for long (the actor died in between), which must not block later tokens.
-                first = self._missing.setdefault(tok, now)
-                if now - first < 10 * self.cfg.heartbeat_s + 1.0:
-                    break
-                self._known = tok
-                continue
-            info = json.loads(s.get(f"w/member/{tok}"))
-            self._members[tok] = _Member(int(info.get("actor_id", -tok)), shm=bool(info.get("shm")),
-                                         bell=bool(info.get("bell")))
-            beats[tok] = s.add(f"w/hb/{tok}", 0)
-            self._known = tok
-        if leaves != self._leaves:      # someone left: find who (one store round trip per member, only now)
-            self._leaves = leaves
-            for tok in [t for t in self._members if s.check([f"w/leave/{t}"])]:
-                del self._members[tok]
-        newest: dict[int, int] = {}
-        for tok, m in self._members.items():
-            hb = beats[tok]
-            if hb != m.hb:
-                m.hb, m.seen = hb, now
-            newest[m.actor_id] = max(tok, newest.get(m.actor_id, 0))
-        # A newer registration of the same actor id (restart, reconnect) retires the older token for good;
-        # a silent token is kept (cheap) because a stopped actor that resumes heartbeats on it again.
-        for tok in [t for t, m in self._members.items() if newest[m.actor_id] != t]:
-            del self._members[tok]
-        live = sorted(t for t, m in self._members.items() if now - m.seen <= stale and now >= m.suspended_until)
-        self._live_at = (now, live)
+        live = self._registry.live(self._store, 5 * self.cfg.heartbeat_s, 10 * self.cfg.heartbeat_s + 1.0)
+        self._live_at = (time.monotonic(), live)
         return live
 
     def live_actors(self) -> list[int]:
@@ -222,7 +174,16 @@ class WeightPublisher:
         world = len(acked) + 1
         # Everyone on shared memory and able to: the epoch runs on a bell, no process group at all.
         use_shm, use_bell = self._kind(acked)
-        bell = BellPublisher(self._shm.prefix, e, len(acked)) if use_bell else None
+        bell = None
+        if use_bell:
+            try:
+                bell = BellPublisher(self._shm.prefix, e, len(acked))
+            except OSError as exc:       # no room or no descriptor for the page: gloo messages for a while
+                log.warning("weights: no doorbell page for epoch %d (%s); using gloo messages", e, exc)
+                self._bell_after = time.monotonic() + SHM_RETRY_S
+                use_bell = False
+            else:    # ours from now on: whatever fails below, the retry's _drop_group removes it
+                self._group = BellGroup(bell, e, tuple(acked))
         for rank, tok in enumerate(acked, 1):
             s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": world,
                                                       "backend": self.backend,
@@ -230,7 +191,6 @@ class WeightPublisher:
                                                       "bell": bell.path if bell is not None else ""}))
         left = deadline - time.monotonic()
         if bell is not None:
-            self._group = BellGroup(bell, e, tuple(acked))
             # Raises when one does not open it in time (the retry re-forms without it).
             bell.wait_joined(min(deadline, time.monotonic() + self.cfg.join_timeout_s))
             return
@@ -262,7 +222,9 @@ class WeightPublisher:
         post: Optional[EarlyPost] = None
         try:
             into = self._shm.arena(self._settle) if shm else self._pool
-            if bell is not None:    # receivers check their shares while we pack, when the offsets are known now
+            # Receivers check their shares while we pack, when the offsets are known now - unless packing took long
+            # last time (a ZeRO-3 gather of a large model): members would wait that out, as for _announce_early.
+            if bell is not None and self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s)):
                 post = self._bell.post_early(bell, version, self._layout, self._split(bell))
             zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
@@ -311,7 +273,7 @@ class WeightPublisher:
                 stats["doorbell"] = isinstance(self._group, BellGroup)
                 if stats["doorbell"]:
                     stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, sums_of,
-                                                         post, self._split(self._group))
+                                                         post, self._split(self._group), packer.compact)
                     stats["transport"] = "shm"
                 else:
                     if csum is None and summing:
@@ -381,7 +343,7 @@ class WeightPublisher:
         shm = (self._shm is not None and self.cfg.shm and time.monotonic() >= self._wire_until
                and all(m.shm for m in members))
         return shm, (shm and self._bell_ok and self.cfg.doorbell and all(m.bell for m in members)
-                     and len(members) <= weight_bell.MAX_MEMBERS)
+                     and len(members) <= weight_bell.MAX_MEMBERS and time.monotonic() >= self._bell_after)
 
     def _split(self, g: BellGroup) -> int:
         return BellSender.split(g, self.cfg.verify, self.cfg.verify_split)

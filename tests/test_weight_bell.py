@@ -266,6 +266,39 @@ def test_view_plan_views_equal_unpacked_tensors_for_every_dtype_and_shape():
         ViewPlan(layout, [o + 8 for o in offsets])
 
 
+def test_a_mapping_pinned_for_a_members_views_stays_pinned_across_polls_until_they_are_gone(tmp_path):
+    # (found in review) the subscriber pins, then makes its views; an actor's poll() in between must not unpin it -
+    # even when the mapping was evicted and made again meanwhile.
+    from async_vla.weight_pool import BufferPool
+    from async_vla.weight_shm import ShmArena
+    from async_vla.weight_shm_reader import ShmReader
+
+    prefix = str(tmp_path / f"{NAME}{os.getpid()}_p")
+    arenas = []
+    for gen, version in ((0, 10), (1, 11), (2, 12)):
+        arenas.append(ShmArena(f"{prefix}_{gen}", 4096, BufferPool()))
+        arenas[-1].place([torch.full((16,), float(version))])
+        arenas[-1].seal(version)
+    r = ShmReader(prefix)
+    held = [r.pin(0, 10, [64], [64]), r.pin(1, 11, [64], [64])]     # the actor still holds two older versions
+    base = r.mapped(2)
+    r.release_unused()                                                 # a poll(): evicts the unpinned gen 2
+    pinned = r.pin_mapping(2, 12)                                      # mapped again and pinned
+    assert pinned.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    r.release_unused()                                                 # a poll() before the views are made
+    assert 2 in r.pinned
+    views = pinned[64:128].view(torch.float32)
+    del pinned
+    r.release_unused()
+    assert 2 in r.pinned and torch.equal(views, torch.full((16,), 12.0))
+    del views
+    r.release_unused()
+    assert 2 not in r.pinned and sorted(r.pinned) == [0, 1]
+    del held
+    for a in arenas:
+        a.close()
+
+
 # ----------------------------------------------------------------------------- through the publisher and subscribers
 def test_a_roster_naming_a_bell_outside_the_shm_dir_is_refused(tmp_path):
     cfg = _cfg(tmp_path)
@@ -323,3 +356,6 @@ def test_a_doorbell_post_before_packing_is_followed_or_aborted_without_leaving_t
         stats = _publish_and_check(pub, subs, [7, 8])
         assert all(s["epoch"] == epoch and not s["formed"] and s["announced_early"] for s in stats), stats
         assert all(s.stats["failures"] == 0 and s.stats["checksum_errors"] == 0 for s in subs)
+        pub._last_pack_s = 0.3 * pub.timeout_s      # packing took long last time: members would wait it out
+        st = _publish_and_check(pub, subs, [9])[0]
+        assert not st["announced_early"] and st["doorbell"] and st["confirmed"] == 2, st
