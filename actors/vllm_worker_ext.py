@@ -7,7 +7,7 @@ Two ways in for new weights, one install path (version guard -> name/shape check
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``collective_rpc`` hands over the very GPU tensors the actor's
   ``WeightSubscriber`` received from the learner over NCCL - no extra copy, no serialisation.
 - ``vla_init_weight_group`` + ``vla_update_weights``: the worker joins a process group as a receiver and takes
-  one version of the *same* bucketed stream as the torch actors (``weight_buckets.send_version`` /
+  one version of the *same* bucketed stream as the torch actors (``async_vla.weights.wire.send_version`` /
   ``recv_version``: header, manifest, buckets, checksum, acknowledgement). That is for an engine in its own
   process on its own GPU (NCCL cannot connect two ranks on one device); the sender is whoever holds the
   weights (an actor relaying what it received). Gloo works too, which is how the CPU test drives it.
@@ -56,7 +56,7 @@ class VLAWorkerExtension:
         """Join the sender's group as ``rank`` (the sender hosts the store and is rank 0)."""
         from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-        from async_vla.weight_wire import BroadcastGroup, td
+        from async_vla.weights.wire import BroadcastGroup, td
 
         if self._vla_group is not None:
             self._vla_group.close()
@@ -68,7 +68,7 @@ class VLAWorkerExtension:
                            lineage: Optional[int] = None) -> dict[str, Any]:
         """Receive one version from the group and install it (``lineage``: as ``vla_load_tensors``). A checksum
         mismatch installs nothing."""
-        from async_vla.weight_wire import recv_version
+        from async_vla.weights.wire import recv_version
 
         if self._vla_group is None:
             raise RuntimeError("vla_update_weights before vla_init_weight_group")

@@ -36,7 +36,7 @@ def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = 
 def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
     """Weights named by a grant: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
     ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none, so the grant's is used."""
-    from async_vla.weight_export import read_latest
+    from async_vla.weights.export import read_latest
 
     p = Path(path)
     if p.is_dir() and (p / "async_vla_policy.json").is_file():

@@ -9,9 +9,9 @@ whether the bytes go through shared memory:
   * bucketed gloo: cap = weights.bucket_mb (default 16 MiB), tensors copied into flat typed buckets first,
     overlapped, all bytes over gloo (what a group with a remote member uses);
   * bucketed (the default path here): the same buckets packed into a shared-memory segment, each version
-    exchanged through the epoch's doorbell page (``async_vla.weight_bell``: posted before packing, receivers check
+    exchanged through the epoch's doorbell page (``async_vla.weights.bell``: posted before packing, receivers check
     their shares while it runs, then seal, acknowledgements and verdict through futexes); each receiver pins the
-    segment and holds read-only views of it (``async_vla.weight_shm``);
+    segment and holds read-only views of it (``async_vla.weights.shm``);
   * gloo round trips: the same shared-memory segment with ``weights.doorbell`` off - header, acknowledgements and
     verdict as gloo messages (the protocol before the doorbell, and where the native library is missing).
 Times per publish: *end to end* runs from the start of the publish until the learner is free again (its
@@ -45,9 +45,9 @@ import time
 import numpy as np
 import torch
 
-from async_vla import native
+from async_vla.weights import native
 from async_vla.config import Config
-from async_vla.weight_buckets import checksum
+from async_vla.weights.buckets import checksum
 from benchmarks.common import memcpy_gbps
 
 GOAL_SPEEDUP = 1.5

@@ -10,9 +10,9 @@ _stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
 _stamp_set() { mkdir -p "$STAMPS"; echo "$2" > "$STAMPS/$1"; }
 
 setup_native() {
-  # async_vla/native: copy-with-checksum kernel for packing weights and the doorbell primitives of the same-host
+  # async_vla/weights/native: copy-with-checksum kernel for packing weights and the doorbell primitives of the same-host
   # broadcast (optional: torch and the gloo round trips are the fallback, slower).
-  local dir="$REPO/async_vla/native" lib="$REPO/async_vla/native/libavla_copysum.so" key
+  local dir="$REPO/async_vla/weights/native" lib="$REPO/async_vla/weights/native/libavla_copysum.so" key
   local src=("$dir/copysum.c" "$dir/bell.c")
   key="$(cat "${src[@]}" | sha1sum | cut -d' ' -f1)"
   if [ -f "$lib" ] && _stamp_ok native "$key"; then return; fi
@@ -21,7 +21,7 @@ setup_native() {
     echo "[setup] no C compiler ($cc): weight packing falls back to torch (slower); apt-get install gcc to build it" >&2
     return
   fi
-  echo "[setup] building async_vla/native/$(basename "$lib")"
+  echo "[setup] building async_vla/weights/native/$(basename "$lib")"
   if ! "$cc" -O2 -shared -fPIC -o "$lib.tmp" "${src[@]}"; then
     rm -f "$lib.tmp"
     echo "[setup] building $(basename "$lib") failed: weight packing falls back to torch (slower)" >&2

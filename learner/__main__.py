@@ -254,7 +254,7 @@ def publish_weights(learner: Any, publisher: Any, verify_ranks: bool = False) ->
             pass
     stats.setdefault("sync_s", time.perf_counter() - t0)
     if verify_ranks:
-        from async_vla.weight_buckets import checksum
+        from async_vla.weights.buckets import checksum
 
         mine = checksum(list(learner.full_state_items(all_ranks=True)))
         sent = float(stats.get("checksum", mine)) if publisher is not None else mine

@@ -17,7 +17,7 @@ from typing import Optional
 from async_vla.buffer import GroupBuffer
 from async_vla.config import load_config
 from async_vla.messages import Trajectory, decode
-from async_vla.recording import ReplayClock, iter_records
+from async_vla.buffer.recording import ReplayClock, iter_records
 
 
 class Tracer(GroupBuffer):

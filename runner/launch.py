@@ -163,7 +163,7 @@ class Evaluator:
     def ask_for_milestones(self) -> None:
         """Have the learner keep the export of every ``run.eval_every``-th version for us (``weights/milestones``);
         any left from an earlier part of this run (a resume discards what came after its checkpoint) go."""
-        from async_vla.weight_export import MILESTONES, discard_milestones
+        from async_vla.weights.export import MILESTONES, discard_milestones
 
         if self.cfg.run.eval_every:
             (self.run_dir / "weights" / MILESTONES).mkdir(parents=True, exist_ok=True)
@@ -171,12 +171,12 @@ class Evaluator:
 
     def next_milestone(self) -> Optional[Path]:
         """The newest milestone export past the version evaluated last; older ones are skipped (deleted)."""
-        from async_vla.weight_export import newest_milestone
+        from async_vla.weights.export import newest_milestone
 
         return newest_milestone(self.run_dir / "weights", self.version)
 
     def close_milestones(self) -> None:
-        from async_vla.weight_export import MILESTONES, discard_milestones
+        from async_vla.weights.export import MILESTONES, discard_milestones
 
         discard_milestones(self.run_dir / "weights")
         with contextlib.suppress(OSError):

@@ -38,7 +38,7 @@ def wait_for(pred, timeout_s, what):
 
 @pytest.fixture()
 def service(tmp_path):
-    from async_vla.buffer_service import BufferService
+    from async_vla.buffer.service import BufferService
 
     cfg = load_config(None, OVERRIDES)
     svc = BufferService(cfg, tmp_path / "run", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")

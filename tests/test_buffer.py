@@ -324,7 +324,7 @@ def test_journal_replays_to_same_ledger():
 
 
 def test_recorder_rotation_bound_and_restart(tmp_path):
-    from async_vla.recording import Recorder, iter_records, recording_info
+    from async_vla.buffer.recording import Recorder, iter_records, recording_info
 
     rec = Recorder(tmp_path / "recording", file_bytes=1024, max_files=3, meta={"run_id": RUN})
     frames = encode(make_traj("g", 0, True))

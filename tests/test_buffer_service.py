@@ -14,11 +14,11 @@ from pathlib import Path
 import zmq
 from test_buffer import make_traj
 
-from async_vla.buffer_service import BufferService
+from async_vla.buffer.service import BufferService
 from async_vla.config import BufferConfig, Config, RunConfig, TransportConfig, write_resolved
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Trajectory,
                                 decode)
-from async_vla.recording import iter_recording, replay_recording
+from async_vla.buffer.recording import iter_recording, replay_recording
 from async_vla.transport import ControlClient, TrajectorySender
 
 RUN = "svc"

@@ -150,7 +150,7 @@ OVERRIDES = ["actor.group_size=4", "env.envs_per_actor=2", "env.max_steps=160", 
 
 @pytest.mark.slow
 def test_fleet_end_to_end(tmp_path):
-    from async_vla.buffer_service import BufferService
+    from async_vla.buffer.service import BufferService
     from async_vla.messages import ControlCommand
     from async_vla.policy import build_policy, save_policy
     from async_vla.transport import ControlClient

@@ -7,7 +7,7 @@ import torch
 from async_vla.config import load_config
 from async_vla.policy import build_policy, save_policy
 from async_vla.policy.interface import read_policy_version, write_policy_version
-from async_vla.weight_export import MILESTONES, export_weights, milestones
+from async_vla.weights.export import MILESTONES, export_weights, milestones
 from runner.launch import Evaluator
 
 SMALL = ["env.num_train_init_states=2", "env.num_eval_init_states=1", "env.task_ids=[0]", "actor.group_size=2",

@@ -1,4 +1,4 @@
-"""async_vla.native: the copy-with-checksum kernel against torch (the slow, obvious reference), and the packer
+"""async_vla.weights.native: the copy-with-checksum kernel against torch (the slow, obvious reference), and the packer
 with and without it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from async_vla import native
-from async_vla.weight_buckets import checksum, tensor_sum, tensor_sum_torch, unpack
-from async_vla.weight_packer import SPLIT_BYTES, BucketPacker
+from async_vla.weights import native
+from async_vla.weights.buckets import checksum, tensor_sum, tensor_sum_torch, unpack
+from async_vla.weights.packer import SPLIT_BYTES, BucketPacker
 
 needs_native = pytest.mark.skipif(not native.available(), reason=native.status())
 

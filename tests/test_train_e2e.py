@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vla import native
+from async_vla.weights import native
 from async_vla.metrics import missing_required, read_scalars, read_tags
 
 REPO = Path(__file__).resolve().parent.parent

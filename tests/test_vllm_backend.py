@@ -192,7 +192,7 @@ def test_openvla_name_map_and_its_errors():
 
 
 def test_update_set_is_trainable_engine_tensors_in_one_bucket_stream():
-    from async_vla.weight_packer import pack
+    from async_vla.weights.packer import pack
 
     policy = make_policy()
     frozen = LM_PREFIX + "model.norm.weight"
@@ -236,7 +236,7 @@ def _relay(tmp_worker, name_map):
     """A sender (rank 0, hosts the store) and the worker extension (rank 1) in one gloo group."""
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-    from async_vla.weight_wire import BroadcastGroup, td
+    from async_vla.weights.wire import BroadcastGroup, td
 
     store = TCPStore("127.0.0.1", 0, None, True, td(30), wait_for_workers=False)
     tmp_worker.vla_setup(name_map.to_doc())
@@ -249,9 +249,9 @@ def _relay(tmp_worker, name_map):
 
 def _send(group, worker, version, named, full=False):
     """Send one version as the torch actors' stream does; returns (confirmed, worker result or exception)."""
-    from async_vla.weight_buckets import checksum, unpack
-    from async_vla.weight_packer import pack
-    from async_vla.weight_wire import send_version
+    from async_vla.weights.buckets import checksum, unpack
+    from async_vla.weights.packer import pack
+    from async_vla.weights.wire import send_version
 
     layout, buckets = pack(named, 1 << 16)
     out = {}

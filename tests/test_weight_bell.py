@@ -1,4 +1,4 @@
-"""The same-host doorbell (async_vla.weight_bell, weight_bell_versions, native/bell.c): futexes and atomics across
+"""The same-host doorbell (async_vla.weights.bell, bell_versions, native/bell.c): futexes and atomics across
 processes, the member following the publisher's packing (sums against tensor_sum, the slow reference), liveness
 and timeouts, records that are not to be trusted, and publishes through it."""
 
@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from async_vla import native
-from async_vla.weight_bell import (
+from async_vla.weights import native
+from async_vla.weights.bell import (
     _POST, _REC, _SLOTS, BellDropped, BellMember, BellPublisher, PostReplaced, REC_FIELDS, SLOT, bell_path,
 )
-from async_vla.weight_bell_versions import EarlyPost, SharePlan, ViewPlan
-from async_vla.weight_buckets import checksum, fold, tensor_sum, unpack, verify_shares
-from async_vla.weight_packer import pack
-from async_vla.weight_shm import NAME
+from async_vla.weights.bell_versions import EarlyPost, SharePlan, ViewPlan
+from async_vla.weights.buckets import checksum, fold, tensor_sum, unpack, verify_shares
+from async_vla.weights.packer import pack
+from async_vla.weights.shm import NAME
 from async_vla.weights import WeightPublisher, WeightSubscriber
 from tests.test_weight_shm import _cfg, _model, _publish_and_check, _slow
 from tests.weight_helpers import mixed_model
@@ -269,9 +269,9 @@ def test_view_plan_views_equal_unpacked_tensors_for_every_dtype_and_shape():
 def test_a_mapping_pinned_for_a_members_views_stays_pinned_across_polls_until_they_are_gone(tmp_path):
     # (found in review) the subscriber pins, then makes its views; an actor's poll() in between must not unpin it -
     # even when the mapping was evicted and made again meanwhile.
-    from async_vla.weight_pool import BufferPool
-    from async_vla.weight_shm import ShmArena
-    from async_vla.weight_shm_reader import ShmReader
+    from async_vla.weights.pool import BufferPool
+    from async_vla.weights.shm import ShmArena
+    from async_vla.weights.shm_reader import ShmReader
 
     prefix = str(tmp_path / f"{NAME}{os.getpid()}_p")
     arenas = []

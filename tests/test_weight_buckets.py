@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from async_vla.weight_buckets import Layout, checksum, plan, spec_of, unpack
-from async_vla.weight_packer import pack
-from async_vla.weight_export import export_weights, read_latest, write_safetensors
-from async_vla.weight_pool import BufferPool
+from async_vla.weights.buckets import Layout, checksum, plan, spec_of, unpack
+from async_vla.weights.packer import pack
+from async_vla.weights.export import export_weights, read_latest, write_safetensors
+from async_vla.weights.pool import BufferPool
 from tests.weight_helpers import mixed_model
 
 
@@ -65,7 +65,7 @@ def test_checksum_is_exact_order_independent_and_sensitive():
 def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap, zero_copy):
     from concurrent.futures import ThreadPoolExecutor
 
-    from async_vla.weight_packer import BucketPacker
+    from async_vla.weights.packer import BucketPacker
 
     model = mixed_model(3, scale=2)
     with ThreadPoolExecutor(1) as ex:
@@ -83,8 +83,8 @@ def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a
 
 
 def test_the_same_tensors_reuse_the_previous_layout_and_any_change_makes_a_new_one():
-    from async_vla.weight_buckets import verify_shares
-    from async_vla.weight_packer import BucketPacker
+    from async_vla.weights.buckets import verify_shares
+    from async_vla.weights.packer import BucketPacker
 
     def packed(model, previous=None):
         packer = BucketPacker(64 * 1024, previous=previous)
@@ -117,8 +117,8 @@ def test_a_replayed_packing_equals_a_fresh_one_and_a_change_midway_loses_nothing
     # do, the result must be what packing them from scratch gives: same layout, same bytes, same sums.
     from concurrent.futures import ThreadPoolExecutor
 
-    from async_vla.weight_packer import BucketPacker
-    from async_vla.weight_pool import BufferPool
+    from async_vla.weights.packer import BucketPacker
+    from async_vla.weights.pool import BufferPool
 
     def packed(model, previous=None, pool=None, summer=None):
         packer = BucketPacker(64 * 1024, previous=previous, pool=pool, summer=summer)
@@ -150,7 +150,7 @@ def test_a_replayed_packing_equals_a_fresh_one_and_a_change_midway_loses_nothing
 
 
 class _Stream:
-    """Stands in for a doorbell post (weight_bell_versions.EarlyPost): records what the packer tells it."""
+    """Stands in for a doorbell post (async_vla.weights.bell_versions.EarlyPost): records what the packer tells it."""
 
     def __init__(self, layout):
         self.layout, self.events = layout, []
@@ -163,7 +163,7 @@ class _Stream:
 
 
 def test_a_replaying_packer_tells_the_post_of_each_tensor_and_aborts_it_when_the_layout_changes():
-    from async_vla.weight_packer import BucketPacker
+    from async_vla.weights.packer import BucketPacker
 
     def packed(model, previous=None, stream=None):
         packer = BucketPacker(64 * 1024, previous=previous, stream=stream)
@@ -191,9 +191,9 @@ def test_a_replaying_packer_tells_the_post_of_each_tensor_and_aborts_it_when_the
 
 
 def test_a_replay_into_a_shared_memory_segment_takes_the_offsets_of_the_last_packing(tmp_path):
-    from async_vla.weight_packer import BucketPacker
-    from async_vla.weight_pool import BufferPool
-    from async_vla.weight_shm import ShmPublisher
+    from async_vla.weights.packer import BucketPacker
+    from async_vla.weights.pool import BufferPool
+    from async_vla.weights.shm import ShmPublisher
 
     shm = ShmPublisher(tmp_path, "s" * 16, BufferPool())
     try:

@@ -3,9 +3,9 @@ so evaluation lands on exactly those versions however far the latest export has 
 
 import torch
 
-from async_vla.weight_buckets import checksum
-from async_vla.weight_packer import pack
-from async_vla.weight_export import (
+from async_vla.weights.buckets import checksum
+from async_vla.weights.packer import pack
+from async_vla.weights.export import (
     MAX_MILESTONES, MILESTONES, Exporter, discard_milestones, milestones, newest_milestone, read_latest,
 )
 from actors.weight_loading import load_weights_path

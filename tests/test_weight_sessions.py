@@ -12,8 +12,8 @@ from actors.actor import SerialActor
 from actors.vllm_weights import VersionGuard
 from async_vla.config import Config
 from tests.weight_helpers import weights_cfg
-from async_vla.weight_buckets import checksum
-from async_vla.weight_export import export_weights, read_latest
+from async_vla.weights.buckets import checksum
+from async_vla.weights.export import export_weights, read_latest
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
 FAST = {"timeout_s": 5.0, "join_timeout_s": 1.0, "heartbeat_s": 0.2, "bucket_mb": 0.25, "export_async": False}

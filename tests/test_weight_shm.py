@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from async_vla.config import Config
-from async_vla.weight_buckets import checksum
-from async_vla.weight_packer import pack
-from async_vla.weight_pool import BufferPool
-from async_vla.weight_shm import (
+from async_vla.weights.buckets import checksum
+from async_vla.weights.packer import pack
+from async_vla.weights.pool import BufferPool
+from async_vla.weights.shm import (
     NAME, ShmArena, ShmPublisher, ShmTorn, ShmUnreadable, probe_ok, remove_stale_segments,
 )
-from async_vla.weight_bell import BELL_BYTES
-from async_vla.weight_shm_reader import ShmReader
+from async_vla.weights.bell import BELL_BYTES
+from async_vla.weights.shm_reader import ShmReader
 from async_vla.weights import WeightPublisher, WeightSubscriber
 
 
@@ -62,7 +62,7 @@ def test_arena_packs_in_place_and_a_reader_pins_views_of_the_same_bytes(tmp_path
     arena.seal(3)
     views = reader.pin(0, 3, offsets, _nbytes(buckets))
     received = [v.view(b.dtype) for v, b in zip(views, buckets)]
-    from async_vla.weight_buckets import unpack
+    from async_vla.weights.buckets import unpack
     assert checksum(unpack(layout, received)) == checksum(model)
     assert reader.pinned == [0] and not arena.reset()                # pinned: the writer cannot start over
     with pytest.raises(ShmTorn, match="not v4"):                     # sealed with another version
@@ -219,7 +219,7 @@ def test_same_host_subscribers_receive_through_shared_memory_across_reuse_and_gr
 
 
 def test_more_buckets_than_the_header_carries_offsets_for(tmp_path):
-    from async_vla.weight_wire import INLINE_OFFSETS
+    from async_vla.weights.wire import INLINE_OFFSETS
 
     cfg = _cfg(tmp_path)
     pub = WeightPublisher(cfg, tmp_path)
@@ -320,7 +320,7 @@ def test_a_reader_keeps_the_segments_in_use_mapped_when_one_slot_is_remade(tmp_p
 
 def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the_group_to_the_wire(
         tmp_path, monkeypatch, caplog):
-    import async_vla.weight_subscriber as weights_mod
+    import async_vla.weights.subscriber as weights_mod
 
     class Unreadable(ShmReader):
         def _mapping(self, gen):     # every way in (pin, views, the whole mapping) maps the segment first
@@ -458,7 +458,7 @@ def test_a_pin_held_by_another_process_blocks_the_rewrite_until_it_lets_go_or_di
 
 
 def test_a_failed_pack_never_moves_the_next_version_into_the_slot_still_being_exported(tmp_path, monkeypatch):
-    import async_vla.weight_export as export_mod
+    import async_vla.weights.export as export_mod
 
     real = export_mod.export_weights
 
@@ -484,7 +484,7 @@ def test_a_failed_pack_never_moves_the_next_version_into_the_slot_still_being_ex
     finally:
         subs[0].close()
         pub.close()
-    from async_vla.weight_export import read_latest
+    from async_vla.weights.export import read_latest
     for v in (3, 5):
         (tmp_path / "weights" / "latest").write_text(f"v{v}.safetensors\n")
         version, tensors, csum = read_latest(tmp_path / "weights")

@@ -1,5 +1,5 @@
 """Split verification: through shared memory each receiver checks one share of the tensors and the publisher's
-verdict on all shares decides for every receiver (async_vla.weight_wire.send_version)."""
+verdict on all shares decides for every receiver (async_vla.weights.wire.send_version)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 from async_vla.config import Config
 from tests.weight_helpers import weights_cfg
-from async_vla.weight_packer import BucketPacker
-from async_vla.weight_buckets import (
+from async_vla.weights.packer import BucketPacker
+from async_vla.weights.buckets import (
     checksum, fold, plan, share_checksum, spec_of, tensor_sum, verify_shares,
 )
 from async_vla.weights import WeightPublisher
@@ -65,8 +65,8 @@ def test_a_receivers_share_value_equals_the_publishers_from_its_packing_sums():
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["native", "torch"])
 def test_share_sums_read_from_the_buckets_equal_the_sums_of_the_unpacked_tensors(kernel, monkeypatch):
-    from async_vla import native
-    from async_vla.weight_buckets import share_sums, unpack
+    from async_vla.weights import native
+    from async_vla.weights.buckets import share_sums, unpack
 
     if kernel and not native.available():
         pytest.skip("native kernel not built")
@@ -96,7 +96,7 @@ def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bo
     from async_vla.weights import WeightSubscriber
 
     if not polls:   # a slow machine: letting go of a replaced version takes a while
-        from async_vla.weight_shm_reader import ShmReader
+        from async_vla.weights.shm_reader import ShmReader
 
         release = ShmReader.release_unused
         ShmReader.release_unused = lambda self: (time.sleep(release_s), release(self))[1]
@@ -219,9 +219,9 @@ def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(
     # held the learner until busy receivers got a core), the next publish does - only before it resets the slot
     # they still pin - and no segment is re-made. Over gloo receivers count their releases in the store; on a bell
     # in their slot of the page.
-    from async_vla import weights
-    from async_vla.weight_bell import BellGroup
-    from async_vla.weight_wire import BroadcastGroup
+    from async_vla.weights import publisher as weights
+    from async_vla.weights.bell import BellGroup
+    from async_vla.weights.wire import BroadcastGroup
 
     # 1.5 s: still letting go when we look, even on a loaded host; settling may wait up to 4 s for it.
     monkeypatch.setattr(weights, "SETTLE_S", 4.0)
@@ -251,7 +251,7 @@ def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(
 def test_settling_gives_up_after_its_limit_and_forgives_a_member_that_never_counts(tmp_path, monkeypatch):
     import types
 
-    from async_vla import weights
+    from async_vla.weights import publisher as weights
 
     pub = WeightPublisher(_cfg(), tmp_path)
     try:

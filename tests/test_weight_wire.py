@@ -29,7 +29,7 @@ class _Work:
 
 
 def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
-    from async_vla.weight_wire import BroadcastGroup
+    from async_vla.weights.wire import BroadcastGroup
 
     g = BroadcastGroup.__new__(BroadcastGroup)       # only _finish's state: no process group needed
     g.backend, g.epoch, g.dropped = "gloo", 3, lambda: False
@@ -49,7 +49,7 @@ def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
 def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_gone():
     import torch.distributed as dist
 
-    from async_vla.weight_subscriber import POP_TIMEOUT_S, WeightSubscriber
+    from async_vla.weights.subscriber import POP_TIMEOUT_S, WeightSubscriber
 
     class Store:
         def __init__(self, outcome):

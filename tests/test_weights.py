@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from async_vla.config import Config
-from async_vla.weight_buckets import checksum
+from async_vla.weights.buckets import checksum
 from async_vla.weights import WeightPublisher, WeightSubscriber
 from tests.weight_helpers import FAST, mixed_model, weights_cfg
 
@@ -41,7 +41,7 @@ def test_publish_without_actors_exports_and_fetch_latest(tmp_path):
 
 
 def test_a_subscriber_of_another_wire_version_stays_out_and_says_why(tmp_path, caplog):
-    from async_vla.weight_wire import WIRE_VERSION
+    from async_vla.weights.wire import WIRE_VERSION
 
     cfg = _cfg()
     pub = WeightPublisher(cfg, tmp_path)
@@ -131,8 +131,8 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
     torch.set_num_threads(1)
     cfg = _cfg(**overrides)
     if die_in:   # kill -9 ourselves in the middle of the die_in-th broadcast: header in, buckets in flight
-        import async_vla.weight_bell as bell_mod      # a doorbell member reads each posted version's record
-        import async_vla.weight_wire as weights_mod   # recv_version (the receive path) parses through it
+        import async_vla.weights.bell as bell_mod      # a doorbell member reads each posted version's record
+        import async_vla.weights.wire as weights_mod   # recv_version (the receive path) parses through it
 
         calls: list[int] = []
 

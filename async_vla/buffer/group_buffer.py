@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from async_vla.buffer_books import STATES, LedgerReports  # noqa: F401 - STATES is part of this module's API
+from async_vla.buffer.ledger import STATES, LedgerReports  # noqa: F401 - STATES is part of this module's API
 from async_vla.messages import ControlCommand, Message, Trajectory
 
 log = logging.getLogger(__name__)

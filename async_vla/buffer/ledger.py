@@ -1,5 +1,5 @@
 """The buffer's books, read-only: ledger counts, invariants, lag statistics, TensorBoard scalars and
-``ledger.json``. A mixin of ``GroupBuffer`` (async_vla/buffer.py), which owns the state these read; kept apart
+``ledger.json``. A mixin of ``GroupBuffer`` (async_vla/buffer/group_buffer.py), which owns the state these read; kept apart
 so the admission logic there stays readable."""
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def replay_recording(run_dir, cfg=None, limit: Optional[int] = None):
 
     ``cfg`` defaults to ``<run_dir>/config.yaml`` (the resolved config the service wrote).
     """
-    from async_vla.buffer import GroupBuffer
+    from async_vla.buffer.group_buffer import GroupBuffer
     from async_vla.config import load_config
     from async_vla.messages import decode
 

@@ -27,10 +27,10 @@ from typing import Callable, Optional
 
 import zmq
 
-from async_vla.buffer import GroupBuffer
+from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
                                 Heartbeat, Shutdown, Trajectory, encode)
-from async_vla.recording import Recorder, recording_info
+from async_vla.buffer.recording import Recorder, recording_info
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
 log = logging.getLogger(__name__)

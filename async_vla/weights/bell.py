@@ -1,11 +1,11 @@
 """Same-host doorbell: one weight version exchanged through a shared page instead of gloo round trips.
 
-Why: when every receiver of a group reads the publisher's shared-memory segments (``async_vla.weight_shm``) the
+Why: when every receiver of a group reads the publisher's shared-memory segments (``async_vla.weights.shm``) the
 bytes no longer cross a socket, but each version still took a mailbox push per member, a gloo header broadcast,
 the receivers' acknowledgements and a verdict broadcast: at 10M parameters ~6 ms of TCP hops and process
 wake-ups on two shared cores, against ~3 ms for the copy itself. Here the publisher and the members of an epoch
 share a small file in ``weights.shm_dir`` (the *bell*) and exchange a version through words of it: atomics with
-release/acquire ordering and futexes on the shared mapping (``async_vla/native/bell.c``), so waiting costs no CPU
+release/acquire ordering and futexes on the shared mapping (``async_vla/weights/native/bell.c``), so waiting costs no CPU
 and a wake-up is a system call, not a TCP round trip.
 
 One version (post number p):
@@ -42,8 +42,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from async_vla import native
-from async_vla.weight_shm import locked
+from async_vla.weights import native
+from async_vla.weights.shm import locked
 
 BELL_BYTES = 64 * 1024
 MAGIC = 0x4C4C4542         # "BELL"
@@ -96,7 +96,7 @@ class _Page:
 
     def __init__(self, path: str, fd: int):
         self.path = path
-        # Never mm.close(): dropping the tensor unmaps with the last reference (as weight_shm does).
+        # Never mm.close(): dropping the tensor unmaps with the last reference (as shm.py does).
         self._mm = mmap.mmap(fd, BELL_BYTES, flags=mmap.MAP_SHARED)
         self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.addr = self._base.data_ptr()
@@ -321,7 +321,7 @@ class BellMember:
 
     def follow_sum(self, p: int, plan, base_addr: int, deadline: float,
                    stop: Callable[[], bool]) -> list[int]:
-        """Sum the tensors of ``plan`` (a ``weight_bell_versions.SharePlan``) as the publisher's progress passes them
+        """Sum the tensors of ``plan`` (a ``bell_versions.SharePlan``) as the publisher's progress passes them
         (at ``base_addr``: the mapped segment); raises BellDropped / TimeoutError / RuntimeError (publisher gone, or the post moved on)."""
         page, lib = self._page, self._page._lib
         nxt = ctypes.c_int64(0)

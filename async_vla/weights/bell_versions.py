@@ -1,4 +1,4 @@
-"""One version on a doorbell (the page and its protocol: ``async_vla.weight_bell``): the publisher's side - posting
+"""One version on a doorbell (the page and its protocol: ``async_vla.weights.bell``): the publisher's side - posting
 before packing when the offsets are known (``EarlyPost``), then seal, acknowledgements and verdict (``BellSender``)
 - and the member's plans for reading it while it is packed (``SharePlan``, ``ViewPlan``)."""
 
@@ -9,8 +9,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from async_vla.weight_bell import CHUNK_BYTES, BellGroup, BellPublisher
-from async_vla.weight_buckets import ALIGN, DTYPES, Layout, fold, share_checksum, verify_shares
+from async_vla.weights.bell import CHUNK_BYTES, BellGroup, BellPublisher
+from async_vla.weights.buckets import ALIGN, DTYPES, Layout, fold, share_checksum, verify_shares
 
 
 class NoRoom(Exception):
@@ -149,7 +149,7 @@ class SharePlan:
         self.ends = arr(*[r[2] for r in rows])
 
     def value(self, sums: Sequence[int]) -> int:
-        """The share's checksum (``weight_buckets.share_checksum`` of what was summed)."""
+        """The share's checksum (``buckets.share_checksum`` of what was summed)."""
         return fold(zip(self.names, sums, self.numels))
 
 

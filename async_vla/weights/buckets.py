@@ -1,5 +1,5 @@
 """Data plane of the weight broadcast: bucket layout, packing and checksums (the wire format of one version
-is ``async_vla.weight_wire``; exported files ``async_vla.weight_export``; the control plane - membership,
+is ``async_vla.weights.wire``; exported files ``async_vla.weights.export``; the control plane - membership,
 epochs, publisher and subscriber - is ``async_vla.weights``).
 
 A *manifest* is the ordered list of (name, dtype, shape) of the tensors a learner publishes. From the
@@ -13,7 +13,7 @@ the manifest (a few KB of JSON) ever crosses the wire, never offsets:
 - a tensor larger than the cap gets a bucket of its own (the open bucket stays open);
 - bucket order is dtype by first appearance, then creation order within the dtype.
 
-The packer (``async_vla.weight_packer``) applies the same rule while tensors stream in, so a ZeRO-3 learner can
+The packer (``async_vla.weights.packer``) applies the same rule while tensors stream in, so a ZeRO-3 learner can
 gather layer by layer and copy each full tensor into its bucket before the next layer is gathered.
 
 Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
@@ -35,8 +35,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from async_vla import native
-from async_vla.weight_pool import BufferPool
+from async_vla.weights import native
+from async_vla.weights.pool import BufferPool
 
 ALIGN = 64
 MANIFEST_SCHEMA = 1
@@ -300,7 +300,7 @@ def fold(sums: Iterable[tuple[str, int, int]]) -> int:
 def verify_shares(layout: Layout, k: int) -> list[list[str]]:
     """The tensors of ``layout`` cut into ``k`` runs of manifest order with about equal bytes: on shared memory
     every receiver reads the very same pages, so each checks one share and the publisher checks the shares
-    against its own sums (``weight_wire``). Deterministic from the layout (so both sides agree); cached on it."""
+    against its own sums (``wire``). Deterministic from the layout (so both sides agree); cached on it."""
     if k < 1:
         raise ValueError("k must be >= 1")
     cache = layout.__dict__.setdefault("_shares", {})   # (a frozen dataclass still has a __dict__)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from async_vla.weight_buckets import Layout, NamedTensors, bytes_of, checksum, dtype_name, named_items, unpack
+from async_vla.weights.buckets import Layout, NamedTensors, bytes_of, checksum, dtype_name, named_items, unpack
 
 log = logging.getLogger(__name__)
 

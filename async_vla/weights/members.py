@@ -19,7 +19,7 @@ class Member:
     fails: int = 0
     suspended_until: float = 0.0
     shm: bool = False          # can read our shared-memory segments (same host, same /dev/shm, same user)
-    bell: bool = False         # can take versions through a doorbell page (async_vla.weight_bell)
+    bell: bool = False         # can take versions through a doorbell page (async_vla.weights.bell)
 
 
 class MemberRegistry:

@@ -1,5 +1,5 @@
 """Packing one version into buckets as its tensors stream in (the layout rule and checksums are
-``async_vla.weight_buckets``): each tensor is copied into its bucket as soon as it arrives, so a ZeRO-3 learner can
+``async_vla.weights.buckets``): each tensor is copied into its bucket as soon as it arrives, so a ZeRO-3 learner can
 gather layer by layer, with the checksum taken on the way (the native kernel sums while it copies)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Optional, Union
 
 import torch
 
-from async_vla import native
-from async_vla.weight_buckets import (
+from async_vla.weights import native
+from async_vla.weights.buckets import (
     ALIGN, DTYPES, Layout, NamedTensors, _Planner, dtype_name, fold, named_items, spec_of, tensor_sum,
 )
-from async_vla.weight_pool import BufferPool
+from async_vla.weights.pool import BufferPool
 
 SPLIT_BYTES = 4 * 2**20   # native packing copies tensors from this size in two halves at once (helper thread)
 _U64 = (1 << 64) - 1
@@ -86,7 +86,7 @@ class BucketPacker:
         self._store: dict[str, list[torch.Tensor]] = {}
         self._names: set[str] = set()
         self._summer = _Summer(summer if self.device.type == "cpu" else None) if sums else None
-        # One pass that copies with non-temporal stores and sums on the way (async_vla.native): about twice
+        # One pass that copies with non-temporal stores and sums on the way (async_vla.weights.native): about twice
         # the bandwidth of copy_ into memory other processes read next, and no checksum pass after it.
         self._native = self.device.type == "cpu" and native.available()
         # ``split=False``: the other core is busy anyway (receivers following a doorbell post sum while we pack;
@@ -100,7 +100,7 @@ class BucketPacker:
         allocs = previous.__dict__.get("_allocs") if previous is not None else None
         if allocs is not None and not zero_copy and previous.cap_bytes == self.cap:
             self._start_replay(previous, allocs)
-        # ``stream``: a doorbell post of ``previous`` (``weight_bell_versions.EarlyPost``), told of each tensor as it
+        # ``stream``: a doorbell post of ``previous`` (``bell_versions.EarlyPost``), told of each tensor as it
         # lands while the replay holds, aborted as soon as the packing leaves that layout (or cannot replay it).
         self._stream = stream
         if stream is not None and (self._replay is None or self._replay is not stream.layout):

@@ -1,5 +1,5 @@
 """Reuse of weight buffers between versions, and the check that says when a buffer is free to reuse (nobody
-still views it). Used by the packer (``async_vla.weight_buckets``), the shared-memory path (pins) and the
+still views it). Used by the packer (``async_vla.weights.buckets``), the shared-memory path (pins) and the
 subscriber's receive buffers."""
 
 from __future__ import annotations

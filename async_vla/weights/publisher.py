@@ -10,8 +10,8 @@ Membership epochs go through the store (no clocks compared across hosts): an act
 side thread bumps its heartbeat; at ``publish()`` the publisher re-forms the group (invite -> ack within
 ``join_timeout_s`` -> roster) when the live set changed or the group broke; an actor that misses the ack is
 suspended with back-off. Each broadcast is announced in the members' mailboxes (store queues), so an idle
-actor sleeps in a queue pop, never in a collective. One version on the wire: ``async_vla.weight_wire``; on
-one host the bulk bytes go through shared memory: ``async_vla.weight_shm``.
+actor sleeps in a queue pop, never in a collective. One version on the wire: ``async_vla.weights.wire``; on
+one host the bulk bytes go through shared memory: ``async_vla.weights.shm``.
 
 Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
 actor makes the next op raise at once; a stopped one makes it time out. The publisher then drops its group -
@@ -40,17 +40,17 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla import weight_bell
-from async_vla.weight_bell import BellGroup, BellPublisher
-from async_vla.weight_bell_versions import BellSender, EarlyPost, NoRoom
-from async_vla.weight_buckets import Layout
-from async_vla.weight_packer import BucketPacker
-from async_vla.weight_pool import BufferPool
-from async_vla.weight_export import Exporter
-from async_vla.weight_members import MemberRegistry
-from async_vla.weight_shm import RETRY_S as SHM_RETRY_S, ShmPublisher
-from async_vla import native
-from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
+from async_vla.weights import bell as weight_bell
+from async_vla.weights.bell import BellGroup, BellPublisher
+from async_vla.weights.bell_versions import BellSender, EarlyPost, NoRoom
+from async_vla.weights.buckets import Layout
+from async_vla.weights.packer import BucketPacker
+from async_vla.weights.pool import BufferPool
+from async_vla.weights.export import Exporter
+from async_vla.weights.members import MemberRegistry
+from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
+from async_vla.weights import native
+from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class WeightPublisher:
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
             # On a bell the members wait for the seal: the checksum and the per-tensor sums are folded after it.
             csum = packer.checksum() if summing and bell is None else None
-            # Receivers through shared memory each check a share of these (weight_wire.send_version).
+            # Receivers through shared memory each check a share of these (wire.send_version).
             sums_of = packer.tensor_sums if self.cfg.verify else None
         except BaseException:
             if post is not None:
@@ -311,7 +311,7 @@ class WeightPublisher:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
-    # ------------------------------------------------------------------ doorbell epochs (async_vla.weight_bell)
+    # ------------------------------------------------------------------ doorbell epochs (async_vla.weights.bell)
     def _standing(self) -> bool:
         """The current doorbell group still matches the live set (so a version may be posted to it before packing).
         The live set is read from the store at most every ``LIVE_RECHECK_S``: on a bell a member that dies is seen
@@ -350,7 +350,7 @@ class WeightPublisher:
 
     def _settle(self) -> None:
         """A shared-memory slot is still pinned: wait (at most ``SETTLE_S``) until every member of the group has
-        counted itself released for each split-verified version (``weight_wire.send_version`` returns after the
+        counted itself released for each split-verified version (``wire.send_version`` returns after the
         verdict, before receivers hand the version over and let go of the one it replaces). Normally the counts
         are in long before the next publish; back to back, this keeps a slot from being re-made needlessly. Past
         the wait a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
@@ -450,6 +450,3 @@ class WeightPublisher:
                 self._endpoint.unlink()
         self._store = None
 
-
-# The actor side lives in its own module; imported here so ``async_vla.weights`` stays the one entry point.
-from async_vla.weight_subscriber import WeightSubscriber  # noqa: E402,F401

@@ -15,7 +15,7 @@ Safety:
   group uses the segment only when every member did. A member that later fails to read a segment re-registers
   without it (``ShmUnreadable``), which re-forms the group on the wire;
 - two segments alternate, because the asynchronous export of version v-1 may still read the previous one;
-- pinning is an ``flock`` (the reader's side: ``async_vla.weight_shm_reader``): a receiver holds a shared lock on a segment while any view it handed out is alive
+- pinning is an ``flock`` (the reader's side: ``async_vla.weights.shm_reader``): a receiver holds a shared lock on a segment while any view it handed out is alive
   (the views' storage use count says so; checked at every receive), and the publisher takes the exclusive lock,
   without waiting, before it rewrites one. A segment still pinned (an actor that has not loaded an older version
   yet) is left to its readers - unlinked, it lives until they let go - and the slot gets a fresh segment;
@@ -48,7 +48,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from async_vla.weight_pool import BufferPool
+from async_vla.weights.pool import BufferPool
 
 log = logging.getLogger(__name__)
 

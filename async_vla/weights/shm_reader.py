@@ -1,5 +1,5 @@
 """The receiver's side of the same-host shared-memory path (the design and the publisher's side:
-``async_vla.weight_shm``): read-only mappings of the publisher's segments and the pins on those it handed out views
+``async_vla.weights.shm``): read-only mappings of the publisher's segments and the pins on those it handed out views
 of."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from async_vla import native
-from async_vla.weight_pool import storage_free
-from async_vla.weight_shm import CTL, ShmTorn, ShmUnreadable
+from async_vla.weights import native
+from async_vla.weights.pool import storage_free
+from async_vla.weights.shm import CTL, ShmTorn, ShmUnreadable
 
 MAX_MAPS = 2         # unpinned segments a reader keeps mapped (the two that alternate; an old one is let go)
 
@@ -93,7 +93,7 @@ class ShmReader:
 
     def views(self, gen: int, offsets: Sequence[int], nbytes: Sequence[int]) -> list[torch.Tensor]:
         """The same byte views as ``pin``, without pinning or checking the version: for reading while the publisher
-        is still writing (the doorbell's progress says which bytes are complete, ``async_vla.weight_bell``). Pin
+        is still writing (the doorbell's progress says which bytes are complete, ``async_vla.weights.bell``). Pin
         before handing any out; ``pin`` says whether these views are of the mapping it pinned."""
         with self._lock:
             m = self._mapping(gen)

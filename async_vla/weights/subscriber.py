@@ -3,7 +3,7 @@
 A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
 membership epoch's process group and receives every announced version; ``poll()`` hands the newest one to the
 actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
-(``async_vla.weight_shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
+(``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
 crash and ``--resume``) is followed even when its versions restart lower.
 """
 
@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from async_vla import weight_bell
-from async_vla.weight_bell import BellDropped, BellMember, PostReplaced
-from async_vla.weight_bell_versions import SharePlan, ViewPlan
-from async_vla.weight_buckets import Layout
-from async_vla.weight_pool import BufferPool, views_tracked
-from async_vla.weight_export import read_latest
-from async_vla.weight_shm import ShmUnreadable, probe_ok, valid_path
-from async_vla.weight_shm_reader import ShmReader
-from async_vla.weight_wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
+from async_vla.weights import bell as weight_bell
+from async_vla.weights.bell import BellDropped, BellMember, PostReplaced
+from async_vla.weights.bell_versions import SharePlan, ViewPlan
+from async_vla.weights.buckets import Layout
+from async_vla.weights.pool import BufferPool, views_tracked
+from async_vla.weights.export import read_latest
+from async_vla.weights.shm import ShmUnreadable, probe_ok, valid_path
+from async_vla.weights.shm_reader import ShmReader
+from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class WeightSubscriber:
                     self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
                                                  int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
                     self._group.dropped = lambda e=epoch: self._dropped(store, e)
-                    # Split verification ends with this count instead of an acknowledgement (weight_wire).
+                    # Split verification ends with this count instead of an acknowledgement (wire).
                     self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
                     prefix = str(msg.get("shm") or "")
                     if prefix and valid_path(prefix, self.cfg.shm_dir):
@@ -323,7 +323,7 @@ class WeightSubscriber:
         store.set(f"w/leave/{token}", "1")
         store.add("w/leaves", 1)
 
-    # ------------------------------------------------------------------ doorbell epochs (async_vla.weight_bell)
+    # ------------------------------------------------------------------ doorbell epochs (async_vla.weights.bell)
     def _bell_epoch(self, store, msg: dict, epoch: int, probe: str, token: int) -> None:
         """Join an epoch that runs on a bell and take its versions until it is dropped; then back to the mailbox."""
         path, prefix = str(msg.get("bell", "")), str(msg.get("shm") or "")

@@ -2,11 +2,11 @@
 version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
 manifest digest, sequence, shared-memory generation or -1, verification shares, then room for 64 shared-memory
 offsets), the manifest when the layout changed, the buckets (or, on one host, only their offsets in a
-shared-memory segment: ``async_vla.weight_shm``), then one (received, checksum ok) acknowledgement per receiver
+shared-memory segment: ``async_vla.weights.shm``), then one (received, checksum ok) acknowledgement per receiver
 sent point-to-point to rank 0 - or, with split verification on shared memory, (received, share checksum) and
 then the publisher's verdict broadcast to all, after which each receiver counts itself released in the store
 (no acknowledgement over the group: see ``send_version``). Layout, packing and checksums are
-``async_vla.weight_buckets``; membership and epochs are ``async_vla.weights``.
+``async_vla.weights.buckets``; membership and epochs are ``async_vla.weights``.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
-from async_vla.weight_buckets import (
+from async_vla.weights.buckets import (
     DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, share_sums,
     unpack, verify_shares,
 )
-from async_vla.weight_shm import ShmUnreadable
-from async_vla.weight_shm_reader import ShmReader
+from async_vla.weights.shm import ShmUnreadable
+from async_vla.weights.shm_reader import ShmReader
 
 MAGIC = 0x5745494748      # "WEIGH"
 # What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not
 # join). 2: the verification-shares header slot; 3: split verification ends at the verdict + a release count;
-# 4: doorbell epochs (async_vla.weight_bell), heartbeat keys made before registering, a count of leaves.
+# 4: doorbell epochs (async_vla.weights.bell), heartbeat keys made before registering, a count of leaves.
 WIRE_VERSION = 4
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm", "split")
 DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up

@@ -12,7 +12,7 @@ from test_buffer_service import RUN as SVC_RUN
 from test_buffer_service import running, service_cfg, stats, wait_stats
 
 from async_vla.buffer import GroupBuffer
-from async_vla.buffer_service import BufferService
+from async_vla.buffer.service import BufferService
 from async_vla.config import write_resolved
 from async_vla.messages import BatchRequest, ControlCommand
 from async_vla.transport import ControlClient, TrajectorySender

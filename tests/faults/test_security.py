@@ -20,7 +20,7 @@ import zmq
 from test_buffer import make_traj
 
 from async_vla import messages as M
-from async_vla.buffer_service import BufferService
+from async_vla.buffer.service import BufferService
 from async_vla.config import load_config, write_resolved
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, TrajectorySender, endpoints
 
@@ -162,9 +162,9 @@ def test_msgpack_decoding_is_size_limited(header, reason):
         M.decode_bundle([header, b"x"])
 
 
-WIRE_MODULES = ["async_vla/messages.py", "async_vla/transport.py", "async_vla/buffer.py", "async_vla/buffer_service.py",
-                "async_vla/recording.py", "async_vla/weights.py", "async_vla/weight_subscriber.py",
-                "async_vla/weight_buckets.py", "async_vla/weight_export.py", "async_vla/weight_wire.py", "async_vla/weight_shm.py", "actors/actor.py",
+WIRE_MODULES = ["async_vla/messages.py", "async_vla/transport.py", "async_vla/buffer/group_buffer.py", "async_vla/buffer/service.py",
+                "async_vla/buffer/recording.py", "async_vla/weights/publisher.py", "async_vla/weights/subscriber.py",
+                "async_vla/weights/buckets.py", "async_vla/weights/export.py", "async_vla/weights/wire.py", "async_vla/weights/shm.py", "actors/actor.py",
                 "actors/status.py", "actors/vllm_weights.py", "learner/__main__.py", "runner/launch.py"]
 UNSAFE = [r"\bimport pickle\b", r"\bpickle\.loads?\b", r"\bcPickle\b", r"\bdill\b", r"\bmarshal\.loads?\b",
           r"recv_pyobj", r"send_pyobj", r"recv_serialized", r"allow_pickle\s*=\s*True", r"(?<![.\w])eval\(",

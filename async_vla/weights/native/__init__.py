@@ -1,7 +1,7 @@
 """Optional native kernels (``copysum.c``, ``bell.c``), loaded with ctypes: a copy with non-temporal stores that
-sums what it copies in the same pass, and a plain byte-word sum (both sums equal ``weight_buckets.tensor_sum``);
+sums what it copies in the same pass, and a plain byte-word sum (both sums equal ``buckets.tensor_sum``);
 and the doorbell primitives of the same-host weight broadcast (atomics and futexes on a shared page, a receiver's
-sum that follows the publisher's packing: ``async_vla.weight_bell``).
+sum that follows the publisher's packing: ``async_vla.weights.bell``).
 
 The shared library is built by the set-up (``bin/_setup.sh`` runs ``cc -O2 -shared -fPIC``; ``bin/build-native``
 does it alone). Where it is missing (no C compiler, another platform) every caller falls back to torch: same

@@ -1,4 +1,4 @@
-/* Doorbell primitives for the same-host weight broadcast (async_vla/weight_bell.py), loaded with ctypes from
+/* Doorbell primitives for the same-host weight broadcast (async_vla/weights/bell.py), loaded with ctypes from
  * the same library as copysum.c.
  *
  * Why: on one host the bytes of a version already go through a shared-memory segment, but each version still

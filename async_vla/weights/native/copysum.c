@@ -1,4 +1,4 @@
-/* Copy with non-temporal stores, summing the source as it streams by (async_vla/native/__init__.py).
+/* Copy with non-temporal stores, summing the source as it streams by (async_vla/weights/native/__init__.py).
  *
  * Why: packing a version into the shared-memory segment is one pass over every weight byte. glibc's memcpy
  * switches to non-temporal stores only above ~3/4 of the shared cache (190 MB on our hosts), so per-tensor
@@ -6,7 +6,7 @@
  * second pass. Here both happen in one pass: each 16-byte block is loaded once, added into two 64-bit lanes
  * and streamed to the destination (which other processes read next; keeping it in our cache gains nothing).
  *
- * The sum is the one `async_vla.weight_buckets.tensor_sum` defines: the wrap-around sum of the bytes as
+ * The sum is the one `async_vla.weights.buckets.tensor_sum` defines: the wrap-around sum of the bytes as
  * little-endian 8-byte words counted from the start, plus each trailing byte (< 8 of them) as a value.
  * Built by bin/_setup.sh (`cc -O2 -shared -fPIC`); without it the packer falls back to torch.
  */
