@@ -31,6 +31,7 @@ from actors.rollout import GroupRollout, GroupSpec, RolloutStats
 from actors.status import parse_share, status_path, write_status
 from actors.weight_loading import load_weights, load_weights_path  # noqa: F401 - part of this module's API
 from actors.vllm_weights import StaleWeights
+from async_vla.buffer.filters import is_stale
 from async_vla.messages import (
     ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, Shutdown, Trajectory, encode,
 )
@@ -65,12 +66,8 @@ def default_policy_factory(cfg: Any) -> Any:
 
 def default_env_factory(cfg: Any, seed: int) -> Any:
     """One env of ``cfg.env.kind``, isolated in a worker process where ``cfg.env.worker`` says so."""
-    try:
-        from actors.env_worker import make_isolated_env
-    except ImportError:  # no isolation layer: in-process env
-        from async_vla.envs.base import make_env
+    from actors.env_worker import make_isolated_env
 
-        return make_env(cfg, seed)
     return make_isolated_env(cfg, seed)
 
 
@@ -216,7 +213,7 @@ class Actor:
         self._path_weights: Optional[tuple[int, str]] = None
         self._path_loaded: Optional[tuple] = None
         self._subscriber: Any = None
-        self._eta = int(cfg.buffer.max_staleness)  # updated from every grant (eta can change live)
+        self._eta = int(cfg.max_staleness)  # updated from every grant (eta can change live)
         self._behind_since: Optional[float] = None
         self._refused_at_version = -1  # the version we asked with when the buffer last said "not now"
         self._asked_version = -1       # our version in the last GrantRequest sent
@@ -275,16 +272,13 @@ class Actor:
         """Policy (latest published weights if any, else the initial checkpoint) and the envs."""
         policy = self.policy_factory(self.cfg)
         version = 0
-        try:
-            from async_vla.weights import WeightSubscriber
-        except ImportError:
-            log.info("async_vla.weights not available: weights only from grants' weights_path")
-        else:
-            self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
-            latest = self._subscriber.fetch_latest()
-            if latest is not None:
-                load_weights(policy, latest[1], int(latest[0]), self._subscriber.lineage)
-                version = int(latest[0])
+        from async_vla.weights import WeightSubscriber
+
+        self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
+        latest = self._subscriber.fetch_latest()
+        if latest is not None:
+            load_weights(policy, latest[1], int(latest[0]), self._subscriber.lineage)
+            version = int(latest[0])
         policy.eval()
         n_envs = min(self.cfg.env.envs_per_actor, self.cfg.actor.group_size)
         seeds = [stable_hash("env", self.cfg.run.seed, self.actor_id, j) % 2**31 for j in range(n_envs)]
@@ -346,7 +340,7 @@ class Actor:
         this an actor that missed the broadcast of version v could wait forever when nothing newer comes (sync
         mode: the learner waits for data this actor would only produce with v), and the buffer refuses it."""
         now = time.monotonic()
-        if self._subscriber is None or self.learner_version - self._version() <= self._eta:
+        if self._subscriber is None or not is_stale(self.learner_version, self._version(), self._eta):
             self._behind_since = None
             return None
         if self._behind_since is None:

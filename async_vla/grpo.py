@@ -14,20 +14,19 @@ Everything here is a small pure function so that tests/grpo_reference.py can mir
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from async_vla.buffer.filters import difficulty_mask, mixed_outcome  # noqa: F401 - the buffer's filters, re-exported
 from async_vla.config import LossConfig
 
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(88) overflows float32, and an inf ratio on a
 # token whose branch torch.where discards still turns its gradient into 0 * inf = NaN. e^20 ~ 4.9e8 is far
 # beyond any clip bound, so the clamp only touches tokens that carry no gradient anyway (or absurd ones).
 LOG_RATIO_CLAMP = 20.0
-# difficulty_mask: success rates this close to a bound count as on the bound (float32 rounding of k/G).
-_BOUND_TOL = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------- advantages
@@ -81,38 +80,6 @@ def _normalise(r: Tensor, dims: tuple[int, ...], use_std: bool, eps: float) -> T
 
 
 # -------------------------------------------------------------------------------------- group predicates
-def mixed_outcome(successes: Any, G: int) -> bool:
-    """True when a complete group of G outcomes has both a success and a failure (0 < #success < G).
-
-    ``successes``: G booleans / 0-1 values (list, numpy array or tensor). A group of another length is a
-    caller bug (partial or merged group) and raises ValueError instead of silently passing.
-    """
-    flags = _as_numpy(successes).reshape(-1)
-    if flags.size != G:
-        raise ValueError(f"expected {G} outcomes, got {flags.size}")
-    n = int(np.count_nonzero(flags))
-    return 0 < n < G
-
-
-def difficulty_mask(success_rate: Any, lo: float, hi: float) -> bool:
-    """True when lo < success_rate < hi (ROLL's difficulty mask, e.g. (0.1, 0.95)); strict on both ends.
-
-    ``success_rate``: a scalar (python / numpy / 0-d tensor), or a group's per-trajectory outcomes, whose
-    mean is then the rate. A rate within 1e-6 of a bound counts as on it (excluded): a float32 rate of 1/10
-    is 0.10000000149 and must not slip inside (0.1, hi); true rates k/G are never that close to a bound.
-    """
-    arr = _as_numpy(success_rate).astype(np.float64)
-    rate = float(arr) if arr.ndim == 0 else float(arr.mean())
-    return bool(lo + _BOUND_TOL < rate < hi - _BOUND_TOL)
-
-
-def _as_numpy(x: Any) -> np.ndarray:
-    if isinstance(x, Tensor):
-        t = x.detach().cpu()
-        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
-    return np.asarray(x)
-
-
 # ------------------------------------------------------------------------------------------ policy loss
 def nsr_uniforms(shape: torch.Size | tuple[int, ...], generator: Optional[torch.Generator] = None,
                  device: torch.device | str | None = None) -> Tensor:

@@ -1,7 +1,8 @@
 """Per-trajectory audit of a run from the buffer's recordings (``buffer.record=true``).
 
-A recording replays into a fresh GroupBuffer with the same ledger (recording.py); replaying it into ``Tracer``, a
-GroupBuffer that notes each trajectory's fate as it happens, answers what the aggregate ledger cannot:
+A recording replays into a fresh GroupBuffer with the same ledger (``async_vla.buffer.recording.replay``); replaying
+it with ``Tracer`` as the buffer's ledger, which notes each trajectory's fate as it happens, answers what the
+aggregate ledger cannot:
 which trajectories were in flight at a moment (say, when the learner was killed) and what became of each one,
 and whether any trajectory was admitted by two buffer incarnations (a restarted buffer has its own recording
 directory: ``recording-<n>/`` is the n-th previous one, ``recording/`` the current one).
@@ -14,68 +15,48 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from async_vla.buffer import GroupBuffer
+from async_vla.buffer.ledger import Ledger
+from async_vla.buffer.recording import replay as replay_into_buffer
 from async_vla.config import load_config
-from async_vla.messages import Trajectory, decode
-from async_vla.buffer.recording import ReplayClock, iter_records
 
 
-class Tracer(GroupBuffer):
-    """A GroupBuffer that records every admitted trajectory's fate: traj_id -> (state, learner version)."""
+class Tracer(Ledger):
+    """A ledger that also notes every trajectory's fate as it happens: traj_id -> (state, learner version)."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, run_id: str):
+        super().__init__()
+        self.run_id = run_id
         self.fate: dict[str, tuple[str, int]] = {}
-        self.admitted: list[str] = []
+        self.admitted: list[str] = []                                     # joined a group, in order
         self.received_from: collections.Counter = collections.Counter()  # actor id -> trajectories of this run
         self.formed: collections.Counter = collections.Counter()         # traj_id -> batches it was put in
 
-    def add(self, traj: Trajectory) -> str:
-        if traj.run_id == self.run_id:  # a hostile frame can claim any actor id, but not our run id by accident
+    def receive(self, traj=None) -> None:
+        if traj is not None and traj.run_id == self.run_id:  # a hostile frame can claim any actor id, not our run
             self.received_from[traj.actor_id] += 1
-        state = super().add(traj)
-        if state not in ("malformed", "duplicate"):
-            self.admitted.append(traj.traj_id)
-            if traj.traj_id not in self.fate:
-                self.fate[traj.traj_id] = ("pending", self.version)
-        return state
+        super().receive(traj)
 
-    def _reject(self, g, state):
-        for t in g.members:
-            self.fate[t.traj_id] = (state, self.version)
-        return super()._reject(g, state)
+    def join(self, traj, version: int) -> None:
+        self.admitted.append(traj.traj_id)
+        self.fate.setdefault(traj.traj_id, ("pending", version))
+        super().join(traj, version)
 
-    def _purge_stale(self) -> None:
-        for g in self._ready:
-            if not g.trained and self.version - g.min_bv > self.max_staleness:
-                for t in g.members:
-                    self.fate[t.traj_id] = ("stale", self.version)
-        super()._purge_stale()
+    def drop_group(self, members, state: str, version: int) -> str:
+        for t in members:
+            self.fate[t.traj_id] = (state, version)
+        return super().drop_group(members, state, version)
 
-    def _form(self, version: int):
-        batch = super()._form(version)
-        if batch is not None:
-            for g in batch.groups:
-                for t in g.members:
-                    self.formed[t.traj_id] += 1
-                    if self.fate.get(t.traj_id, ("",))[0] != "trained":
-                        self.fate[t.traj_id] = ("trained", int(version))
-        return batch
+    def use_group(self, members, version: int, first_use: bool) -> None:
+        for t in members:
+            self.formed[t.traj_id] += 1
+            if self.fate.get(t.traj_id, ("",))[0] != "trained":
+                self.fate[t.traj_id] = ("trained", int(version))
+        super().use_group(members, version, first_use)
 
-    def _untrain(self, g, batch_version: int) -> None:
-        for t in g.members:
-            self.fate[t.traj_id] = ("pending", self.version)
-        super()._untrain(g, batch_version)
-
-    def in_flight(self) -> dict[str, str]:
-        """traj_id -> where, for every admitted trajectory not yet in a terminal state, and those of the batch the
-        learner is training right now (formed at the current version: its step is not done yet)."""
-        out = {t.traj_id: "assembling" for g in self._open.values() for t in g.members}
-        out.update({t.traj_id: "ready" for g in self._ready if not g.trained for t in g.members})
-        if self.version in self._batches:
-            out.update({t.traj_id: f"batch v{self.version}" for g in self._batches[self.version].groups
-                        for t in g.members})
-        return out
+    def untrain_group(self, members, batch_version: int, version: int) -> None:
+        for t in members:
+            self.fate[t.traj_id] = ("pending", version)
+        super().untrain_group(members, batch_version, version)
 
 
 def recordings(run_dir: Path) -> list[Path]:
@@ -89,17 +70,17 @@ def recordings(run_dir: Path) -> list[Path]:
 def replay(rec_dir: Path, cfg, snapshot_at: Optional[int] = None) -> tuple[Tracer, Optional[dict]]:
     """Replay one recording; with ``snapshot_at`` (a record count), also return the in-flight map as of that many
     records (the buffer's state when its stats reported ``recorded_records == snapshot_at``)."""
-    meta = json.loads((rec_dir / "meta.json").read_text())
-    clock = ReplayClock()
-    buf = Tracer(cfg, meta["run_id"], clock=clock, valid_task_ids=meta.get("valid_task_ids"))
-    buf.set_max_staleness(meta.get("max_staleness", buf.max_staleness), source="replay")
-    snapshot = {"in_flight": {}, "version": buf.version} if snapshot_at == 0 else None
-    for n, (t, frames) in enumerate(iter_records(rec_dir), 1):
-        clock.t = t
-        buf.apply_journal(decode(frames, max_bytes=2**40))
+    meta = json.loads((Path(rec_dir) / "meta.json").read_text())
+    tracer = Tracer(meta["run_id"])
+    snapshot = {"in_flight": {}, "version": 0} if snapshot_at == 0 else None
+
+    def each(n: int, buf) -> None:
+        nonlocal snapshot
         if n == snapshot_at:
             snapshot = {"in_flight": buf.in_flight(), "version": buf.version}
-    return buf, snapshot
+
+    replay_into_buffer(rec_dir, cfg, ledger=tracer, each=each)
+    return tracer, snapshot
 
 
 def _cfg(run_dir: Path, cfg):

@@ -367,7 +367,7 @@ def final_report(sys_: LiveSystem) -> dict:
         "trained": sum(led["ledger"]["trained"] for led in ledgers),
         "malformed": sum(led["ledger"]["malformed"] for led in ledgers),
         "unbalanced": unbalanced(ledgers), "beyond_eta": staleness_violations(ledgers),
-        "max_staleness": sys_.cfg.buffer.max_staleness,
+        "max_staleness": sys_.cfg.max_staleness,
         "lag_max": max((led["lag_max"] for led in ledgers), default=0),
         "admitted_twice": twice["admitted_twice"], "admitted": twice["admitted"],
     }

@@ -64,7 +64,7 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     if lag:
         snapshots.append((learner.version, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
     actor = SerialActor(cfg, 0, actor_policy, envs, version=learner.version)
-    buffer = GroupBuffer(cfg, run_id=cfg.run.name, valid_task_ids=task_ids)
+    buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=task_ids)
     buffer.set_learner_version(learner.version)
     pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)

@@ -303,7 +303,7 @@ def test_spread_shares_assemble_in_group_buffer(cfg, policy):
     from async_vla.buffer import GroupBuffer
     from async_vla.transport import LocalPipe
 
-    pipe, buf = LocalPipe(), GroupBuffer(cfg, "rt")
+    pipe, buf = LocalPipe(), GroupBuffer.from_config(cfg, "rt")
     gid = buf.grant(0, 1)[0]
     a0 = SerialActor(cfg, 0, policy, builtin_envs(cfg, 2))
     a1 = SerialActor(cfg, 1, policy, builtin_envs(cfg, 2))

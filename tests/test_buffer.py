@@ -55,7 +55,7 @@ MIXED = (1, 0, 1, 0)
 
 
 def test_assembly_streams_interleaved_groups():
-    buf = GroupBuffer(make_cfg(groups_per_batch=2), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2), RUN)
     a = [make_traj("a", i, s) for i, s in enumerate(MIXED)]
     b = [make_traj("b", i, s) for i, s in enumerate((0, 0, 1, 1))]
     for t in (a[3], b[0], a[0], b[2], a[1]):
@@ -73,14 +73,14 @@ def test_assembly_streams_interleaved_groups():
 
 
 def test_group_size_comes_from_trajectory():
-    buf = GroupBuffer(make_cfg(groups_per_batch=1), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1), RUN)
     add_group(buf, "g2", (1, 0))
     add_group(buf, "g3", (1, 0, 0))
     assert buf.ready_group_ids() == ["g2", "g3"]
 
 
 def test_duplicates_and_stragglers():
-    buf = GroupBuffer(make_cfg(), RUN)
+    buf = GroupBuffer.from_config(make_cfg(), RUN)
     t0 = make_traj("g", 0, True)
     assert buf.add(t0) == "pending"
     assert buf.add(make_traj("g", 0, True)) == "duplicate"        # same traj id while assembling
@@ -94,7 +94,7 @@ def test_duplicates_and_stragglers():
 
 
 def test_validation_reasons():
-    buf = GroupBuffer(make_cfg(), RUN, valid_task_ids=[0, 1])
+    buf = GroupBuffer.from_config(make_cfg(), RUN, valid_task_ids=[0, 1])
     assert buf.add(make_traj("g", 0, True, run_id="other")) == "malformed"
     assert buf.add(make_traj("g", 0, True, task_id=7)) == "malformed"
     buf.add(make_traj("h", 0, True))
@@ -115,7 +115,7 @@ def test_validation_reasons():
 
 def test_expiry_of_partial_and_granted_groups():
     clock = FakeClock()
-    buf = GroupBuffer(make_cfg(group_timeout_s=10.0, groups_per_batch=1, max_staleness=0), RUN, clock=clock)
+    buf = GroupBuffer.from_config(make_cfg(group_timeout_s=10.0, groups_per_batch=1, max_staleness=0), RUN, clock=clock)
     (gid,) = buf.grant(actor_id=3, want=1)
     assert buf.pacing_capacity() == 0
     buf.add(make_traj("p", 0, True))
@@ -134,14 +134,14 @@ def test_expiry_of_partial_and_granted_groups():
 
 
 def test_dynamic_sampling_and_difficulty_mask():
-    buf = GroupBuffer(make_cfg(), RUN)
+    buf = GroupBuffer.from_config(make_cfg(), RUN)
     assert add_group(buf, "u1", (1, 1, 1, 1))[-1] == "filtered_uniform"
     assert add_group(buf, "u0", (0, 0, 0, 0))[-1] == "filtered_uniform"
     assert add_group(buf, "m", MIXED)[-1] == "pending"
-    off = GroupBuffer(make_cfg(dynamic_sampling=False), RUN)
+    off = GroupBuffer.from_config(make_cfg(dynamic_sampling=False), RUN)
     add_group(off, "u1", (1, 1, 1, 1))
     assert off.ready_groups == 1
-    mask = GroupBuffer(make_cfg(dynamic_sampling=False, difficulty_mask=(0.3, 0.8)), RUN)
+    mask = GroupBuffer.from_config(make_cfg(dynamic_sampling=False, difficulty_mask=(0.3, 0.8)), RUN)
     assert add_group(mask, "r25", (1, 0, 0, 0))[-1] == "filtered_difficulty"
     assert add_group(mask, "r100", (1, 1, 1, 1))[-1] == "filtered_difficulty"
     assert add_group(mask, "r50", (1, 1, 0, 0))[-1] == "pending"
@@ -152,7 +152,7 @@ def test_dynamic_sampling_and_difficulty_mask():
 
 
 def test_staleness_at_completion_and_at_batch_time():
-    buf = GroupBuffer(make_cfg(max_staleness=2, groups_per_batch=1), RUN)
+    buf = GroupBuffer.from_config(make_cfg(max_staleness=2, groups_per_batch=1), RUN)
     buf.set_learner_version(5)
     assert add_group(buf, "old", MIXED, bv=2)[-1] == "stale"        # lag 3 > 2
     assert add_group(buf, "ok", MIXED, bv=3)[-1] == "pending"       # lag 2
@@ -170,7 +170,7 @@ def test_staleness_at_completion_and_at_batch_time():
 
 def test_pacing_arithmetic():
     B, eta = 2, 1
-    buf = GroupBuffer(make_cfg(groups_per_batch=B, max_staleness=eta), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=B, max_staleness=eta), RUN)
     ids = buf.grant(0, want=10)
     assert len(ids) == (eta + 0 + 1) * B == 4 and ids[0] == f"{RUN}-g0"
     assert buf.grant(1, want=1) == []
@@ -188,12 +188,12 @@ def test_pacing_arithmetic():
     assert buf.metrics()["buffer/max_staleness"] == 3.0 and buf.eta_changes[-1]["new"] == 3
     with pytest.raises(ValueError):
         buf.set_max_staleness(-1)
-    unpaced = GroupBuffer(make_cfg(pacing=False), RUN)
+    unpaced = GroupBuffer.from_config(make_cfg(pacing=False), RUN)
     assert len(unpaced.grant(0, want=50)) == 50
 
 
 def test_pacing_counts_from_resumed_learner_version():
-    buf = GroupBuffer(make_cfg(groups_per_batch=2, max_staleness=0), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=0), RUN)
     buf.set_learner_version(57)                   # resumed learner, no batch formed yet: v_rel = 0
     assert buf.pacing_capacity() == 2
     ids = buf.grant(0, want=2)
@@ -206,7 +206,7 @@ def test_pacing_counts_from_resumed_learner_version():
 
 def test_no_grant_to_an_actor_whose_policy_is_too_old():
     # Its trajectories would be dropped as stale on arrival: refuse (counted) until it has newer weights.
-    buf = GroupBuffer(make_cfg(groups_per_batch=2, max_staleness=1), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=1), RUN)
     buf.set_learner_version(5)
     assert buf.grant(0, want=1, actor_version=3) == [] and buf.grants_refused_behind == 1
     assert len(buf.grant(0, want=1, actor_version=4)) == 1          # lag 1 <= eta: fine
@@ -216,7 +216,7 @@ def test_no_grant_to_an_actor_whose_policy_is_too_old():
 
 
 def test_grant_stops_when_full():
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_groups=2, pacing=False), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_groups=2, pacing=False), RUN)
     add_group(buf, "a", MIXED)
     assert buf.has_room()
     add_group(buf, "b", MIXED)
@@ -227,7 +227,7 @@ def test_grant_stops_when_full():
 
 def test_byte_bound():
     size = make_traj("x", 0, True, image=32).nbytes
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_bytes=10 * size), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_bytes=10 * size), RUN)
     n = 0
     while buf.has_room():
         buf.add(make_traj(f"g{n // 4}", n % 4, n % 2 == 0, image=32))
@@ -241,7 +241,7 @@ def test_byte_bound():
 
 
 def test_batch_split_across_ranks_is_one_batch():
-    buf = GroupBuffer(make_cfg(groups_per_batch=4), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=4), RUN)
     for k in range(5):
         add_group(buf, f"g{k}", MIXED)
     bid0, share0 = buf.take_batch(0, rank=0, world=2)
@@ -257,14 +257,14 @@ def test_batch_split_across_ranks_is_one_batch():
 
 
 def test_lifo_order():
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, order="lifo"), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, order="lifo"), RUN)
     for k in range(3):
         add_group(buf, f"g{k}", MIXED)
     assert buf.next_batch(0)[0][0].group_id == "g2"
 
 
 def test_reuse_trains_twice_counts_once():
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, reuse=2, max_staleness=5), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, reuse=2, max_staleness=5), RUN)
     add_group(buf, "a", MIXED)
     add_group(buf, "b", MIXED)
     order = [buf.next_batch(v)[0][0].group_id for v in range(4)]
@@ -276,7 +276,7 @@ def test_reuse_trains_twice_counts_once():
 
 
 def test_ledger_metrics_snapshot_and_file(tmp_path):
-    buf = GroupBuffer(make_cfg(groups_per_batch=1), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1), RUN)
     add_group(buf, "a", MIXED)
     add_group(buf, "u", (1, 1, 1, 1))
     buf.add(make_traj("p", 0, True))
@@ -296,14 +296,14 @@ def test_ledger_metrics_snapshot_and_file(tmp_path):
 
 def test_max_groups_below_batch_is_refused():
     with pytest.raises(ValueError, match="max_groups"):
-        GroupBuffer(make_cfg(groups_per_batch=8, max_groups=4), RUN)
+        GroupBuffer.from_config(make_cfg(groups_per_batch=8, max_groups=4), RUN)
 
 
 def test_journal_replays_to_same_ledger():
     """Every state-changing input goes to the journal; applying it to a fresh buffer gives the same books."""
     clock = FakeClock()
     log = []
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=clock,
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=clock,
                       journal=lambda t, m: log.append((t, encode(m))))
     ids = buf.grant(0, want=2)
     add_group(buf, ids[0], MIXED)
@@ -315,7 +315,7 @@ def test_journal_replays_to_same_ledger():
     buf.expire()
     buf.add(make_traj(ids[1], 1, True))
     replay_clock = FakeClock()
-    fresh = GroupBuffer(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=replay_clock)
+    fresh = GroupBuffer.from_config(make_cfg(groups_per_batch=1, group_timeout_s=5.0), RUN, clock=replay_clock)
     for t, frames in log:
         replay_clock.t = t
         fresh.apply_journal(decode([bytes(memoryview(f)) for f in frames]))

@@ -70,7 +70,7 @@ def test_buffer_properties(sc):
     clock = FakeClock()
     cfg = make_cfg(groups_per_batch=B, max_staleness=sc["eta"], reuse=sc["reuse"], group_timeout_s=1e6,
                    order="lifo" if sc["lifo"] else "fifo")
-    buf = GroupBuffer(cfg, RUN, clock=clock)
+    buf = GroupBuffer.from_config(cfg, RUN, clock=clock)
     eta, version = sc["eta"], 0
     emitted: list = []
     arrived: dict[int, set] = {}

@@ -89,8 +89,13 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(bad)
 
 
-def test_sync_mode_forces_zero_staleness():
-    assert load_config(None, ["run.mode=sync", "buffer.max_staleness=3"]).buffer.max_staleness == 0
+def test_sync_mode_runs_with_zero_staleness_as_a_derived_value():
+    from async_vla.buffer import GroupBuffer
+
+    sync = load_config(None, ["run.mode=sync", "buffer.max_staleness=3"])
+    assert sync.max_staleness == 0 and sync.buffer.max_staleness == 3   # derived, the field is left as written
+    assert GroupBuffer.from_config(sync, "run").max_staleness == 0
+    assert load_config(None, ["buffer.max_staleness=3"]).max_staleness == 3
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -4,19 +4,21 @@
 - ``actors/`` and ``learner/`` import the library, never each other;
 - no module-level mutable state: no ``global`` statement, and a module-level dict/list/set is a constant table
   that nothing mutates;
-- files stay under the size limit.
+- and, as a report rather than a rule: files past ~500 lines are listed (a prompt to look whether a file holds
+  more than one responsibility; never a reason to cut a concern in two).
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("async_vla", "actors", "learner")
-MAX_LINES = 500
+LONG_FILE_LINES = 500   # reported, not enforced
 # How a module starts a process: the modules themselves, and the os calls that do it.
 PROCESS_MODULES = {"subprocess", "multiprocessing", "concurrent.futures.process"}
 PROCESS_CALLS = {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp",
@@ -127,9 +129,19 @@ def test_the_checks_above_catch_what_they_look_for():
     assert any(isinstance(n, ast.Global) for n in ast.walk(tree))
 
 
-def test_source_files_stay_under_the_size_limit():
+def long_files(limit: int = LONG_FILE_LINES) -> list[str]:
+    """Source files past ``limit`` lines, longest first, as "path (n lines)"."""
     files = [p for package in (*PACKAGES, "benchmarks", "runner", "tests") for p in _modules(package)]
     files += [p for p in (REPO / "bin").iterdir() if p.is_file() and p.read_text(errors="replace").startswith(
         "#!/usr/bin/env python")]
-    long = [f"{_rel(p)} ({n} lines)" for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES]
-    assert not long, f"files over {MAX_LINES} lines (split them by responsibility): " + "; ".join(long)
+    sizes = sorted(((len(p.read_text().splitlines()), p) for p in files), key=lambda x: (-x[0], str(x[1])))
+    return [f"{_rel(p)} ({n} lines)" for n, p in sizes if n > limit]
+
+
+def test_long_files_are_reported_not_failed():
+    # A report: run pytest -ra (bin/test does) to see the list in the warnings summary.
+    long = long_files()
+    if long:
+        warnings.warn(f"files past {LONG_FILE_LINES} lines (look whether each holds one responsibility): "
+                      + "; ".join(long), stacklevel=1)
+    assert long_files(limit=0), "the size report scanned no file"

@@ -42,6 +42,9 @@ so held_bytes never exceeds max_bytes unless a trajectory larger than any before
 
 Journal: an optional ``journal(t, msg)`` callback receives every state-changing input (trajectories and
 ControlCommand events "j.*") so a recording replays into a fresh buffer with the same ledger (recording.py).
+
+Collaborators: the counts live in a ``Ledger`` (ledger.py) this buffer tells of every transition; the admission
+rules (outcome filters, the staleness predicate) are the pure functions of filters.py.
 """
 
 from __future__ import annotations
@@ -50,9 +53,11 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
-from async_vla.buffer.ledger import STATES, LedgerReports  # noqa: F401 - STATES is part of this module's API
+from async_vla.buffer.filters import difficulty_mask, is_stale, mixed_outcome
+from async_vla.buffer.ledger import STATES, Ledger, write_json_atomic  # noqa: F401 - STATES is part of this API
 from async_vla.messages import ControlCommand, Message, Trajectory
 
 log = logging.getLogger(__name__)
@@ -85,16 +90,20 @@ class _Batch:
     groups: list
 
 
-class GroupBuffer(LedgerReports):
-    """Streaming group assembly, filters, staleness, pacing, batches and the ledger. Not thread-safe."""
+class GroupBuffer:
+    """Streaming group assembly, filters, staleness, pacing and batches; the counts go to ``books`` (a
+    ``Ledger``). Not thread-safe.
 
-    def __init__(self, cfg, run_id: str, clock: Callable[[], float] = time.monotonic,
-                 valid_task_ids: Optional[Iterable[int]] = None,
-                 journal: Optional[Callable[[float, Message], None]] = None, gid_start: int = 0):
-        from async_vla import grpo  # lazy: grpo imports torch, which only the filters' two predicates need here
+    ``cfg``: the ``buffer`` config section. ``token_range``: the (first, last) action token id the policy can
+    score (anything else would make the learner's token_logprobs raise on every retry of that batch).
+    ``max_staleness``: eta at the start (default ``cfg.max_staleness``; ``Config.max_staleness`` is the run's,
+    0 in sync mode). ``from_config`` derives both from the root config."""
 
-        self._mixed_outcome, self._difficulty_mask = grpo.mixed_outcome, grpo.difficulty_mask
-        self.cfg = cfg.buffer
+    def __init__(self, cfg, run_id: str, *, token_range: tuple[int, int], max_staleness: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic, valid_task_ids: Optional[Iterable[int]] = None,
+                 journal: Optional[Callable[[float, Message], None]] = None, gid_start: int = 0,
+                 ledger: Optional[Ledger] = None):
+        self.cfg = cfg
         self.B = self.cfg.groups_per_batch
         if self.cfg.max_groups < self.B:
             raise ValueError(f"buffer.max_groups ({self.cfg.max_groups}) must be at least buffer.groups_per_batch "
@@ -102,23 +111,16 @@ class GroupBuffer(LedgerReports):
         self.run_id = run_id
         self.clock = clock
         self.valid_task_ids = None if valid_task_ids is None else frozenset(int(t) for t in valid_task_ids)
-        # Action token ids the policy can score (the tokenizer's last num_bins ids); anything else would make the
-        # learner's token_logprobs raise on every retry of that batch.
-        self.token_range = (cfg.policy.vocab_size - cfg.policy.num_bins, cfg.policy.vocab_size - 1)
+        self.token_range = (int(token_range[0]), int(token_range[1]))
         self.journal = journal
-        self.max_staleness = self.cfg.max_staleness
+        self.max_staleness = int(cfg.max_staleness if max_staleness is None else max_staleness)
         self.version = 0
         self._v_base = 0
         self._open: dict[str, _Group] = {}
         self._ready: collections.deque[_Group] = collections.deque()
         self._batches: dict[int, _Batch] = {}          # by learner version; at most the latest two
         self._closed: collections.OrderedDict[str, tuple[str, frozenset]] = collections.OrderedDict()
-        self.received = 0
-        self._counts: collections.Counter = collections.Counter()   # terminal states
-        self.malformed_by_reason: collections.Counter = collections.Counter()
-        self.group_counts: collections.Counter = collections.Counter()  # group-level outcomes
-        self.lag_histogram: collections.Counter = collections.Counter()  # lag -> trajectories trained at it
-        self._pending = 0
+        self.books = ledger if ledger is not None else Ledger()
         self.held_bytes = 0
         self._largest = 0
         self.accepted_groups = 0
@@ -128,33 +130,66 @@ class GroupBuffer(LedgerReports):
         self.grants_refused_behind = 0  # grant requests from actors whose policy lags beyond eta
         self.rollbacks: list[dict] = []  # learner restarts from an older checkpoint (see rollback)
 
+    @classmethod
+    def from_config(cls, cfg: Any, run_id: str, **kw) -> "GroupBuffer":
+        """A buffer for the root config: its ``buffer`` section, the policy's action token ids (the tokenizer's
+        last ``num_bins`` ids) and the run's eta (``Config.max_staleness``: 0 in sync mode)."""
+        token_range = (cfg.policy.vocab_size - cfg.policy.num_bins, cfg.policy.vocab_size - 1)
+        return cls(cfg.buffer, run_id, token_range=token_range, max_staleness=cfg.max_staleness, **kw)
+
+    # ------------------------------------------------------------------ the ledger's counts, read here
+    @property
+    def received(self) -> int:
+        """Every add() and count_malformed() call so far."""
+        return self.books.received
+
+    @property
+    def ledger(self) -> dict[str, int]:
+        """Trajectory counts by state (all eight, pending included)."""
+        return self.books.counts()
+
+    @property
+    def malformed_by_reason(self) -> collections.Counter:
+        return self.books.malformed_by_reason
+
+    @property
+    def group_counts(self) -> collections.Counter:
+        return self.books.group_counts
+
+    @property
+    def lag_histogram(self) -> collections.Counter:
+        return self.books.lag_histogram
+
+    def lag_stats(self) -> tuple[float, int]:
+        return self.books.lag_stats()
+
     # ------------------------------------------------------------------ input
     def add(self, traj: Trajectory) -> str:
         """Take one trajectory; returns its ledger state right now (e.g. "pending", "duplicate", "stale")."""
         now = self.clock()
         self._record(now, traj)
-        self.received += 1
+        self.books.receive(traj)
         reason = self._check(traj)
         if reason:
-            return self._malformed(reason)
+            return self.books.malformed(reason)
         g = self._open.get(traj.group_id)
         if g is None:
             closed = self._closed.get(traj.group_id)
             if closed is not None:  # a straggler of a group that already left assembly
                 state, ids = closed
                 if traj.traj_id in ids:
-                    return self._terminal("duplicate", 1)
+                    return self.books.settle("duplicate")
                 if state == "expired_partial":
-                    return self._terminal("expired_partial", 1)
-                return self._malformed("group_overfull")
+                    return self.books.settle("expired_partial")
+                return self.books.malformed("group_overfull")
             g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now)
         if traj.traj_id in g.traj_ids:
-            return self._terminal("duplicate", 1)
+            return self.books.settle("duplicate")
         key = (traj.group_size, traj.task_id, traj.init_state_id, traj.run_id)
         if g.key is None:
             g.key, g.size = key, traj.group_size
         elif key != g.key:
-            return self._malformed("group_mismatch")
+            return self.books.malformed("group_mismatch")
         g.members.append(traj)
         g.traj_ids.add(traj.traj_id)
         g.last_t = now
@@ -162,7 +197,7 @@ class GroupBuffer(LedgerReports):
         g.nbytes += traj.nbytes
         self.held_bytes += traj.nbytes
         self._largest = max(self._largest, traj.nbytes)
-        self._pending += 1
+        self.books.join(traj, self.version)
         if len(g.members) == g.size:
             return self._complete(g)
         return "pending"
@@ -170,8 +205,8 @@ class GroupBuffer(LedgerReports):
     def count_malformed(self, reason: str) -> None:
         """A frame the receiver could not decode: it was received, so it enters the ledger as malformed."""
         self._record(self.clock(), ControlCommand("j.malformed", str(reason)))
-        self.received += 1
-        self._malformed(str(reason))
+        self.books.receive(None)
+        self.books.malformed(str(reason))
 
     def _check(self, traj: Trajectory) -> str:
         if self.cfg.check_run_id and traj.run_id != self.run_id:
@@ -187,39 +222,28 @@ class GroupBuffer(LedgerReports):
         """Hook: is this a task of the run? (No set given = every task id is valid.)"""
         return self.valid_task_ids is None or task_id in self.valid_task_ids
 
-    def _malformed(self, reason: str) -> str:
-        self.malformed_by_reason[reason] += 1
-        return self._terminal("malformed", 1)
-
-    def _terminal(self, state: str, n: int) -> str:
-        self._counts[state] += n
-        return state
-
     # ------------------------------------------------------------------ groups
     def _complete(self, g: _Group) -> str:
         """A group reached G members: filters first (intrinsic), then staleness, else admit it."""
         del self._open[g.gid]
         self._remember(g.gid, "complete", g.traj_ids)
         successes = [bool(t.success) for t in g.members]
-        if self.cfg.dynamic_sampling and not self._mixed_outcome(successes, g.size):
+        if self.cfg.dynamic_sampling and not mixed_outcome(successes, g.size):
             return self._reject(g, "filtered_uniform")
         mask = self.cfg.difficulty_mask
-        if mask is not None and not self._difficulty_mask(successes, mask[0], mask[1]):
+        if mask is not None and not difficulty_mask(successes, mask[0], mask[1]):
             return self._reject(g, "filtered_difficulty")
-        if self.version - g.min_bv > self.max_staleness:
+        if is_stale(self.version, g.min_bv, self.max_staleness):
             return self._reject(g, "stale")
         g.refs = 1
         self._ready.append(g)
         self.accepted_groups += 1
-        self.group_counts["accepted"] += 1
+        self.books.admit_group(g.members, self.version)
         return "pending"
 
     def _reject(self, g: _Group, state: str) -> str:
-        n = len(g.members)
-        self._counts[state] += n
-        self._pending -= n
+        self.books.drop_group(g.members, state, self.version)
         self.held_bytes -= g.nbytes
-        self.group_counts[state] += 1
         g.members = []
         return state
 
@@ -248,7 +272,7 @@ class GroupBuffer(LedgerReports):
                 n += len(g.members)
                 self._reject(g, "expired_partial")
             else:  # granted, never started (or its actor died first): frees its pacing slot, no ledger entry
-                self.group_counts["expired_empty"] += 1
+                self.books.expire_empty_group()
         return n
 
     # ------------------------------------------------------------------ pacing
@@ -265,7 +289,7 @@ class GroupBuffer(LedgerReports):
         n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
         if not self.has_room():
             n = 0
-        if actor_version is not None and self.version - int(actor_version) > self.max_staleness:
+        if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
             n = 0
             self.grants_refused_behind += 1
         now = self.clock()
@@ -340,16 +364,8 @@ class GroupBuffer(LedgerReports):
 
     def _untrain(self, g: _Group, batch_version: int) -> None:
         """Undo _form for a group of a batch whose update was lost: back to the front of the ready queue."""
-        n = len(g.members)
         g.trained, g.uses = False, 0
-        self._counts["trained"] -= n
-        self._pending += n
-        self.group_counts["trained"] -= 1
-        for t in g.members:
-            lag = batch_version - t.behaviour_version
-            self.lag_histogram[lag] -= 1
-            if not self.lag_histogram[lag]:
-                del self.lag_histogram[lag]
+        self.books.untrain_group(g.members, batch_version, self.version)
         self._ready.appendleft(g)  # the batch's reference moves back to the ready queue
 
     def _purge_stale(self) -> None:
@@ -358,15 +374,12 @@ class GroupBuffer(LedgerReports):
             return
         keep = collections.deque()
         for g in self._ready:
-            if self.version - g.min_bv <= self.max_staleness:
+            if not is_stale(self.version, g.min_bv, self.max_staleness):
                 keep.append(g)
                 continue
             if not g.trained:
-                n = len(g.members)
-                self._counts["stale"] += n
-                self._pending -= n
+                self.books.drop_group(g.members, "stale", self.version)
                 self.accepted_groups -= 1
-                self.group_counts["stale"] += 1
             self._release(g)
         self._ready = keep
 
@@ -404,14 +417,8 @@ class GroupBuffer(LedgerReports):
         groups = [self._ready.popleft() if fifo else self._ready.pop() for _ in range(self.B)]
         for g in groups:  # the ready queue's reference moves to the batch
             g.uses += 1
-            if not g.trained:
-                g.trained = True
-                n = len(g.members)
-                self._counts["trained"] += n
-                self._pending -= n
-                self.group_counts["trained"] += 1
-            for t in g.members:
-                self.lag_histogram[self.version - t.behaviour_version] += 1
+            self.books.use_group(g.members, self.version, first_use=not g.trained)
+            g.trained = True
             if g.uses < self.cfg.reuse:  # back in line for another use, behind (fifo) / under (lifo) fresh ones
                 g.refs += 1
                 if fifo:
@@ -448,6 +455,58 @@ class GroupBuffer(LedgerReports):
     def groups_in_flight(self) -> int:
         """Started and unfinished groups (granted or partially received)."""
         return len(self._open)
+
+    def in_flight(self) -> dict[str, str]:
+        """traj_id -> where, for every received trajectory not yet in a terminal state ("assembling", "ready"),
+        and those of the batch the learner is training right now ("batch v<version>": its step is not done)."""
+        out = {t.traj_id: "assembling" for g in self._open.values() for t in g.members}
+        out.update({t.traj_id: "ready" for g in self._ready if not g.trained for t in g.members})
+        if self.version in self._batches:
+            out.update({t.traj_id: f"batch v{self.version}" for g in self._batches[self.version].groups
+                        for t in g.members})
+        return out
+
+    # ------------------------------------------------------------------ reports
+    def check_invariants(self) -> None:
+        """Recompute pending and held bytes from the structures; AssertionError if the books disagree."""
+        pending = sum(len(g.members) for g in self._open.values())
+        pending += sum(len(g.members) for g in self._ready if not g.trained)
+        held = {id(g): g for g in self._open.values()}
+        held.update((id(g), g) for g in self._ready)
+        held.update((id(g), g) for b in self._batches.values() for g in b.groups)
+        held_bytes = sum(g.nbytes for g in held.values())
+        assert pending == self.books.pending, (pending, self.books.pending)
+        assert held_bytes == self.held_bytes, (held_bytes, self.held_bytes)
+        assert self.received == sum(self.ledger.values()), (self.received, self.ledger)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for TensorBoard under buffer/*."""
+        lag_mean, lag_max = self.lag_stats()
+        m = {f"buffer/{s}": float(v) for s, v in self.ledger.items()}
+        m.update({
+            "buffer/received": float(self.received), "buffer/lag_mean": lag_mean, "buffer/lag_max": float(lag_max),
+            "buffer/groups_in_flight": float(len(self._open)), "buffer/held_bytes": float(self.held_bytes),
+            "buffer/max_staleness": float(self.max_staleness), "buffer/groups_ready": float(len(self._ready)),
+            "buffer/groups_accepted": float(self.accepted_groups), "buffer/batches": float(self.batches_formed),
+            "buffer/pacing_capacity": float(self.pacing_capacity()), "buffer/learner_version": float(self.version),
+            "buffer/grants_refused_behind": float(self.grants_refused_behind),
+        })
+        return m
+
+    def ledger_snapshot(self) -> dict:
+        """Everything about the books, JSON-able (ledger.json)."""
+        return {
+            "run_id": self.run_id, **self.books.snapshot(), "learner_version": self.version,
+            "max_staleness": self.max_staleness, "eta_changes": list(self.eta_changes),
+            "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
+            "grants_refused_behind": self.grants_refused_behind,
+            "groups_in_flight": len(self._open),
+            "groups_ready": len(self._ready), "held_bytes": self.held_bytes,
+        }
+
+    def write_ledger(self, run_dir, extra: Optional[dict] = None) -> Path:
+        """Write ``<run_dir>/ledger.json`` atomically (a reader never sees half a file)."""
+        return write_json_atomic(Path(run_dir) / "ledger.json", {**self.ledger_snapshot(), **(extra or {})})
 
     def _record(self, t: float, msg: Message) -> None:
         if self.journal is not None:

@@ -2,7 +2,7 @@
 
 What is recorded (``buffer.record=true``): every received trajectory exactly as it travels (encode() frames),
 interleaved with the buffer's other state-changing inputs as ControlCommand messages "j.*" (learner version,
-eta, expiry sweeps, batch formation, grants, malformed frames; see buffer.py). Replaying the records in order into a
+eta, expiry sweeps, batch formation, grants, malformed frames; see group_buffer.py). Replaying the records in order into a
 fresh GroupBuffer reproduces its ledger exactly; for SFT or inspection keep only the Trajectory records.
 
 File format (little-endian), files ``rec-<index of first record, 12 digits>.bin`` in ``<run>/recording/``:
@@ -19,7 +19,10 @@ import json
 import logging
 import struct
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from async_vla.buffer.group_buffer import GroupBuffer
 
 log = logging.getLogger(__name__)
 
@@ -151,23 +154,37 @@ class ReplayClock:
         return self.t
 
 
-def replay_recording(run_dir, cfg=None, limit: Optional[int] = None):
-    """Feed ``<run_dir>/recording`` (the first ``limit`` records) into a fresh GroupBuffer; return it.
+def replay(rec_dir, cfg, limit: Optional[int] = None, ledger=None,
+           each: Optional[Callable[[int, "GroupBuffer"], None]] = None) -> "GroupBuffer":
+    """Feed the recording in ``rec_dir`` (its first ``limit`` records) into a fresh GroupBuffer; return it.
+
+    ``ledger``: the buffer's ``Ledger`` (a subclass sees every trajectory's fate: runner/audit.py);
+    ``each(n, buffer)`` is called after the n-th record (1-based) is applied.
+    """
+    from async_vla.buffer.group_buffer import GroupBuffer
+    from async_vla.messages import decode
+
+    rec_dir = Path(rec_dir)
+    meta = json.loads((rec_dir / "meta.json").read_text())
+    clock = ReplayClock()
+    buf = GroupBuffer.from_config(cfg, meta["run_id"], clock=clock, valid_task_ids=meta.get("valid_task_ids"),
+                                  ledger=ledger)
+    buf.set_max_staleness(meta.get("max_staleness", buf.max_staleness), source="replay")
+    for n, (t, frames) in enumerate(iter_records(rec_dir, limit), 1):
+        clock.t = t
+        buf.apply_journal(decode(frames, max_bytes=2**40))
+        if each is not None:
+            each(n, buf)
+    return buf
+
+
+def replay_recording(run_dir, cfg=None, limit: Optional[int] = None) -> "GroupBuffer":
+    """Replay ``<run_dir>/recording`` (the current buffer's) into a fresh GroupBuffer; return it.
 
     ``cfg`` defaults to ``<run_dir>/config.yaml`` (the resolved config the service wrote).
     """
-    from async_vla.buffer.group_buffer import GroupBuffer
     from async_vla.config import load_config
-    from async_vla.messages import decode
 
     run_dir = Path(run_dir)
-    rec_dir = run_dir / "recording"
-    meta = json.loads((rec_dir / "meta.json").read_text())
     cfg = cfg if cfg is not None else load_config(run_dir / "config.yaml")
-    clock = ReplayClock()
-    buf = GroupBuffer(cfg, meta["run_id"], clock=clock, valid_task_ids=meta.get("valid_task_ids"))
-    buf.set_max_staleness(meta.get("max_staleness", buf.max_staleness), source="replay")
-    for t, frames in iter_records(rec_dir, limit):
-        clock.t = t
-        buf.apply_journal(decode(frames, max_bytes=2**40))
-    return buf
+    return replay(run_dir / "recording", cfg, limit)

@@ -54,12 +54,12 @@ class BufferService:
         bc = cfg.buffer
         self.recorder: Optional[Recorder] = None
         if bc.record:
-            meta = {"run_id": cfg.run.name, "max_staleness": bc.max_staleness,
+            meta = {"run_id": cfg.run.name, "max_staleness": cfg.max_staleness,
                     "valid_task_ids": None if valid_task_ids is None else sorted(int(t) for t in valid_task_ids)}
             self.recorder = Recorder(self.run_dir / "recording", bc.record_file_bytes, bc.record_max_files, meta)
         journal = self._journal if self.recorder is not None else None
-        self.buffer = GroupBuffer(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
-                                  gid_start=time.time_ns() // 1_000_000)
+        self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
+                                              gid_start=time.time_ns() // 1_000_000)
         ctx = zmq.Context.instance()
         self._auth = Authenticator(ctx, keys) if keys is not None else None
         max_bytes = int(cfg.transport.max_message_mb * 1024**2)

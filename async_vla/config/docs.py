@@ -50,7 +50,7 @@ def render_config_doc() -> str:
         "- `policy.arch` other than `tiny` needs `policy.path`.",
         "- `policy.hidden_size` divisible by `policy.num_heads`; `env.image_size` a multiple of `policy.patch_size`.",
         "- `loss.mis_low < loss.mis_high`; `buffer.difficulty_mask` as `0 <= lo < hi <= 1`.",
-        "- `run.mode=sync` forces `buffer.max_staleness=0`.",
+        "- `run.mode=sync` runs with eta 0 whatever `buffer.max_staleness` says (`Config.max_staleness`).",
         "- `weights.publish_every <= buffer.max_staleness + 1` (0 + 1 in sync mode).",
         "- `run.serial_lag` only with `run.mode=serial`, and `<= buffer.max_staleness`.",
         "- `actor.temperature=0` (greedy) cannot go with `buffer.dynamic_sampling=true`: every group would have one "

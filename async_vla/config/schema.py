@@ -100,16 +100,19 @@ class Config(Section):
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
-        eta = 0 if self.run.mode == "sync" else self.buffer.max_staleness
+        eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(
                 f"weights.publish_every ({self.weights.publish_every}) > buffer.max_staleness + 1 ({eta + 1}): "
                 "actors would hold weights older than any grant allows while the learner waits for their data; "
                 f"set weights.publish_every <= {eta + 1} or raise buffer.max_staleness")
-        if self.run.mode == "sync" and self.buffer.max_staleness != 0:
-            # Sync mode is defined by zero staleness; silently keeping eta>0 would make it async.
-            object.__setattr__(self.buffer, "max_staleness", 0)
         return self
+
+    @property
+    def max_staleness(self) -> int:
+        """The run's eta: ``buffer.max_staleness``, or 0 under ``run.mode=sync`` (sync mode is defined by zero
+        staleness, whatever the buffer section says). What the buffer and the actors start from."""
+        return 0 if self.run.mode == "sync" else self.buffer.max_staleness
 
     @property
     def tokens_per_call(self) -> int:

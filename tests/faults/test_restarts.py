@@ -29,7 +29,7 @@ def trained_up_to(buf: GroupBuffer, last: int) -> None:
 
 def test_buffer_follows_a_learner_resumed_from_an_older_checkpoint():
     journal: list = []
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN, journal=lambda t, m: journal.append(m))
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN, journal=lambda t, m: journal.append(m))
     trained_up_to(buf, 5)                        # batches 0..5 formed; the one of version 5 is still held
     assert buf.ledger["trained"] == 24
     capacity = buf.pacing_capacity()
@@ -48,7 +48,7 @@ def test_buffer_follows_a_learner_resumed_from_an_older_checkpoint():
     assert buf.ledger["stale"] == 0 and buf.ledger["trained"] == 32 and buf.ledger["pending"] == 0
     assert max(buf.lag_histogram) <= 1 and sum(buf.lag_histogram.values()) == 32
     buf.check_invariants()
-    replayed = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
+    replayed = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
     for m in journal:
         replayed.apply_journal(m)                # "j.rollback" is journaled: a recording replays it
     assert replayed.ledger == buf.ledger and replayed.version == buf.version == 5
@@ -56,7 +56,7 @@ def test_buffer_follows_a_learner_resumed_from_an_older_checkpoint():
 
 
 def test_resumed_at_the_same_version_gets_the_same_batch():
-    buf = GroupBuffer(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN)
     trained_up_to(buf, 2)
     first = buf.take_batch(2)                     # the learner took batch 2, then died before its step
     again = buf.take_batch(2)                     # resumed from the checkpoint at version 2
