@@ -131,11 +131,12 @@ class Evaluator:
         import torch
 
         from async_vla.envs.base import make_env
-        from runner.serial import build_policy_for
+        from async_vla.policy import build_policy
 
         torch.set_num_threads(1)
         self.cfg, self.run_dir = cfg, run_dir
-        self.policy = build_policy_for(cfg)
+        torch.manual_seed(cfg.run.seed)
+        self.policy = build_policy(cfg)   # the architecture (and action statistics) the exported weights load into
         n = min(cfg.actor.group_size, 8)
         self.envs = [make_env(cfg, seed=10_000 + i) for i in range(n)]
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)

@@ -24,18 +24,6 @@ from runner.report import RunRecorder
 log = logging.getLogger("runner.serial")
 
 
-def build_policy_for(cfg: Config) -> Any:
-    """The starting policy: ``policy.path`` when given (e.g. the SFT checkpoint), else a fresh tiny model."""
-    import torch
-
-    from async_vla.policy import build_policy, load_policy
-
-    torch.manual_seed(cfg.run.seed)
-    if cfg.policy.path and cfg.policy.arch == "tiny":
-        return load_policy(cfg.policy.path)
-    return build_policy(cfg)
-
-
 def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     """Train until ``run.max_versions``, ``run.max_wall_s`` or ``run.target_success``; returns the summary."""
     import torch
@@ -43,12 +31,14 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     from actors.actor import SerialActor
     from async_vla.buffer import GroupBuffer
     from async_vla.envs.base import make_env
+    from async_vla.policy import build_policy
     from async_vla.sft import evaluate_greedy
     from learner.core import TorchLearner
 
     torch.set_num_threads(max(1, cfg.actor.torch_threads))
     write_resolved(cfg, run_dir)
-    policy = build_policy_for(cfg)
+    torch.manual_seed(cfg.run.seed)   # the same start as every other run of this seed (the random init, then the actor)
+    policy = build_policy(cfg)
     envs = [make_env(cfg, seed=cfg.run.seed * 1000 + i) for i in range(cfg.actor.group_size)]
     task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else envs[0].task_ids)
     learner = TorchLearner(cfg, policy)
