@@ -37,10 +37,12 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one start
 log = logging.getLogger("learner")
 
 
@@ -96,10 +98,12 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     from async_vla.child_process import die_with_parent
 
     port = _free_port()
+    session = uuid.uuid4().hex
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                   **{SESSION_ENV: session},
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -145,6 +149,9 @@ class _Batches:
         self.pending = False
         self.sent_at = 0.0
         self.reconnects = 0
+        # One id for this learner start, the same on every rank (the launcher sets it): the buffer tells a resumed
+        # learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
+        self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
 
     def _connect(self) -> Any:
         from async_vla.transport import ControlClient
@@ -161,7 +168,7 @@ class _Batches:
         if not self.pending:
             try:
                 self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
-                                                 timeout_s=timeout), timeout_s=timeout)
+                                                 timeout_s=timeout, session=self.session), timeout_s=timeout)
             except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
                 log.warning("%s: reconnecting", exc)
                 self._reconnect()

@@ -100,6 +100,15 @@ class Config(Section):
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
+        if self.buffer.max_staleness > self.buffer.max_staleness_limit:
+            raise ValueError(
+                f"buffer.max_staleness ({self.buffer.max_staleness}) > buffer.max_staleness_limit "
+                f"({self.buffer.max_staleness_limit}): lower buffer.max_staleness or raise buffer.max_staleness_limit")
+        if self.buffer.reclaim_after_s < 3 * self.actor.heartbeat_s:
+            raise ValueError(
+                f"buffer.reclaim_after_s ({self.buffer.reclaim_after_s}) < 3 x actor.heartbeat_s "
+                f"({self.actor.heartbeat_s}): a live actor would lose its grants between two heartbeats; raise "
+                "buffer.reclaim_after_s or lower actor.heartbeat_s")
         eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(
