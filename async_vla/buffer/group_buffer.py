@@ -629,6 +629,8 @@ class GroupBuffer:
             "grants_refused_behind": self.grants_refused_behind,
             "grants_refused_ahead": self.grants_refused_ahead, "grants_capped": self.grants_capped,
             "horizon": self._horizon, "groups_in_flight": len(self._open),
+            "actors_holding_grants": len(self._by_actor),
+            "most_groups_held_by_one_actor": max(map(len, self._by_actor.values()), default=0),
             "groups_ready": len(self._ready), "held_bytes": self.held_bytes,
         }
 

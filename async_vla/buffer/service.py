@@ -43,6 +43,7 @@ DRAIN_S = 1.0               # on a clean stop, time given to take in trajectorie
 MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
 MAX_PARKED = 64             # parked batch requests held at once; beyond it a request is answered not-ready at once
 MAX_ACTORS_TRACKED = 4096   # actor ids remembered for metrics and reclaiming (forged ids must not grow memory)
+MAX_STATS_TASKS = 512       # by-task entries one ActorStats may carry (a run has far fewer tasks)
 CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
 TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
 
@@ -83,6 +84,10 @@ class BufferService:
         self._eta_file.parent.mkdir(parents=True, exist_ok=True)   # so `echo 4 > <run>/control/max_staleness` works
         self._eta_file_sig: Optional[tuple] = None
         self._shutdown = False
+        self.accept_shutdown = False
+        """A Shutdown message on the control socket stops serve() only when True (a learner thread's embedded
+        buffer may allow it); bin/buffer stops on signals: anyone who can reach the socket could send one."""
+        self._warned: collections.Counter = collections.Counter()
         self._closed = False
         self.latest_metrics: dict[str, float] = {}
         """metrics() as of the last status tick (logging.status_every_s); the one thing other threads may read."""
@@ -164,6 +169,8 @@ class BufferService:
             self._grant(peer, msg)
         elif isinstance(msg, BatchRequest):
             self._batch_request(peer, msg)
+        elif isinstance(msg, ActorStats) and len(msg.episodes_by_task) + len(msg.successes_by_task) > MAX_STATS_TASKS:
+            self.counters["actor_stats_refused"] += 1     # kept per actor: its size must be bounded too
         elif isinstance(msg, (Heartbeat, ActorStats)):
             entry = self._touch(msg.actor_id)
             entry["heartbeat" if isinstance(msg, Heartbeat) else "stats"] = msg
@@ -171,11 +178,17 @@ class BufferService:
                 self.counters["env_steps_reported"] += max(0, int(msg.env_steps))
         elif isinstance(msg, ControlCommand):
             self.control.reply(peer, self._command(msg))
-        elif isinstance(msg, Shutdown):
+        elif isinstance(msg, Shutdown) and self.accept_shutdown:
             log.info("buffer: shutdown requested (%s)", msg.reason)
             self._shutdown = True
         else:
             self.counters["control_unexpected"] += 1
+
+    def _warn(self, what: str, fmt: str, *args) -> None:
+        """A warning that hostile input could repeat without end: the first 10, then every 1000th (counted)."""
+        n = self._warned[what] = self._warned[what] + 1
+        if n <= 10 or n % 1000 == 0:
+            log.warning(fmt + ("" if n <= 10 else f" ({n} such so far)"), *args)
 
     def _touch(self, actor_id: int) -> dict:
         """The entry of an actor that just spoke (bounded: the longest-silent one is forgotten past
@@ -195,7 +208,7 @@ class BufferService:
         n = self.buffer.reclaim(actor_id)
         if n:
             self.counters["groups_reclaimed"] += n
-            log.warning("buffer: actor %d %s; its %d open groups were taken back", actor_id, why, n)
+            self._warn("reclaim", "buffer: actor %d %s; its %d open groups were taken back", actor_id, why, n)
 
     def _reclaim_silent(self, now: float) -> None:
         """Reclaim the groups of actors silent for reclaim_after_s; forget actors silent for longer than that and
@@ -262,7 +275,7 @@ class BufferService:
         try:
             got = self.buffer.take_batch(req.version, req.rank, req.world, session=req.session)
         except ValueError as exc:
-            log.warning("buffer: bad batch request from rank %d: %s", req.rank, exc)
+            self._warn("bad_batch", "buffer: bad batch request from rank %d: %s", req.rank, exc)
             self.counters["bad_batch_requests"] += 1
             self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
             return True
@@ -383,9 +396,10 @@ class BufferService:
         succ: collections.Counter = collections.Counter()
         eps: collections.Counter = collections.Counter()
         steps_per_s = 0.0
-        for s in stats:
-            succ.update(s.successes_by_task)
-            eps.update(s.episodes_by_task)
+        valid = self.buffer.valid_task_ids
+        for s in stats:   # task ids of this run only: forged ones must not grow the metrics (and the stats reply)
+            succ.update({k: v for k, v in s.successes_by_task.items() if _task_of_run(k, valid)})
+            eps.update({k: v for k, v in s.episodes_by_task.items() if _task_of_run(k, valid)})
             if s.interval_s > 0:
                 steps_per_s += s.env_steps / s.interval_s
         m = {"perf/actors_alive": float(len(alive)), "perf/env_steps_per_s": steps_per_s}
@@ -445,6 +459,15 @@ class BufferService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _task_of_run(key: str, valid) -> bool:
+    """Is ``key`` (an ActorStats by-task key) one of the run's task ids? (No set known: any integer id.)"""
+    try:
+        task = int(key)
+    except ValueError:
+        return False
+    return task in valid if valid is not None else True
 
 
 def archive_ledger(run_dir: Path) -> Optional[Path]:
