@@ -16,6 +16,7 @@ from async_vla.buffer.service import BufferService
 from async_vla.config import write_resolved
 from async_vla.messages import BatchRequest, ControlCommand
 from async_vla.transport import ControlClient, TrajectorySender
+from timing import slack
 
 MIXED = (1, 0, 1, 0)
 
@@ -86,7 +87,7 @@ def test_the_dead_learners_parked_request_is_voided(tmp_path):
         t0 = time.monotonic()
         resumed.send(BatchRequest(rank=0, world=1, version=3, timeout_s=0.5))
         header, _ = dead.recv_bundle(10)               # answered at once, not after 60 s
-        assert not header.ready and header.version == 5 and time.monotonic() - t0 < 5
+        assert not header.ready and header.version == 5 and time.monotonic() - t0 < min(slack(5), 50)   # not 60 s
         assert not resumed.recv_bundle(10)[0].ready
         s = stats(resumed)
         assert s["learner_version"] == 3 and s["service"]["parked_voided"] == 1
