@@ -183,7 +183,7 @@ class AdmissionGrant(Message):
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
                                "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR,
-                               "error": _STR}
+                               "error": _STR, "buffer_id": _STR}
     actor_id: int
     group_ids: list = field(default_factory=list)
     learner_version: int = 0
@@ -191,6 +191,7 @@ class AdmissionGrant(Message):
     retry_after_s: float = 0.0
     weights_path: str = ""
     error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
+    buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 
     def validate(self) -> None:
         if not all(isinstance(g, str) for g in self.group_ids):

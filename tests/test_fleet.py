@@ -143,7 +143,7 @@ def test_status_line_sums_counters_across_restarts(tmp_path):
 OVERRIDES = ["actor.group_size=4", "env.envs_per_actor=2", "env.max_steps=160", "env.task_ids=[0,3]",
              "policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_layers=1", "run.name=fleet",
              "buffer.dynamic_sampling=false", "buffer.pacing=false", "buffer.max_groups=100000",
-             "buffer.max_staleness=100", "buffer.group_timeout_s=3", "actor.heartbeat_s=0.2",
+             "buffer.max_staleness=100", "buffer.max_staleness_limit=100", "buffer.group_timeout_s=3", "actor.heartbeat_s=0.2",
              "actor.stats_every_s=1", "actor.restart_backoff_s=0.2", "actor.hung_after_s=30",
              "actor.stop_timeout_s=10", "logging.status_every_s=1", "actor.temperature=1.0",
              "transport.weights_port=0", "weights.export_async=false"]

@@ -26,6 +26,7 @@ import collections
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -76,6 +77,8 @@ class BufferService:
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
         self.weights_path = ""
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
         self.counters: collections.Counter = collections.Counter()
         self._parked: list[tuple[bytes, BatchRequest, float]] = []
         self._seen_malformed: collections.Counter = collections.Counter()
@@ -241,7 +244,7 @@ class BufferService:
         self.control.reply(peer, AdmissionGrant(
             actor_id=req.actor_id, group_ids=ids, learner_version=self.buffer.version,
             max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else bc.grant_retry_s,
-            weights_path=self.weights_path, error=error))
+            weights_path=self.weights_path, error=error, buffer_id=self.incarnation))
 
     def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
         other = bool(req.session) and any(r.session and r.session != req.session for _, r, _ in self._parked)
@@ -377,10 +380,23 @@ class BufferService:
             self.counters["control_file_refused"] += 1
             log.warning("buffer: %s holds %r: %s; ignored", self._eta_file, text[:40], exc)
 
+    def audit_books(self) -> str:
+        """The ledger's structural check, live (GroupBuffer.check_invariants: pending and held bytes recomputed from
+        the groups themselves, not from the counters add() keeps): "ok", or what disagreed (logged, counted)."""
+        try:
+            self.buffer.check_invariants()
+        except AssertionError as exc:
+            self.counters["invariant_failures"] += 1
+            self._warn("invariants", "buffer: the books disagree with the structures: %s", exc)
+            return f"FAILED: {exc}"[:500]
+        self.counters["invariant_checks"] += 1
+        return "ok"
+
     def write_ledger(self) -> Path:
         """Flush the recording, then write ledger.json (recorded_records = how many records it reflects)."""
         extra = {"service": dict(self.counters),
-                 "previous_ledger": self.previous_ledger.name if self.previous_ledger else None}
+                 "previous_ledger": self.previous_ledger.name if self.previous_ledger else None,
+                 "invariants": self.audit_books(), "incarnation": self.incarnation}
         if self.recorder is not None:
             self.recorder.flush()
             extra["recorded_records"] = self.recorder.records
