@@ -29,6 +29,7 @@ The config is parsed (and rejected with a readable message) before torch or Deep
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -364,6 +365,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
 
     # actors (and a resumed run's actors) get this version
     log_weights(publish_weights(learner, publisher, cfg.weights.verify_ranks))
+    lag_log = open(run_dir / f"learner_lags_rank{rank}.jsonl", "a", buffering=1)   # line-buffered: kill -9 safe
     last_ckpt = last_published = learner.version
     t_mark, idle = time.monotonic(), 0.0
     groups = None
@@ -381,9 +383,14 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             idle += time.monotonic() - t_wait
             if stop_any:
                 break
+            start_version = learner.version
             metrics = learner.train_step(groups)
             groups = None
             version = learner.version
+            # This rank's lags as trained, per batch (an audit's second witness beside the buffer's ledger).
+            lags = collections.Counter(int(x) for x in np.asarray(learner.last_lags).tolist())
+            lag_log.write(json.dumps({"version": start_version, "session": batches.session,
+                                      "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
             t_pub = time.monotonic()
             # Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step
             # over every multiple of p, and then nothing would ever be published again.
@@ -415,6 +422,7 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
                 last_ckpt = version
     finally:
         batches.close()
+        lag_log.close()
     if learner.version != last_ckpt or not (ckpt_dir / "latest").is_file():
         checkpoint()
     learner.export_policy(run_dir / "policy")

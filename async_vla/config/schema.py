@@ -54,6 +54,19 @@ class Config(Section):
                 f"learner.num_ranks ({self.learner.num_ranks}) so every rank gets the same number of groups"
             )
         t = self.transport
+        if not _is_loopback(t.host):
+            if not t.weights_allowed_peers:
+                raise ValueError(
+                    f"transport.host={t.host} exposes the learner's weight-rendezvous store (no authentication): "
+                    "list the actors' addresses or networks in transport.weights_allowed_peers, e.g. [10.0.0.0/24]")
+            import ipaddress
+
+            for p in t.weights_allowed_peers:
+                try:
+                    ipaddress.ip_network(p.strip(), strict=False)
+                except ValueError:
+                    raise ValueError(f"transport.weights_allowed_peers: {p!r} is not an address or network "
+                                     "(e.g. 10.0.0.7 or 10.0.0.0/24)") from None
         if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
             raise ValueError(
                 f"transport.host={t.host} exposes the buffer beyond this machine: remote actors need "

@@ -7,7 +7,7 @@ Cross-field checks that span sections live in ``schema.py``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -424,6 +424,11 @@ class TransportConfig(Section):
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
+    weights_allowed_peers: List[str] = []
+    """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
+    transport.host is beyond loopback (required then: the store has no authentication). The store itself always
+    listens on 127.0.0.1; beyond it a guard on transport.host:weights_port closes every other peer's connection
+    at once. Loopback peers are always allowed."""
 
 
 class LoggingConfig(Section):
