@@ -54,6 +54,12 @@ class Config(Section):
                 f"learner.num_ranks ({self.learner.num_ranks}) so every rank gets the same number of groups"
             )
         t = self.transport
+        if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
+            raise ValueError(
+                f"transport.host={t.host} exposes the buffer beyond this machine: remote actors need "
+                f"transport.curve=true and transport.curve_dir (keys from bin/keys DIR)")
+        if t.curve and not t.curve_dir:
+            raise ValueError("transport.curve=true needs transport.curve_dir (a directory written by bin/keys)")
         if not _is_loopback(t.host):
             if not t.weights_allowed_peers:
                 raise ValueError(
@@ -67,12 +73,6 @@ class Config(Section):
                 except ValueError:
                     raise ValueError(f"transport.weights_allowed_peers: {p!r} is not an address or network "
                                      "(e.g. 10.0.0.7 or 10.0.0.0/24)") from None
-        if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
-            raise ValueError(
-                f"transport.host={t.host} exposes the buffer beyond this machine: remote actors need "
-                f"transport.curve=true and transport.curve_dir (keys from bin/keys DIR)")
-        if t.curve and not t.curve_dir:
-            raise ValueError("transport.curve=true needs transport.curve_dir (a directory written by bin/keys)")
         if self.actor.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "actor.backend=vllm but vllm is not installed: install the `gpu` extra "

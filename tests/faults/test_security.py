@@ -52,7 +52,10 @@ def test_binding_beyond_loopback_requires_curve(tmp_path):
             load_config(None, [f"transport.host={host}"])
     with pytest.raises(ConfigError, match="transport.curve_dir"):
         load_config(None, ["transport.host=0.0.0.0", "transport.curve=true"])
-    ok = load_config(None, ["transport.host=0.0.0.0", "transport.curve=true", f"transport.curve_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="transport.weights_allowed_peers"):   # the weight store's allow-list
+        load_config(None, ["transport.host=0.0.0.0", "transport.curve=true", f"transport.curve_dir={tmp_path}"])
+    ok = load_config(None, ["transport.host=0.0.0.0", "transport.curve=true", f"transport.curve_dir={tmp_path}",
+                            "transport.weights_allowed_peers=[10.0.0.0/24]"])
     assert ok.transport.curve
     for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
         assert load_config(None, [f"transport.host={host}"]).transport.host == host
