@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
-from actors.status import parse_share, status_path, write_status
+from actors.status import parse_share, sent_log_path, status_path, write_status
 from actors.weight_loading import load_weights, load_weights_path  # noqa: F401 - part of this module's API
 from actors.vllm_weights import StaleWeights
 from async_vla.buffer.filters import is_stale
@@ -206,6 +206,9 @@ class Actor:
         self.groups_granted = 0
         self.send_failures = 0
         self.sent = 0              # trajectories handed to the trajectory socket
+        self.sent_by_buffer: collections.Counter = collections.Counter()   # buffer incarnation -> sent
+        self._buffer_id = "-"      # the incarnation whose grant we heard last (AdmissionGrant.buffer_id)
+        self._sent_log = None      # <run>/actors/sent_<id>.log, line-buffered: a kill -9 loses no complete line
         self.dropped_on_stop = 0   # trajectories abandoned because the actor stopped while the buffer was full
         self.core: Optional[SerialActor] = None
         self._grant_sent_at: Optional[float] = None
@@ -306,6 +309,8 @@ class Actor:
             self.core.close()
         # Sockets have a short linger: queued trajectories get that long to flush, then close never hangs.
         self.sender.close()
+        if self._sent_log is not None:
+            self._sent_log.close()
         self.control.close()
         self._ctx.term()
 
@@ -360,6 +365,9 @@ class Actor:
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, AdmissionGrant):
             self._grant_sent_at = None
+            self._buffer_id = msg.buffer_id or self._buffer_id
+            if msg.error:
+                log.warning("actor %d: the buffer trimmed our grant request: %s", self.actor_id, msg.error)
             # The buffer's view, not a running max: after a learner resume it rolls back with the learner.
             self.learner_version = msg.learner_version
             self._eta = int(msg.max_staleness)
@@ -449,6 +457,12 @@ class Actor:
             t0 = time.monotonic()
             if self.sender.send_frames(frames, timeout_s=self.cfg.actor.send_timeout_s):
                 self.sent += 1
+                self.sent_by_buffer[self._buffer_id] += 1
+                if self._sent_log is None:
+                    path = sent_log_path(self.run_dir, self.actor_id)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._sent_log = open(path, "a", buffering=1)
+                self._sent_log.write(f"{self._buffer_id} {traj.traj_id}\n")
                 return
             self._idle(time.monotonic() - t0)
             self.send_failures += 1
@@ -480,5 +494,6 @@ class Actor:
             "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
             "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
             "groups_granted": self.groups_granted, "swaps": t.swaps, "sent": self.sent,
+            "sent_by_buffer": dict(self.sent_by_buffer),
             "dropped_on_stop": self.dropped_on_stop,
             "control_dropped": dict(self.control.dropped.by_reason) if hasattr(self, "control") else {}})

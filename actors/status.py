@@ -21,6 +21,23 @@ def status_path(run_dir: os.PathLike | str, actor_id: int) -> Path:
     return Path(run_dir) / "actors" / f"actor_{actor_id}.json"
 
 
+def sent_log_path(run_dir: os.PathLike | str, actor_id: int) -> Path:
+    """Where actor ``actor_id`` appends one line per trajectory its socket accepted: "<buffer incarnation> <traj_id>"
+    (across restarts; the incarnation is the one whose grant the actor heard last, "-" before any)."""
+    return Path(run_dir) / "actors" / f"sent_{actor_id}.log"
+
+
+def read_sent_logs(run_dir: os.PathLike | str) -> dict[str, list[str]]:
+    """Every actor's sent log: buffer incarnation -> trajectory ids, in the order they were sent."""
+    out: dict[str, list[str]] = {}
+    for path in sorted((Path(run_dir) / "actors").glob("sent_*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.split(" ")
+            if len(parts) == 2:        # a line cut short by a kill -9 mid-write is not a send
+                out.setdefault(parts[0], []).append(parts[1])
+    return out
+
+
 def log_path(run_dir: os.PathLike | str, actor_id: int) -> Path:
     """The one log file of actor ``actor_id`` (appended to across restarts)."""
     return Path(run_dir) / "logs" / f"actor_{actor_id}.log"

@@ -182,13 +182,16 @@ class AdmissionGrant(Message):
 
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
-                               "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR}
+                               "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR,
+                               "error": _STR, "buffer_id": _STR}
     actor_id: int
     group_ids: list = field(default_factory=list)
     learner_version: int = 0
     max_staleness: int = 0
     retry_after_s: float = 0.0
     weights_path: str = ""
+    error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
+    buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 
     def validate(self) -> None:
         if not all(isinstance(g, str) for g in self.group_ids):
@@ -240,11 +243,12 @@ class BatchRequest(Message):
     """Learner rank -> buffer: my share of the next batch, at learner version ``version``."""
 
     KIND: ClassVar[str] = "batch_request"
-    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT}
+    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "session": _STR}
     rank: int
     world: int
     version: int
     timeout_s: float = 1.0
+    session: str = ""   # one id per learner start, shared by its ranks: a new one is a (possibly resumed) learner
 
 
 @dataclass

@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,11 +96,15 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
     from async_vla.child_process import die_with_parent
 
+    from async_vla.buffer.client import SESSION_ENV
+
     port = _free_port()
+    session = uuid.uuid4().hex
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                   **{SESSION_ENV: session},
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -148,12 +153,15 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             groups = r.wait_for_share()     # this rank's share, or None when the ranks agreed to stop
             if groups is None:
                 break
+            start_version = r.learner.version
             metrics = r.learner.train_step(groups)
+            r.record_lags(start_version)
             publish_s = r.publish_if_due()
             r.report_step(metrics, publish_s)
             r.checkpoint_if_due()
     finally:
         r.batches.close()
+        r.lag_log.close()
     r.finish()
     return 0
 
@@ -204,6 +212,8 @@ class RankRun:
                                flush_secs=self.cfg.logging.tensorboard_flush_s)
         self.publisher = make_publisher(self.cfg, self.run_dir) if self.rank == 0 else None
         self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world)
+        # line-buffered: a kill -9 loses at most the line being written
+        self.lag_log = open(self.run_dir / f"learner_lags_rank{self.rank}.jsonl", "a", buffering=1)
         self.t_start = self.t_mark = time.monotonic()
 
     def digests(self) -> dict:
@@ -305,6 +315,16 @@ class RankRun:
                      metrics["offpolicy/is_weight_mean"], metrics["learner/lag_mean"],
                      metrics["perf/learner_step_s"], 100 * metrics["perf/learner_idle_frac"])
         self.t_mark, self.idle = time.monotonic(), 0.0
+
+    def record_lags(self, start_version: int) -> None:
+        """This rank's lags as trained, one line per batch: an audit's second witness beside the buffer's ledger."""
+        import collections
+
+        import numpy as np
+
+        lags = collections.Counter(int(x) for x in np.asarray(self.learner.last_lags).tolist())
+        self.lag_log.write(json.dumps({"version": start_version, "session": self.batches.session,
+                                       "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
 
     def checkpoint(self) -> None:
         from learner.core import checkpoint_tag

@@ -30,11 +30,21 @@ class Tracer(Ledger):
         self.admitted: list[str] = []                                     # joined a group, in order
         self.received_from: collections.Counter = collections.Counter()  # actor id -> trajectories of this run
         self.formed: collections.Counter = collections.Counter()         # traj_id -> batches it was put in
+        self.received_ids: list[str] = []                                # of this run, in arrival order
+        self._last: Optional[str] = None
 
     def receive(self, traj=None) -> None:
+        self._last = None
         if traj is not None and traj.run_id == self.run_id:  # a hostile frame can claim any actor id, not our run
             self.received_from[traj.actor_id] += 1
+            self.received_ids.append(traj.traj_id)
+            self._last = traj.traj_id
         super().receive(traj)
+
+    def settle(self, state: str, n: int = 1) -> str:
+        if self._last is not None:   # a trajectory that never joined a group (duplicate, late, ahead, malformed)
+            self.fate.setdefault(self._last, (state, -1))
+        return super().settle(state, n)
 
     def join(self, traj, version: int) -> None:
         self.admitted.append(traj.traj_id)
@@ -131,3 +141,52 @@ def received_from(run_dir: Path, min_actor_id: int = 0, cfg=None) -> int:
     cfg = _cfg(run_dir, cfg)
     buf, _ = replay(recordings(run_dir)[-1], cfg)
     return sum(n for a, n in buf.received_from.items() if a >= min_actor_id)
+
+
+def learner_lags(run_dir: Path) -> collections.Counter:
+    """lag -> trajectories trained at it, from every learner rank's own log (``learner_lags_rank<r>.jsonl``,
+    written as each batch is trained, across restarts): the learner's witness beside the buffer's ledgers."""
+    out: collections.Counter = collections.Counter()
+    for path in sorted(Path(run_dir).glob("learner_lags_rank*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                out.update({int(k): int(v) for k, v in json.loads(line)["lags"].items()})
+            except (ValueError, KeyError, TypeError):   # a line cut short by a kill -9
+                continue
+    return out
+
+
+def sent_vs_received(run_dir: Path, cfg=None, extra_sent: Optional[dict[str, list[str]]] = None) -> dict:
+    """What actors sent against what each buffer incarnation received, and how each sent trajectory ended.
+
+    ``sent``: the actors' own logs (``<run>/actors/sent_<id>.log``: buffer incarnation -> trajectory ids), plus
+    ``extra_sent`` (synthetic actors). ``received``: every incarnation's recording (flushed every busy step), replayed
+    with its ledger. A sent trajectory is then: in a terminal state of the incarnation that received it, "pending"
+    there (held in memory when that incarnation ended: lost with it if it was killed), or never received ("lost in
+    transit": queued in a socket that died). Nothing here trusts a counter the buffer keeps for itself."""
+    from actors.status import read_sent_logs
+
+    cfg = _cfg(run_dir, cfg)
+    sent = read_sent_logs(run_dir)
+    for k, ids in (extra_sent or {}).items():
+        sent.setdefault(k, []).extend(ids)
+    sent_ids = {t for ids in sent.values() for t in ids}
+    fate: dict[str, str] = {}
+    seen: collections.Counter = collections.Counter()
+    per = []
+    for rec in recordings(run_dir):
+        tracer, _ = replay(rec, cfg)
+        ids = set(tracer.received_ids)
+        seen.update(ids)
+        for t in ids & sent_ids:
+            fate[t] = tracer.fate.get(t, ("pending", 0))[0]
+        per.append({"recording": rec.name, "received": tracer.received, "of_sent": len(ids & sent_ids),
+                    "ledger": tracer.counts(), "balanced": tracer.received == sum(tracer.counts().values())})
+    outcome = collections.Counter(fate.values())
+    outcome["lost_in_transit"] = len(sent_ids - set(fate))
+    return {
+        "sent": len(sent_ids), "sent_lines": sum(len(ids) for ids in sent.values()),
+        "sent_by_incarnation": {k: len(v) for k, v in sent.items()},
+        "received": len(set(fate)), "received_by_two_incarnations": sum(1 for t in sent_ids if seen[t] > 1),
+        "outcome": dict(sorted(outcome.items())), "incarnations": per,
+    }

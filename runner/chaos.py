@@ -33,6 +33,7 @@ from runner.fuzz import fuzz, send_oversize
 from runner.live import LiveSystem, staleness_violations, unbalanced
 
 FLOOD_ACTOR_BASE = 1000  # synthetic actors' ids start here (the audit tells them apart)
+FLOOD_SENT: dict[str, list[str]] = {}   # what the flood scenario's synthetic actors sent (for the final audit)
 
 
 def _led(stats: dict) -> dict:
@@ -101,6 +102,7 @@ class _FloodActor(threading.Thread):
         super().__init__(daemon=True)
         self.sys, self.actor_id, self.stop, self.paced = sys_, FLOOD_ACTOR_BASE + idx, stop, paced
         self.sent = self.refused = self.grants = self.unsent = 0
+        self.sent_ids: dict[str, list[str]] = {}   # buffer incarnation -> trajectory ids its socket accepted
         self.wait_s = self.make_s = 0.0
         cfg = sys_.cfg
         from runner.fuzz import template
@@ -139,6 +141,7 @@ class _FloodActor(threading.Thread):
                 if not isinstance(grant, AdmissionGrant):
                     continue
                 version = grant.learner_version   # "loads" the current weights at once
+                incarnation = grant.buffer_id or "-"
                 gids = list(grant.group_ids) if self.paced else [f"flood{self.actor_id}-{k}"]
                 k += 1
                 if not gids:
@@ -159,6 +162,7 @@ class _FloodActor(threading.Thread):
                                 break
                         else:
                             self.sent += 1
+                            self.sent_ids.setdefault(incarnation, []).append(f"{gid}/m{m}")
                         self.wait_s += time.monotonic() - t2
         finally:
             ctl.close()
@@ -188,16 +192,24 @@ def flood(sys_: LiveSystem, seconds: float = 20, paced: int = 2, unpaced: int = 
     sent = sum(f.sent for f in fleet)
     time.sleep(2 * sys_.cfg.buffer.ledger_every_s + 1)  # the recording is flushed with each ledger write
     received = audit.received_from(sys_.run_dir, FLOOD_ACTOR_BASE, sys_.cfg)
-    make_rate = sent / max(sum(f.make_s for f in fleet), 1e-9)
+    encode_rate = sent / max(sum(f.make_s for f in fleet), 1e-9)
     trained_rate = (s1["ledger"]["trained"] - s0["ledger"]["trained"]) / elapsed
     n = len(fleet)
+    for f in fleet:
+        for k, ids in f.sent_ids.items():
+            FLOOD_SENT.setdefault(k, []).extend(ids)
     return {
         "seconds": elapsed, "flood_actors": n, "paced": paced, "unpaced": unpaced, "sent": sent,
         "received": received, "lost": sent - received, "not_sent_at_stop": sum(f.unsent for f in fleet),
         "grants": sum(f.grants for f in fleet if f.paced), "grants_refused": sum(f.refused for f in fleet),
         "wait_frac": sum(f.wait_s for f in fleet) / (n * elapsed),
-        "production_rate_per_s": make_rate, "learner_rate_per_s": trained_rate,
-        "speedup": make_rate / max(trained_rate, 1e-9),
+        # Achieved rates over the flood's wall time: what each synthetic actor got into the buffer per second,
+        # against what the learner trained per second. (The encode-only rate is what one core could make if the
+        # socket never pushed back: an upper bound, not a rate anything achieved.)
+        "delivered_per_actor_per_s": received / n / elapsed, "sent_per_actor_per_s": sent / n / elapsed,
+        "learner_rate_per_s": trained_rate, "flood_ratio": received / elapsed / max(trained_rate, 1e-9),
+        "flood_ratio_per_actor": received / n / elapsed / max(trained_rate, 1e-9),
+        "encode_only_rate_per_s": encode_rate,
         "versions_during": s1["learner_version"] - s0["learner_version"],
         "held_bytes_max": held_max, "max_bytes": sys_.cfg.buffer.max_bytes, "groups_ready_max": ready_max,
         "max_groups": sys_.cfg.buffer.max_groups, "buffer_rss_mb": [rss0, rss_max],
@@ -283,6 +295,11 @@ def buffer_restart(sys_: LiveSystem, how: str = "kill", down_s: float = 3.0) -> 
     recovered_s = time.monotonic() - t_up
     old = sys_.ledgers(archived_only=True)[-1]   # the dead incarnation's books, moved aside by the new one
     pids1 = _alive_pids(sys_)
+    time.sleep(2 * sys_.cfg.buffer.ledger_every_s + 1)
+    # Sent (the actors' own logs) against received (each incarnation's recording) and how each ended: what the
+    # killed buffer held, and what died in its socket, counted trajectory by trajectory.
+    acct = audit.sent_vs_received(sys_.run_dir, sys_.cfg, extra_sent=FLOOD_SENT)
+    dead = acct["incarnations"][-2] if len(acct["incarnations"]) >= 2 else {}
     return {
         "how": how, "down_s": down_s, "recovered_s": recovered_s, "total_s": time.monotonic() - t0,
         "learner_same_pid": pids1["learner"] == pids0["learner"],
@@ -291,6 +308,10 @@ def buffer_restart(sys_: LiveSystem, how: str = "kill", down_s: float = 3.0) -> 
         "old_ledger": {"received": old["received"], **old["ledger"]},
         "pending_in_old_buffer": old["ledger"]["pending"], "new_received": s1["received"],
         "new_duplicates": s1["ledger"]["duplicate"],
+        # the killed incarnation replayed from its recording (flushed every busy step), not its last ledger.json:
+        "killed_received": dead.get("received"), "killed_pending_at_death": dead.get("ledger", {}).get("pending"),
+        "ledger_file_behind_by": (dead.get("received") or 0) - old["received"],
+        "accounting": acct,
     }
 
 
@@ -362,7 +383,17 @@ def final_report(sys_: LiveSystem) -> dict:
     """After ``sys_.stop()``: every incarnation's books, staleness and double admission."""
     ledgers = sys_.ledgers()
     twice = audit.admitted_twice(sys_.run_dir, sys_.cfg)
+    learner_lags = audit.learner_lags(sys_.run_dir)
+    acct = audit.sent_vs_received(sys_.run_dir, sys_.cfg, extra_sent=FLOOD_SENT)
     return {
+        "invariant_failures": sum(int(led.get("service", {}).get("invariant_failures", 0)) for led in ledgers)
+        + sum(1 for led in ledgers if led.get("invariants", "ok") != "ok"),
+        "invariant_checks": sum(int(led.get("service", {}).get("invariant_checks", 0)) for led in ledgers),
+        "learner_lag_min": min(learner_lags, default=0), "learner_lag_max": max(learner_lags, default=0),
+        "learner_trained": sum(learner_lags.values()),
+        "ledger_lag_min": min((int(k) for led in ledgers for k in led.get("lag_histogram", {})), default=0),
+        "ahead": sum(led["ledger"].get("ahead", 0) for led in ledgers),
+        "accounting": acct,
         "incarnations": len(ledgers), "received": sum(led["received"] for led in ledgers),
         "trained": sum(led["ledger"]["trained"] for led in ledgers),
         "malformed": sum(led["ledger"]["malformed"] for led in ledgers),

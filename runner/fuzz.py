@@ -138,3 +138,80 @@ def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -
         sock.close()
     ctx.term()
     return count
+
+
+# ------------------------------------------------------------------------------------------ control channel
+CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "grant_huge", "grant_zero", "grant_negative",
+                 "grant_many_actors", "batch_bad_world", "batch_bad_rank", "batch_long_park", "heartbeat_forged",
+                 "stats_forged", "unknown_command", "weights_path_huge", "version_negative", "garbage")
+
+
+def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
+    """(kind, frames) of one forged control message: well-formed on the wire (it decodes) but out of bounds or
+    pretending to be someone else, except "garbage" (random bytes). Never a lower-version or new-session
+    BatchRequest: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
+    kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
+    actor = int(rng.integers(0, 10**9))
+    msg: M.Message
+    if kind == "eta_huge":
+        msg = M.ControlCommand("set_max_staleness", int(eta_limit + 1 + rng.integers(0, 10**9)))
+    elif kind == "eta_negative":
+        msg = M.ControlCommand("set_max_staleness", -int(rng.integers(1, 10**6)))
+    elif kind == "eta_type":
+        msg = M.ControlCommand("set_max_staleness", str(rng.choice(["4", "1e9", "nan", ""])))
+    elif kind == "grant_huge":
+        msg = M.GrantRequest(actor_id=int(rng.integers(0, 8)), want=int(rng.integers(5, 10**6)))
+    elif kind == "grant_zero":
+        msg = M.GrantRequest(actor_id=actor, want=0)
+    elif kind == "grant_negative":
+        msg = M.GrantRequest(actor_id=actor, want=-int(rng.integers(1, 10**6)))
+    elif kind == "grant_many_actors":
+        msg = M.GrantRequest(actor_id=actor, want=int(rng.integers(1, 100)), policy_version=0)
+    elif kind == "batch_bad_world":
+        msg = M.BatchRequest(rank=0, world=int(rng.choice([0, -1, 7, 10**6])), version=0, timeout_s=1.0)
+    elif kind == "batch_bad_rank":
+        msg = M.BatchRequest(rank=int(rng.choice([-1, 5, 10**6])), world=1, version=0, timeout_s=1.0)
+    elif kind == "batch_long_park":
+        msg = M.BatchRequest(rank=0, world=1, version=0, timeout_s=float(rng.choice([1e9, 600.0, -5.0])))
+    elif kind == "heartbeat_forged":
+        msg = M.Heartbeat(actor_id=actor, pid=1, policy_version=int(rng.integers(0, 10**6)))
+    elif kind == "stats_forged":
+        tasks = {str(k): 1 for k in rng.integers(0, 10**6, int(rng.integers(1, 2000)))}
+        msg = M.ActorStats(actor_id=actor, interval_s=1e-9, env_steps=10**12, episodes_by_task=tasks,
+                           successes_by_task=tasks)
+    elif kind == "unknown_command":
+        msg = M.ControlCommand("".join(map(chr, rng.integers(97, 123, 20))), None)
+    elif kind == "weights_path_huge":
+        msg = M.ControlCommand("set_weights_path", "x" * int(rng.integers(5000, 100_000)))
+    elif kind == "version_negative":
+        msg = M.ControlCommand("set_learner_version", -int(rng.integers(1, 10**6)))
+    else:
+        return kind, [rng.bytes(int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 4)))]
+    return kind, _frames(msg)
+
+
+def forge_control(endpoint: str, n: int, run_id: str, eta_limit: int, seed: int = 0,
+                  curve_keys=None) -> dict[str, int]:
+    """Send ``n`` forged control messages from one DEALER (replies are read and dropped as they come, so the
+    buffer's replies never back up); returns how many of each kind were sent."""
+    from async_vla.transport import _secure_client
+
+    rng = np.random.default_rng(seed)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 10_000
+    sock.sndhwm = sock.rcvhwm = 100_000
+    _secure_client(sock, curve_keys)
+    sock.connect(endpoint)
+    sent: dict[str, int] = {}
+    try:
+        for _ in range(n):
+            kind, frames = forged_control(rng, run_id, eta_limit)
+            sock.send_multipart(frames)
+            sent[kind] = sent.get(kind, 0) + 1
+            while sock.poll(0, zmq.POLLIN):
+                sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+    return sent

@@ -20,7 +20,7 @@ from async_vla.transport import ControlClient
 
 OVERRIDES = ["actor.group_size=2", "env.envs_per_actor=2", "policy.hidden_size=32", "policy.intermediate_size=64",
              "policy.num_layers=1", "buffer.dynamic_sampling=false", "buffer.pacing=false", "run.name=loop",
-             "actor.heartbeat_s=0.2", "actor.stats_every_s=0.5", "buffer.max_staleness=100", "env.task_ids=[0,2]",
+             "actor.heartbeat_s=0.2", "actor.stats_every_s=0.5", "buffer.max_staleness=100", "buffer.max_staleness_limit=100", "env.task_ids=[0,2]",
              # weights port 0: the subscriber finds the publisher through <run>/weights/endpoint.json only,
              # never a stranger's publisher on the default port
              "transport.weights_port=0", "weights.export=false"]
@@ -128,4 +128,9 @@ def test_actor_loop_with_buffer_service(service, tmp_path):
     assert stats["metrics"]["perf/actors_alive"] >= 1 and stats["metrics"]["perf/env_steps_per_s"] > 0
     st = read_status(status_path(run_dir, 4))
     assert st["state"] == "stopped" and st["version"] == 5 and st["trajectories"] == len(received)
+    # The actor's own count of what it sent, by buffer incarnation: every one of them reached the buffer.
+    from actors.status import read_sent_logs
+
+    assert read_sent_logs(run_dir) == {svc.incarnation: [t.traj_id for t in received]}
+    assert st["sent_by_buffer"] == {svc.incarnation: len(received)}
     assert st["learner_version"] == 3 and st["swaps"] == 2

@@ -188,8 +188,11 @@ def test_pacing_arithmetic():
     assert buf.metrics()["buffer/max_staleness"] == 3.0 and buf.eta_changes[-1]["new"] == 3
     with pytest.raises(ValueError):
         buf.set_max_staleness(-1)
-    unpaced = GroupBuffer.from_config(make_cfg(pacing=False), RUN)
+    with pytest.raises(ValueError, match="max_staleness_limit"):
+        buf.set_max_staleness(buf.cfg.max_staleness_limit + 1)
+    unpaced = GroupBuffer.from_config(make_cfg(pacing=False, max_groups_per_actor=64), RUN)
     assert len(unpaced.grant(0, want=50)) == 50
+    assert len(unpaced.grant(0, want=50)) == 14 and unpaced.grants_capped == 1   # 64 open per actor at most
 
 
 def test_pacing_counts_from_resumed_learner_version():
@@ -283,7 +286,7 @@ def test_ledger_metrics_snapshot_and_file(tmp_path):
     buf.count_malformed("frame_count")
     buf.next_batch(0)
     assert buf.ledger == {"trained": 4, "filtered_uniform": 4, "filtered_difficulty": 0, "stale": 0,
-                          "expired_partial": 0, "duplicate": 0, "malformed": 1, "pending": 1}
+                          "expired_partial": 0, "duplicate": 0, "malformed": 1, "ahead": 0, "pending": 1}
     assert set(buf.ledger) == set(STATES)
     m = buf.metrics()
     for name in ("received", *STATES, "lag_mean", "lag_max", "groups_in_flight", "held_bytes", "max_staleness"):

@@ -9,7 +9,7 @@ Properties (dynamic sampling on):
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_buffer import FakeClock, make_cfg, make_traj
 
@@ -123,3 +123,89 @@ def test_buffer_properties(sc):
     assert buf.ledger["pending"] == G * len([gid for gid in pending if gid not in emitted_ids])
     assert buf.groups_in_flight == 0
     assert buf.received == sum(buf.ledger.values())
+
+
+
+@st.composite
+def rollback_scenarios(draw):
+    """A learner that trains, dies and resumes from older checkpoints while actors keep sending. Events:
+    ("sample", granted, behind, now) a group sampled now by the live policy ``behind`` versions back (granted by
+    this buffer, or not: granted before a buffer restart), sent at once or not; ("arrive", k) group k's unsent
+    members reach the buffer;
+    ("step",) a batch request at the learner's version; ("resume", back) the learner killed and resumed from its
+    checkpoint ``back`` versions earlier (each learner life sends its own session with its batch requests)."""
+    events = draw(st.lists(st.one_of(
+        st.tuples(st.just("sample"), st.booleans(), st.integers(0, 2), st.booleans()),
+        st.tuples(st.just("arrive"), st.integers(0, 40)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("resume"), st.integers(1, 4))), min_size=5, max_size=100))
+    return dict(events=events, eta=draw(st.integers(0, 3)), B=draw(st.integers(1, 2)))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rollback_scenarios())
+@example(dict(eta=1, B=1, events=[   # v1 published and sampled, the learner dies before asking for batch 1
+    ("sample", True, 0, True), ("step",), ("sample", True, 0, True), ("resume", 1), ("step",), ("step",)]))
+def test_rollback_never_trains_a_dead_learners_data(sc):
+    """After a resume to version c, data sampled by the dead learner's versions above c is never trained again,
+    every batch has 0 <= lag <= eta, the ledger balances after every input, and a replay of the journal
+    reproduces the books."""
+    G, B, eta = 2, sc["B"], sc["eta"]
+    clock, journal = FakeClock(), []
+    cfg = make_cfg(groups_per_batch=B, max_staleness=eta, group_timeout_s=1e6, pacing=False,
+                   max_groups_per_actor=1000)
+    buf = GroupBuffer.from_config(cfg, RUN, clock=clock, journal=lambda t, m: journal.append((t, m)))
+    version, life = 0, 0
+    ceiling = {0: 10**9}              # life -> newest version of that learner life that still exists
+    groups: list[dict] = []
+    sampled_by: dict[str, tuple[int, int]] = {}
+
+    def send(g):
+        while g["sent"] < G:
+            buf.add(make_traj(g["gid"], g["sent"], g["sent"] == 0, bv=g["bv"], G=G, calls=1, image=2, tokens=2))
+            g["sent"] += 1
+
+    def train(got):
+        for members in got[1]:
+            lags = [version - t.behaviour_version for t in members]
+            assert all(0 <= lag <= eta for lag in lags), (version, lags)
+            s_life, bv = sampled_by[members[0].group_id]
+            assert bv <= ceiling[s_life], f"trained data of a dead policy: life {s_life} v{bv}"
+
+    for ev in sc["events"]:
+        clock.t += 1.0
+        if ev[0] == "sample":
+            bv = max(0, version - ev[2])
+            gid = f"u{len(groups)}"
+            if ev[1]:
+                got = buf.grant(1, 1, actor_version=bv)
+                if not got:
+                    continue
+                gid = got[0]
+            groups.append(dict(gid=gid, bv=bv, sent=0))
+            sampled_by[gid] = (life, bv)
+            if ev[3]:
+                send(groups[-1])
+        elif ev[0] == "arrive" and groups:
+            send(groups[ev[1] % len(groups)])
+        elif ev[0] == "step":
+            got = buf.take_batch(version, session=f"life{life}")
+            if got is not None:
+                train(got)
+                version += 1
+        elif ev[0] == "resume" and version - ev[1] >= 0:
+            version -= ev[1]     # the dead learner's version reached its checkpoint's + back
+            for lf in ceiling:
+                ceiling[lf] = min(ceiling[lf], version)
+            life += 1
+            ceiling[life] = 10**9
+            got = buf.take_batch(version, session=f"life{life}")     # the resumed learner's first request
+            if got is not None:
+                train(got)
+                version += 1
+        buf.check_invariants()
+    replayed = GroupBuffer.from_config(cfg, RUN, clock=FakeClock())
+    for t, m in journal:
+        replayed.clock.t = t
+        replayed.apply_journal(m)
+    assert replayed.ledger == buf.ledger and replayed.lag_histogram == buf.lag_histogram

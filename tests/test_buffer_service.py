@@ -95,10 +95,13 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
 
         actor.send(ControlCommand("set_max_staleness", 3))
         assert actor.recv(10) == ControlCommand("ok", 3)
-        actor.send(GrantRequest(actor_id=1, want=8))
+        actor.send(GrantRequest(actor_id=2, want=8))
         grant2 = actor.recv(10)
-        # running = ids[3]; accepted = 2: (3 + 0 + 1) * 2 - 1 - 2 = 5 (with eta 1 it would have been 1)
-        assert grant2.max_staleness == 3 and len(grant2.group_ids) == 5
+        # running = ids[3]; accepted = 2: (3 + 0 + 1) * 2 - 1 - 2 = 5 (with eta 1 it would have been 1), but one
+        # actor holds at most max_groups_per_actor=4 open groups, and it is told why it got fewer than it asked for
+        assert grant2.max_staleness == 3 and len(grant2.group_ids) == 4 and "max_groups_per_actor" in grant2.error
+        actor.send(GrantRequest(actor_id=3, want=8))
+        assert len(actor.recv(10).group_ids) == 1
         s = stats(actor)
         assert s["metrics"]["buffer/max_staleness"] == 3.0 and s["eta_changes"][-1]["source"] == "control"
         actor.send(ControlCommand("set_max_staleness", "x"))
@@ -164,7 +167,8 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
         sender.close()
     recorded = json.loads((tmp_path / "ledger.json").read_text())
     assert recorded["ledger"] == {"trained": 2, "filtered_uniform": 2, "filtered_difficulty": 0, "stale": 4,
-                                  "expired_partial": 1, "duplicate": 1, "malformed": 1, "pending": 0}
+                                  "expired_partial": 1, "duplicate": 1, "malformed": 1, "ahead": 0,
+                                  "pending": 0}
     assert len(list((tmp_path / "recording").glob("rec-*.bin"))) > 1                  # it rotated
     trajectories = [m for m in map(decode, iter_recording(tmp_path / "recording")) if isinstance(m, Trajectory)]
     assert len(trajectories) == recorded["received"] == 11

@@ -22,6 +22,7 @@ import pytest
 from actors.fleet import Fleet
 from actors.status import log_path, read_status, status_path, write_status
 from async_vla.config import load_config, write_resolved
+from timing import slack
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ def test_fleet_gives_up_after_fast_crashes(tmp_path):
     fleet = ScriptFleet(cfg, cfile, 2, tmp_path, out=out, script=script)
     t0 = time.monotonic()
     assert fleet.run(install_signals=False) == 1
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < slack(20)
     text = out.getvalue()
     assert text.count("GIVING UP") == 2 and "3 times in a row" in text and "boom: broken install" in text
     assert all(s.starts == 3 and s.gave_up for s in fleet.slots)
@@ -102,7 +103,7 @@ while True:
     procs = [s.proc for s in fleet.slots]
     t0 = time.monotonic()
     fleet.stop()  # actor 0 ignores SIGTERM: killed after stop_timeout_s
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < slack(5)
     assert all(p.returncode is not None for p in procs)  # reaped: no zombies
     assert procs[1].returncode == 0 or procs[1].returncode == -signal.SIGTERM
     assert procs[0].returncode == -signal.SIGKILL
@@ -142,7 +143,7 @@ def test_status_line_sums_counters_across_restarts(tmp_path):
 OVERRIDES = ["actor.group_size=4", "env.envs_per_actor=2", "env.max_steps=160", "env.task_ids=[0,3]",
              "policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_layers=1", "run.name=fleet",
              "buffer.dynamic_sampling=false", "buffer.pacing=false", "buffer.max_groups=100000",
-             "buffer.max_staleness=100", "buffer.group_timeout_s=3", "actor.heartbeat_s=0.2",
+             "buffer.max_staleness=100", "buffer.max_staleness_limit=100", "buffer.group_timeout_s=3", "actor.heartbeat_s=0.2",
              "actor.stats_every_s=1", "actor.restart_backoff_s=0.2", "actor.hung_after_s=30",
              "actor.stop_timeout_s=10", "logging.status_every_s=1", "actor.temperature=1.0",
              "transport.weights_port=0", "weights.export_async=false"]
@@ -238,7 +239,7 @@ def test_fleet_end_to_end(tmp_path):
         # The fleet respawns it within a few seconds (back-off 0.2 s; 10 s allowed on a loaded host); the new
         # process reports in soon after.
         wait_for(lambda: starts_of_0() > starts, 10, "the fleet to respawn actor 0")
-        assert time.monotonic() - t_kill < 10
+        assert time.monotonic() - t_kill < slack(10)
         new_pid = wait_for(lambda: (s := read_status(status_path(run_dir, 0))) and s["pid"] != pid0 and s["pid"],
                            30, "the respawned actor 0 to report")
         n0_before = len(by_actor(0))
@@ -257,7 +258,7 @@ def test_fleet_end_to_end(tmp_path):
         t0 = time.monotonic()
         fleet.send_signal(signal.SIGTERM)
         assert fleet.wait(timeout=30) == 0
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < slack(20)
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive
         for c in children:

@@ -16,6 +16,7 @@ from async_vla.config import Config
 from async_vla.weights.buckets import checksum
 from async_vla.weights import WeightPublisher, WeightSubscriber
 from tests.weight_helpers import FAST, mixed_model, weights_cfg
+from timing import slack
 
 
 def _cfg(**weights) -> Config:
@@ -107,7 +108,7 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
             s.close()
         closed_in = time.monotonic() - t0
         pub.close()
-    assert all(not s._thread.is_alive() for s in subs) and closed_in < 2.0   # close() wakes the thread
+    assert all(not s._thread.is_alive() for s in subs) and closed_in < slack(2.0)   # close() wakes the thread
 
 
 def test_subscriber_waits_for_a_publisher_that_starts_later_and_closes_promptly(tmp_path):
@@ -123,7 +124,7 @@ def test_subscriber_waits_for_a_publisher_that_starts_later_and_closes_promptly(
         pub.close()
         t0 = time.monotonic()
         sub.close()
-        assert time.monotonic() - t0 < 2.0 and not sub._thread.is_alive()
+        assert time.monotonic() - t0 < slack(2.0) and not sub._thread.is_alive()
 
 
 # ----------------------------------------------------------------------------------- actor processes
@@ -264,7 +265,7 @@ def test_kill9_between_broadcasts_learner_continues_and_survivor_receives(world)
     actors.procs[1].join(5)
     t0 = time.monotonic()
     st = pub.publish(2, mixed_model(21).items())                              # the dead member is still in the group
-    assert time.monotonic() - t0 < timeout + 3.0, st   # 3 s: pack, re-form and resend on a loaded host
+    assert time.monotonic() - t0 < timeout + slack(3.0), st   # pack, re-form and resend: not a hang
     assert st["failures"] >= 1 and st["epoch"] >= 2 and st["confirmed"] == 1, st   # retried without it
     assert actors.got(2, 2)[3] == st["checksum"]
     st = pub.publish(3, mixed_model(22).items())
@@ -285,7 +286,7 @@ def test_kill9_during_broadcast_never_hangs_the_learner(world, path):
     model["w0"] += 1
     t0 = time.monotonic()
     st = pub.publish(2, model.items())
-    assert time.monotonic() - t0 < pub.timeout_s + 3.0, st
+    assert time.monotonic() - t0 < pub.timeout_s + slack(3.0), st
     assert st["failures"] >= 1 and st["receivers"] == 1 and st["confirmed"] == 1, st   # retried without it
     assert st["doorbell"] == (path == "doorbell"), st
     assert actors.got(2, 2)[3] == st["checksum"] == checksum(model)
@@ -315,7 +316,7 @@ def test_stopped_actor_is_bounded_by_the_timeout_and_rejoins(world):
     actors.signal(1, signal.SIGSTOP)                                     # alive but unresponsive
     t0 = time.monotonic()
     st = pub.publish(2, mixed_model(41).items())
-    assert time.monotonic() - t0 < 3.0 + 3.0 and st["failures"] >= 1, st
+    assert time.monotonic() - t0 < 3.0 + slack(3.0) and st["failures"] >= 1, st
     time.sleep(5 * FAST["heartbeat_s"] + 0.2)                             # its heartbeat is now stale
     st = pub.publish(3, mixed_model(42).items())
     assert st["receivers"] == 1 and st["confirmed"] == 1, st

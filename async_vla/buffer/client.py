@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ from async_vla.messages import BatchRequest, ControlCommand
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
 log = logging.getLogger("learner")
+SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one start
 
 
 class BatchClient:
@@ -27,6 +29,9 @@ class BatchClient:
         self.pending = False
         self.sent_at = 0.0
         self.reconnects = 0
+        # One id for this learner start, the same on every rank (the launcher sets it): the buffer tells a resumed
+        # learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
+        self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
 
     def _connect(self) -> ControlClient:
         ident = f"learner-{self.rank}-{os.getpid()}-{time.monotonic_ns()}".encode()
@@ -38,7 +43,7 @@ class BatchClient:
         if not self.pending:
             try:
                 self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
-                                                 timeout_s=timeout), timeout_s=timeout)
+                                                 timeout_s=timeout, session=self.session), timeout_s=timeout)
             except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
                 log.warning("%s: reconnecting", exc)
                 self._reconnect()

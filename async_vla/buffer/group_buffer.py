@@ -17,6 +17,9 @@ Ledger: every received trajectory is in exactly one state; ``received == sum(led
     malformed           failed validation here (wrong_run, unknown_task, bad_action_token, group_mismatch,
                         group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
                         never become messages)
+    ahead               sampled with weights the learner no longer has: after a rollback to version c (a learner
+                        resumed from an older checkpoint) a behaviour version above c, up to the dead learner's
+                        newest, is the dead learner's policy; its whole group is refused (see rollback)
     pending             in an incomplete group, or in an admitted group not yet put in a batch
 ``received`` counts every add() and every count_malformed() call.
 
@@ -35,6 +38,10 @@ Because the learner consumes B groups per version, accepted - v_rel*B is the adm
 at version v is trained by version v + eta + 1 at the latest, and stale drops are rare. Nothing is granted
 while has_room() is False. With learner.steps_per_batch = k the version moves k per batch (looser pacing), and
 with reuse > 1 groups are consumed more than once; both only loosen it, the eta check still holds.
+
+Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
+``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes
+back the grants of an actor that went silent (the service calls it; counted as groups "reclaimed").
 
 Memory: held bytes = every trajectory still referenced (open groups, ready queue, formed batches).
 has_room() is False when ready groups >= max_groups or held_bytes + (largest trajectory seen) > max_bytes,
@@ -63,7 +70,8 @@ from async_vla.messages import ControlCommand, Message, Trajectory
 log = logging.getLogger(__name__)
 
 MAX_WANT = 1024  # an actor asking for more is hostile or buggy; cap what one grant can take
-JOURNAL_COMMANDS = ("j.malformed", "j.version", "j.eta", "j.expire", "j.batch", "j.grant", "j.rollback")
+JOURNAL_COMMANDS = ("j.malformed", "j.version", "j.eta", "j.expire", "j.batch", "j.grant", "j.rollback",
+                    "j.resume", "j.reclaim")
 
 
 @dataclass(eq=False)
@@ -77,6 +85,9 @@ class _Group:
     traj_ids: set = field(default_factory=set)
     key: Optional[tuple] = None         # (group_size, task_id, init_state_id, run_id) every member must share
     min_bv: int = 2**62                 # oldest behaviour version among members
+    max_bv: int = -1                    # newest behaviour version among members (never trained at a lag < 0)
+    actor: Optional[int] = None         # the actor it was granted to (None: not granted by this buffer)
+    ceiling: Optional[int] = None       # newest behaviour version still of the live learner (set by a rollback)
     nbytes: int = 0
     uses: int = 0
     refs: int = 0
@@ -128,7 +139,17 @@ class GroupBuffer:
         self._next_gid = int(gid_start)  # the service starts at ms-since-epoch: a restart never reissues an id
         self.eta_changes: list[dict] = []
         self.grants_refused_behind = 0  # grant requests from actors whose policy lags beyond eta
+        self.grants_refused_ahead = 0   # grant requests from actors holding a dead learner's newer weights
+        self.grants_capped = 0          # grant requests trimmed to max_groups_per_actor
         self.rollbacks: list[dict] = []  # learner restarts from an older checkpoint (see rollback)
+        self._by_actor: dict[int, set[str]] = {}  # actor -> ids of its granted groups still open
+        self._rollback_to: Optional[int] = None   # target of the latest rollback
+        self._horizon = -1               # newest version the dead learner(s) reached: (c, horizon] is "ahead"
+        self._max_bv_seen = -1
+        self._session: Optional[str] = None   # the learner's (BatchRequest.session), once one was given
+        if self.max_staleness > self.cfg.max_staleness_limit:
+            raise ValueError(f"max_staleness ({self.max_staleness}) exceeds buffer.max_staleness_limit "
+                             f"({self.cfg.max_staleness_limit}); lower it or raise the limit")
 
     @classmethod
     def from_config(cls, cfg: Any, run_id: str, **kw) -> "GroupBuffer":
@@ -145,7 +166,7 @@ class GroupBuffer:
 
     @property
     def ledger(self) -> dict[str, int]:
-        """Trajectory counts by state (all eight, pending included)."""
+        """Trajectory counts by state (all nine, pending included)."""
         return self.books.counts()
 
     @property
@@ -179,10 +200,12 @@ class GroupBuffer:
                 state, ids = closed
                 if traj.traj_id in ids:
                     return self.books.settle("duplicate")
-                if state == "expired_partial":
-                    return self.books.settle("expired_partial")
+                if state in ("expired_partial", "ahead"):
+                    return self.books.settle(state)
                 return self.books.malformed("group_overfull")
-            g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now)
+            # Not granted by this buffer (granted before a restart, or forged): after a rollback its members may
+            # hold the dead learner's weights, so only versions up to the rollback's target are the live policy's.
+            g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now, ceiling=self._rollback_to)
         if traj.traj_id in g.traj_ids:
             return self.books.settle("duplicate")
         key = (traj.group_size, traj.task_id, traj.init_state_id, traj.run_id)
@@ -190,10 +213,17 @@ class GroupBuffer:
             g.key, g.size = key, traj.group_size
         elif key != g.key:
             return self.books.malformed("group_mismatch")
+        bv = int(traj.behaviour_version)
+        self._max_bv_seen = max(self._max_bv_seen, bv)
+        if self._is_ahead(g, bv):
+            self.books.settle("ahead")
+            self._drop_open(g, "ahead")
+            return "ahead"
         g.members.append(traj)
         g.traj_ids.add(traj.traj_id)
         g.last_t = now
-        g.min_bv = min(g.min_bv, traj.behaviour_version)
+        g.min_bv = min(g.min_bv, bv)
+        g.max_bv = max(g.max_bv, bv)
         g.nbytes += traj.nbytes
         self.held_bytes += traj.nbytes
         self._largest = max(self._largest, traj.nbytes)
@@ -223,10 +253,33 @@ class GroupBuffer:
         return self.valid_task_ids is None or task_id in self.valid_task_ids
 
     # ------------------------------------------------------------------ groups
+    def _is_ahead(self, g: _Group, bv: int) -> bool:
+        """Is behaviour version ``bv`` in group ``g`` a dead learner's policy (see ``rollback``)?"""
+        live = g.ceiling if g.ceiling is not None else self.version
+        return live < bv <= self._horizon
+
+    def _close(self, g: _Group, state: str) -> None:
+        """``g`` leaves assembly (complete, expired, reclaimed, ahead): later stragglers are judged by ``state``."""
+        del self._open[g.gid]
+        if g.actor is not None:
+            held = self._by_actor.get(g.actor)
+            if held is not None:
+                held.discard(g.gid)
+                if not held:
+                    del self._by_actor[g.actor]
+        self._remember(g.gid, state, g.traj_ids)
+
+    def _drop_open(self, g: _Group, state: str) -> int:
+        """Close an open group without admitting it; its members (if any) end in ``state``. Returns them."""
+        self._close(g, state)
+        n = len(g.members)
+        if n:
+            self._reject(g, state)
+        return n
+
     def _complete(self, g: _Group) -> str:
         """A group reached G members: filters first (intrinsic), then staleness, else admit it."""
-        del self._open[g.gid]
-        self._remember(g.gid, "complete", g.traj_ids)
+        self._close(g, "complete")
         successes = [bool(t.success) for t in g.members]
         if self.cfg.dynamic_sampling and not mixed_outcome(successes, g.size):
             return self._reject(g, "filtered_uniform")
@@ -266,14 +319,37 @@ class GroupBuffer:
         self._record(now, ControlCommand("j.expire", None))
         n = 0
         for g in dead:
-            del self._open[g.gid]
-            self._remember(g.gid, "expired_partial", g.traj_ids)
             if g.members:
-                n += len(g.members)
-                self._reject(g, "expired_partial")
+                n += self._drop_open(g, "expired_partial")
             else:  # granted, never started (or its actor died first): frees its pacing slot, no ledger entry
+                self._close(g, "expired_partial")
                 self.books.expire_empty_group()
         return n
+
+    def reclaim(self, actor_id: int) -> int:
+        """Take back every group granted to ``actor_id`` that is still open (the actor stopped heart-beating):
+        empty ones free their pacing slot (groups "reclaimed"), partial ones expire now ("expired_partial": their
+        other members will not come); a late member is then an expired_partial straggler. Returns groups."""
+        gids = sorted(self._by_actor.get(int(actor_id), ()))
+        if not gids:
+            return 0
+        self._record(self.clock(), ControlCommand("j.reclaim", int(actor_id)))
+        for gid in gids:
+            g = self._open[gid]
+            if g.members:
+                self._drop_open(g, "expired_partial")
+            else:
+                self._close(g, "expired_partial")
+                self.books.reclaim_group()
+        return len(gids)
+
+    def held_by(self, actor_id: int) -> int:
+        """Granted groups of ``actor_id`` still open (granted, or partially received)."""
+        return len(self._by_actor.get(int(actor_id), ()))
+
+    @property
+    def actors_holding_grants(self) -> list[int]:
+        return sorted(self._by_actor)
 
     # ------------------------------------------------------------------ pacing
     def pacing_capacity(self) -> int:
@@ -282,16 +358,25 @@ class GroupBuffer:
         return (self.max_staleness + v_rel + 1) * self.B - len(self._open) - self.accepted_groups
 
     def grant(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> list[str]:
-        """New group ids ("<run>-g<n>") the actor may start; [] = not now (pacing, memory full, or the actor's
-        policy is already too old: whatever it produced would be dropped as stale, so it must fetch weights
-        first — the grant's learner_version tells it so)."""
-        want = max(0, min(int(want), MAX_WANT))
+        """New group ids ("<run>-g<n>") the actor may start; [] = not now (pacing, memory full, the actor holds
+        ``max_groups_per_actor`` open groups already, or its policy is unusable: too old - whatever it produced
+        would be dropped as stale - or a dead learner's newer weights after a rollback; it must fetch weights
+        first, the grant's learner_version tells it so). A want above what the actor may still hold is trimmed
+        (``grants_capped``); a want < 1 gets nothing."""
+        actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
+        room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
+        if want > room:
+            self.grants_capped += 1
+            want = room
         n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
         if not self.has_room():
             n = 0
         if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
             n = 0
             self.grants_refused_behind += 1
+        elif actor_version is not None and self.version < int(actor_version) <= self._horizon:
+            n = 0   # holds a dead learner's weights: whatever it samples now would be refused as "ahead"
+            self.grants_refused_ahead += 1
         now = self.clock()
         ids = []
         for _ in range(n):
@@ -299,19 +384,22 @@ class GroupBuffer:
             self._next_gid += 1
             ids.append(gid)
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too
-            self._record(now, ControlCommand("j.grant", ",".join(ids)))
-            self._open_granted(ids, now)
+            self._record(now, ControlCommand("j.grant", f"{actor_id}:" + ",".join(ids)))
+            self._open_granted(actor_id, ids, now)
         return ids
 
-    def _open_granted(self, ids: list[str], now: float) -> None:
+    def _open_granted(self, actor_id: Optional[int], ids: list[str], now: float) -> None:
         for gid in ids:
-            self._open[gid] = _Group(gid, last_t=now)
+            self._open[gid] = _Group(gid, last_t=now, actor=actor_id)
+        if actor_id is not None:
+            self._by_actor.setdefault(actor_id, set()).update(ids)
 
     def set_max_staleness(self, eta: int, source: str = "api") -> int:
         """Change eta live (logged, kept in eta_changes and metrics); returns the new value."""
         eta = int(eta)
-        if eta < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {eta}")
+        if not 0 <= eta <= self.cfg.max_staleness_limit:
+            raise ValueError(f"max_staleness must be in [0, buffer.max_staleness_limit={self.cfg.max_staleness_limit}]"
+                             f", got {eta}")
         if eta != self.max_staleness:
             self._record(self.clock(), ControlCommand("j.eta", eta))
             log.info("buffer: max_staleness %d -> %d (from %s, learner version %d)", self.max_staleness, eta,
@@ -334,7 +422,7 @@ class GroupBuffer:
             self._v_base = v
         self._purge_stale()
 
-    def rollback(self, version: int) -> None:
+    def rollback(self, version: int, resumed: bool = False) -> None:
         """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
 
         A batch already formed at ``version`` is kept and served again; a batch formed for a later version (only
@@ -345,14 +433,25 @@ class GroupBuffer:
         Staleness is measured from ``version`` again (else everything the resumed policy produces would look too
         old and the learner would starve), and v_base moves back as far, so pacing keeps the credit of the batches
         consumed so far (the replayed versions each consume a batch again).
+
+        Versions ``version + 1`` up to the dead learner's newest (the horizon: our version or the newest behaviour
+        version seen, whichever is larger) were the dead learner's policies, which no longer exist: data sampled
+        with them is refused as "ahead" - whole groups, held (ready, untrained) or still assembling, now and when
+        it arrives later - and actors holding such weights get no grant until they catch up with the resumed
+        learner. Groups open now keep ``version`` as their ceiling for good (the resumed learner's later versions
+        reuse those numbers); groups granted from now on to actors at or below the learner's version are judged
+        against the learner's version as it moves. ``resumed``: a new learner session (BatchRequest.session) at our
+        version itself - the dead learner may have published newer weights before asking for its next batch.
         """
         v = int(version)
-        if v >= self.version:
+        if v > self.version or (v == self.version and not resumed):
             return
-        self._record(self.clock(), ControlCommand("j.rollback", v))
+        self._record(self.clock(), ControlCommand("j.rollback" if v < self.version else "j.resume", v))
         log.warning("buffer: learner rolled back from version %d to %d (resumed from a checkpoint)", self.version, v)
         self.rollbacks.append({"t": time.time(), "from": self.version, "to": v})
         del self.rollbacks[:-100]
+        self._horizon = max(self._horizon, self.version, self._max_bv_seen)
+        self._rollback_to = v
         self._v_base -= self.version - v
         for bv in sorted((bv for bv in self._batches if bv > v), reverse=True):
             for g in reversed(self._batches.pop(bv).groups):
@@ -361,6 +460,20 @@ class GroupBuffer:
                 else:
                     self._release(g)
         self.version = v
+        for g in list(self._open.values()):
+            g.ceiling = v if g.ceiling is None else min(g.ceiling, v)
+            if g.max_bv > v:
+                self._drop_open(g, "ahead")
+        keep = collections.deque()
+        for g in self._ready:
+            if g.max_bv <= v:
+                keep.append(g)
+                continue
+            if not g.trained:
+                self.books.drop_group(g.members, "ahead", self.version)
+                self.accepted_groups -= 1
+            self._release(g)
+        self._ready = keep
 
     def _untrain(self, g: _Group, batch_version: int) -> None:
         """Undo _form for a group of a batch whose update was lost: back to the front of the ready queue."""
@@ -389,7 +502,8 @@ class GroupBuffer:
         got = self.take_batch(version, rank, world)
         return None if got is None else got[1]
 
-    def take_batch(self, version: int, rank: int = 0, world: int = 1) -> Optional[tuple[int, list[list[Trajectory]]]]:
+    def take_batch(self, version: int, rank: int = 0, world: int = 1,
+                   session: str = "") -> Optional[tuple[int, list[list[Trajectory]]]]:
         """(batch_id, groups [rank*B/W, (rank+1)*B/W) of the batch for ``version``), or None if not enough yet.
 
         The first request at a version forms the batch (B fresh groups); the other ranks at that version get
@@ -397,7 +511,13 @@ class GroupBuffer:
         """
         if world < 1 or not 0 <= rank < world or self.B % world:
             raise ValueError(f"rank {rank} / world {world} cannot split {self.B} groups evenly")
-        if version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
+        if session and session != self._session:
+            # Another learner: at a version we served, it resumed from a checkpoint (even the newest one: what the
+            # dead learner published after it died with it). A fresh buffer's first learner is just followed.
+            if self._session is not None and version <= self.version:
+                self.rollback(version, resumed=True)
+            self._session = session
+        elif version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
             self.rollback(version)
         self.set_learner_version(version)
         batch = self._batches.get(version)
@@ -410,11 +530,16 @@ class GroupBuffer:
 
     def _form(self, version: int) -> Optional[_Batch]:
         self._purge_stale()
-        if len(self._ready) < self.B:
+        # Never a lag < 0: a group sampled with weights newer than the learner's version (the broadcast outran
+        # the learner's batch request) waits for the version to catch up.
+        usable = [g for g in self._ready if g.max_bv <= self.version]
+        if len(usable) < self.B:
             return None
         self._record(self.clock(), ControlCommand("j.batch", int(version)))
         fifo = self.cfg.order == "fifo"
-        groups = [self._ready.popleft() if fifo else self._ready.pop() for _ in range(self.B)]
+        groups = usable[:self.B] if fifo else usable[::-1][:self.B]
+        taken = set(map(id, groups))
+        self._ready = collections.deque(g for g in self._ready if id(g) not in taken)
         for g in groups:  # the ready queue's reference moves to the batch
             g.uses += 1
             self.books.use_group(g.members, self.version, first_use=not g.trained)
@@ -490,6 +615,8 @@ class GroupBuffer:
             "buffer/groups_accepted": float(self.accepted_groups), "buffer/batches": float(self.batches_formed),
             "buffer/pacing_capacity": float(self.pacing_capacity()), "buffer/learner_version": float(self.version),
             "buffer/grants_refused_behind": float(self.grants_refused_behind),
+            "buffer/grants_refused_ahead": float(self.grants_refused_ahead),
+            "buffer/grants_capped": float(self.grants_capped),
         })
         return m
 
@@ -500,7 +627,10 @@ class GroupBuffer:
             "max_staleness": self.max_staleness, "eta_changes": list(self.eta_changes),
             "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
             "grants_refused_behind": self.grants_refused_behind,
-            "groups_in_flight": len(self._open),
+            "grants_refused_ahead": self.grants_refused_ahead, "grants_capped": self.grants_capped,
+            "horizon": self._horizon, "groups_in_flight": len(self._open),
+            "actors_holding_grants": len(self._by_actor),
+            "most_groups_held_by_one_actor": max(map(len, self._by_actor.values()), default=0),
             "groups_ready": len(self._ready), "held_bytes": self.held_bytes,
         }
 
@@ -530,7 +660,12 @@ class GroupBuffer:
             self.take_batch(value)
         elif cmd == "j.rollback":
             self.rollback(value)
-        elif cmd == "j.grant":
-            self._open_granted(value.split(","), self.clock())
+        elif cmd == "j.resume":
+            self.rollback(value, resumed=True)
+        elif cmd == "j.grant":   # "<actor>:<id>,<id>..." (recordings before per-actor grants: no "<actor>:")
+            actor, _, ids = value.rpartition(":")
+            self._open_granted(int(actor) if actor else None, ids.split(","), self.clock())
+        elif cmd == "j.reclaim":
+            self.reclaim(value)
         else:
             raise ValueError(f"not a journal command: {cmd!r}")

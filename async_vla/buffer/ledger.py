@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 STATES = ("trained", "filtered_uniform", "filtered_difficulty", "stale", "expired_partial", "duplicate",
-          "malformed", "pending")
+          "malformed", "ahead", "pending")
 
 
 class Ledger:
@@ -61,6 +61,10 @@ class Ledger:
         """A granted group expired before any member arrived: no trajectory, only a group outcome."""
         self.group_counts["expired_empty"] += 1
 
+    def reclaim_group(self) -> None:
+        """A granted group taken back from an actor that stopped heart-beating before any member arrived."""
+        self.group_counts["reclaimed"] += 1
+
     def use_group(self, members: Sequence, version: int, first_use: bool) -> None:
         """A group was put in the batch for learner ``version`` (``first_use``: it becomes "trained")."""
         if first_use:
@@ -85,7 +89,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ reading
     def counts(self) -> dict[str, int]:
-        """Trajectory counts by state (all eight, pending included)."""
+        """Trajectory counts by state (all nine, pending included)."""
         out = {s: int(self._terminal[s]) for s in STATES}
         out["pending"] = self.pending
         return out

@@ -11,6 +11,10 @@ socket, ControlCommand("stats")). Each ``step()``:
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
+Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
+buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
+parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
+actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
 Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
 takes in the trajectories already queued on its socket first (``_drain``). A batch request for a version older
 than the buffer's is a learner resumed from a checkpoint: the buffer follows it back (``GroupBuffer.rollback``).
@@ -22,6 +26,7 @@ import collections
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,6 +42,9 @@ log = logging.getLogger(__name__)
 
 DRAIN_S = 1.0               # on a clean stop, time given to take in trajectories already queued on the socket
 MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
+MAX_PARKED = 64             # parked batch requests held at once; beyond it a request is answered not-ready at once
+MAX_ACTORS_TRACKED = 4096   # actor ids remembered for metrics and reclaiming (forged ids must not grow memory)
+MAX_STATS_TASKS = 512       # by-task entries one ActorStats may carry (a run has far fewer tasks)
 CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
 TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
 
@@ -69,6 +77,8 @@ class BufferService:
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
         self.weights_path = ""
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
         self.counters: collections.Counter = collections.Counter()
         self._parked: list[tuple[bytes, BatchRequest, float]] = []
         self._seen_malformed: collections.Counter = collections.Counter()
@@ -77,6 +87,10 @@ class BufferService:
         self._eta_file.parent.mkdir(parents=True, exist_ok=True)   # so `echo 4 > <run>/control/max_staleness` works
         self._eta_file_sig: Optional[tuple] = None
         self._shutdown = False
+        self.accept_shutdown = False
+        """A Shutdown message on the control socket stops serve() only when True (a learner thread's embedded
+        buffer may allow it); bin/buffer stops on signals: anyone who can reach the socket could send one."""
+        self._warned: collections.Counter = collections.Counter()
         self._closed = False
         self.latest_metrics: dict[str, float] = {}
         """metrics() as of the last status tick (logging.status_every_s); the one thing other threads may read."""
@@ -117,6 +131,8 @@ class BufferService:
         now = self.clock()
         if self._parked and (added or any(deadline <= now for _, _, deadline in self._parked)):
             self._serve_parked(now)
+        if work and self.recorder is not None:
+            self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
         self._periodic(now, on_status)
         if not work:  # idle: block on whichever socket can make progress
             if self.buffer.has_room():
@@ -156,53 +172,115 @@ class BufferService:
             self._grant(peer, msg)
         elif isinstance(msg, BatchRequest):
             self._batch_request(peer, msg)
+        elif isinstance(msg, ActorStats) and len(msg.episodes_by_task) + len(msg.successes_by_task) > MAX_STATS_TASKS:
+            self.counters["actor_stats_refused"] += 1     # kept per actor: its size must be bounded too
         elif isinstance(msg, (Heartbeat, ActorStats)):
-            entry = self._actors.setdefault(msg.actor_id, {})
-            entry["t"] = self.clock()
+            entry = self._touch(msg.actor_id)
             entry["heartbeat" if isinstance(msg, Heartbeat) else "stats"] = msg
             if isinstance(msg, ActorStats):   # the run's env steps so far (summary throughput in async mode)
                 self.counters["env_steps_reported"] += max(0, int(msg.env_steps))
         elif isinstance(msg, ControlCommand):
             self.control.reply(peer, self._command(msg))
-        elif isinstance(msg, Shutdown):
+        elif isinstance(msg, Shutdown) and self.accept_shutdown:
             log.info("buffer: shutdown requested (%s)", msg.reason)
             self._shutdown = True
         else:
             self.counters["control_unexpected"] += 1
 
+    def _warn(self, what: str, fmt: str, *args) -> None:
+        """A warning that hostile input could repeat without end: the first 10, then every 1000th (counted)."""
+        n = self._warned[what] = self._warned[what] + 1
+        if n <= 10 or n % 1000 == 0:
+            log.warning(fmt + ("" if n <= 10 else f" ({n} such so far)"), *args)
+
+    def _touch(self, actor_id: int) -> dict:
+        """The entry of an actor that just spoke (bounded: the longest-silent one is forgotten past
+        MAX_ACTORS_TRACKED, its open groups reclaimed first)."""
+        entry = self._actors.pop(actor_id, None)
+        if entry is None:
+            entry = {}
+            while len(self._actors) >= MAX_ACTORS_TRACKED:
+                oldest = next(iter(self._actors))   # dict order = order of last contact (re-inserted on each)
+                self._reclaim(oldest, "forgotten")
+                del self._actors[oldest]
+        self._actors[actor_id] = entry
+        entry["t"] = self.clock()
+        return entry
+
+    def _reclaim(self, actor_id: int, why: str) -> None:
+        n = self.buffer.reclaim(actor_id)
+        if n:
+            self.counters["groups_reclaimed"] += n
+            self._warn("reclaim", "buffer: actor %d %s; its %d open groups were taken back", actor_id, why, n)
+
+    def _reclaim_silent(self, now: float) -> None:
+        """Reclaim the groups of actors silent for reclaim_after_s; forget actors silent for longer than that and
+        hung_after_s (they hold nothing by then)."""
+        limit = self.cfg.buffer.reclaim_after_s
+        forget = max(limit, self.cfg.actor.hung_after_s)
+        for actor_id in self.buffer.actors_holding_grants:
+            entry = self._actors.get(actor_id)
+            if entry is None or now - entry.get("t", -1e18) > limit:
+                self._reclaim(actor_id, f"silent for more than buffer.reclaim_after_s={limit:g} s")
+        for actor_id in [a for a, e in self._actors.items() if now - e.get("t", -1e18) > forget]:
+            if not self.buffer.held_by(actor_id):
+                del self._actors[actor_id]
+
     def _grant(self, peer: bytes, req: GrantRequest) -> None:
-        ids = self.buffer.grant(req.actor_id, req.want, actor_version=req.policy_version)
         self.counters["grant_requests"] += 1
+        self._touch(req.actor_id)
+        bc, error = self.cfg.buffer, ""
+        room = bc.max_groups_per_actor - self.buffer.held_by(req.actor_id)
+        if req.want < 1:
+            error = f"want must be >= 1, got {req.want}"
+        elif req.want > room:
+            error = (f"want {req.want} trimmed to {max(room, 0)}: an actor holds at most buffer.max_groups_per_actor="
+                     f"{bc.max_groups_per_actor} open groups (it holds {self.buffer.held_by(req.actor_id)})")
+        ids = self.buffer.grant(req.actor_id, req.want, actor_version=req.policy_version) if req.want >= 1 else []
+        if error:
+            self.counters["grant_requests_out_of_bounds"] += 1
         self.counters["groups_granted"] += len(ids)
         self.counters["grants_refused"] += 0 if ids else 1
-        self._actors.setdefault(req.actor_id, {})["t"] = self.clock()
         self.control.reply(peer, AdmissionGrant(
             actor_id=req.actor_id, group_ids=ids, learner_version=self.buffer.version,
-            max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else self.cfg.buffer.grant_retry_s,
-            weights_path=self.weights_path))
+            max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else bc.grant_retry_s,
+            weights_path=self.weights_path, error=error, buffer_id=self.incarnation))
 
     def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
-        if req.version < self.buffer.version:
+        other = bool(req.session) and any(r.session and r.session != req.session for _, r, _ in self._parked)
+        if req.version < self.buffer.version or other:
             # A learner resumed from an older checkpoint: requests the dead one left parked are void (served, they
             # would drag the version forward again). Each still gets its one reply.
-            void = [(p, r) for p, r, _ in self._parked if r.version > req.version]
+            void = [(p, r) for p, r, _ in self._parked
+                    if r.version > req.version or (req.session and r.session and r.session != req.session)]
             for p, r in void:
                 self.control.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
             self._parked = [x for x in self._parked if x[1].version <= req.version]
             self.counters["parked_voided"] += len(void)
             self.counters["learner_rollbacks"] += 1
         if not self._try_batch(peer, req):
+            # One parked request per learner peer and rank (a newer one means the older was given up on), and at
+            # most MAX_PARKED in all: each still gets its one reply.
+            older = [x for x in self._parked if x[0] == peer and x[1].rank == req.rank]
+            if older or len(self._parked) >= MAX_PARKED:
+                if older:
+                    self._parked = [x for x in self._parked if x not in older]
+                for p, r, _ in older if older else [(peer, req, 0.0)]:
+                    self.control.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
+                self.counters["parked_replaced" if older else "parked_refused_full"] += 1
+                if not older:
+                    return
             timeout = min(max(0.0, float(req.timeout_s)), MAX_PARK_S)
             self._parked.append((peer, req, self.clock() + timeout))
 
     def _try_batch(self, peer: bytes, req: BatchRequest) -> bool:
         """Reply with this rank's share if the batch exists or can be formed now; False = not yet."""
         try:
-            got = self.buffer.take_batch(req.version, req.rank, req.world)
+            got = self.buffer.take_batch(req.version, req.rank, req.world, session=req.session)
         except ValueError as exc:
-            log.warning("buffer: bad batch request from rank %d: %s", req.rank, exc)
+            self._warn("bad_batch", "buffer: bad batch request from rank %d: %s", req.rank, exc)
             self.counters["bad_batch_requests"] += 1
-            self.control.reply(peer, BatchHeader(batch_id=-1, version=req.version, ready=False))
+            self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
             return True
         if got is None:
             return False
@@ -231,16 +309,21 @@ class BufferService:
                     raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
                 return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))
             if cmd.command == "set_learner_version":
+                if not isinstance(cmd.value, int) or isinstance(cmd.value, bool) or cmd.value < 0:
+                    raise ValueError(f"set_learner_version needs an int >= 0, got {cmd.value!r}")
                 self.buffer.set_learner_version(int(cmd.value))
                 return ControlCommand("ok", self.buffer.version)
             if cmd.command == "set_weights_path":
+                if not isinstance(cmd.value, (str, type(None))) or len(cmd.value or "") > 4096:
+                    raise ValueError("set_weights_path needs a path (a str of at most 4096 characters)")
                 self.weights_path = str(cmd.value or "")
                 return ControlCommand("ok", self.weights_path)
             if cmd.command == "stats":
                 return ControlCommand("stats", json.dumps(self.stats()))
-            raise ValueError(f"unknown command {cmd.command!r}")
-        except (TypeError, ValueError) as exc:
-            return ControlCommand("error", str(exc))
+            raise ValueError(f"unknown command {cmd.command[:64]!r}")
+        except (TypeError, ValueError, OverflowError) as exc:
+            self.counters["control_errors"] += 1
+            return ControlCommand("error", str(exc)[:500])
 
     # ------------------------------------------------------------------ chores
     def _periodic(self, now: float, on_status: Optional[Callable[[dict], None]]) -> None:
@@ -248,6 +331,7 @@ class BufferService:
         if now >= due["expire"]:
             due["expire"] = now + bc.expire_every_s
             n = self.buffer.expire(now)
+            self._reclaim_silent(now)
             if n:
                 log.warning("buffer: %d trajectories of partial groups expired (group_timeout_s=%s)", n,
                             bc.group_timeout_s)
@@ -285,19 +369,34 @@ class BufferService:
             return
         self._eta_file_sig = sig
         try:   # deleted between stat and read, or not text: the file is user input and must not stop the buffer
-            text = self._eta_file.read_text().strip()
+            with open(self._eta_file, "rb") as f:   # an int is short: never read a huge file whole
+                text = f.read(64).decode().strip()
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("buffer: could not read %s (%s); ignored", self._eta_file, exc)
             return
         try:
             self.buffer.set_max_staleness(int(text), source=f"file {self._eta_file}")
-        except ValueError:
-            log.warning("buffer: %s holds %r, not a non-negative int; ignored", self._eta_file, text[:40])
+        except ValueError as exc:
+            self.counters["control_file_refused"] += 1
+            log.warning("buffer: %s holds %r: %s; ignored", self._eta_file, text[:40], exc)
+
+    def audit_books(self) -> str:
+        """The ledger's structural check, live (GroupBuffer.check_invariants: pending and held bytes recomputed from
+        the groups themselves, not from the counters add() keeps): "ok", or what disagreed (logged, counted)."""
+        try:
+            self.buffer.check_invariants()
+        except AssertionError as exc:
+            self.counters["invariant_failures"] += 1
+            self._warn("invariants", "buffer: the books disagree with the structures: %s", exc)
+            return f"FAILED: {exc}"[:500]
+        self.counters["invariant_checks"] += 1
+        return "ok"
 
     def write_ledger(self) -> Path:
         """Flush the recording, then write ledger.json (recorded_records = how many records it reflects)."""
         extra = {"service": dict(self.counters),
-                 "previous_ledger": self.previous_ledger.name if self.previous_ledger else None}
+                 "previous_ledger": self.previous_ledger.name if self.previous_ledger else None,
+                 "invariants": self.audit_books(), "incarnation": self.incarnation}
         if self.recorder is not None:
             self.recorder.flush()
             extra["recorded_records"] = self.recorder.records
@@ -313,9 +412,10 @@ class BufferService:
         succ: collections.Counter = collections.Counter()
         eps: collections.Counter = collections.Counter()
         steps_per_s = 0.0
-        for s in stats:
-            succ.update(s.successes_by_task)
-            eps.update(s.episodes_by_task)
+        valid = self.buffer.valid_task_ids
+        for s in stats:   # task ids of this run only: forged ones must not grow the metrics (and the stats reply)
+            succ.update({k: v for k, v in s.successes_by_task.items() if _task_of_run(k, valid)})
+            eps.update({k: v for k, v in s.episodes_by_task.items() if _task_of_run(k, valid)})
             if s.interval_s > 0:
                 steps_per_s += s.env_steps / s.interval_s
         m = {"perf/actors_alive": float(len(alive)), "perf/env_steps_per_s": steps_per_s}
@@ -375,6 +475,15 @@ class BufferService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _task_of_run(key: str, valid) -> bool:
+    """Is ``key`` (an ActorStats by-task key) one of the run's task ids? (No set known: any integer id.)"""
+    try:
+        task = int(key)
+    except ValueError:
+        return False
+    return task in valid if valid is not None else True
 
 
 def archive_ledger(run_dir: Path) -> Optional[Path]:

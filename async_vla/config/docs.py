@@ -53,9 +53,12 @@ def render_config_doc() -> str:
         "- `run.mode=sync` runs with eta 0 whatever `buffer.max_staleness` says (`Config.max_staleness`).",
         "- `weights.publish_every <= buffer.max_staleness + 1` (0 + 1 in sync mode).",
         "- `run.serial_lag` only with `run.mode=serial`, and `<= buffer.max_staleness`.",
+        "- `buffer.max_staleness <= buffer.max_staleness_limit` (the limit also bounds every live change of eta); "
+        "`buffer.reclaim_after_s >= 3 x actor.heartbeat_s`.",
         "- `actor.temperature=0` (greedy) cannot go with `buffer.dynamic_sampling=true`: every group would have one "
         "outcome and be dropped.",
-        "- `transport.host` beyond loopback needs `transport.curve=true` (unless `transport.use_ipc`); "
+        "- `transport.host` beyond loopback needs `transport.weights_allowed_peers` (the weight store's allow-list) "
+        "and `transport.curve=true` (unless `transport.use_ipc`); "
         "`transport.curve=true` needs `transport.curve_dir`.",
         "- Checked by `bin/train` before it starts anything (`runner/preflight.py`): `policy.path` exists and is a "
         "checkpoint of `policy.arch`, `learner.deepspeed_config` is a JSON object, the CURVE keys load, the ports "

@@ -60,6 +60,19 @@ class Config(Section):
                 f"transport.curve=true and transport.curve_dir (keys from bin/keys DIR)")
         if t.curve and not t.curve_dir:
             raise ValueError("transport.curve=true needs transport.curve_dir (a directory written by bin/keys)")
+        if not _is_loopback(t.host):
+            if not t.weights_allowed_peers:
+                raise ValueError(
+                    f"transport.host={t.host} exposes the learner's weight-rendezvous store (no authentication): "
+                    "list the actors' addresses or networks in transport.weights_allowed_peers, e.g. [10.0.0.0/24]")
+            import ipaddress
+
+            for p in t.weights_allowed_peers:
+                try:
+                    ipaddress.ip_network(p.strip(), strict=False)
+                except ValueError:
+                    raise ValueError(f"transport.weights_allowed_peers: {p!r} is not an address or network "
+                                     "(e.g. 10.0.0.7 or 10.0.0.0/24)") from None
         if self.actor.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "actor.backend=vllm but vllm is not installed: install the `gpu` extra "
@@ -100,6 +113,15 @@ class Config(Section):
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
+        if self.buffer.max_staleness > self.buffer.max_staleness_limit:
+            raise ValueError(
+                f"buffer.max_staleness ({self.buffer.max_staleness}) > buffer.max_staleness_limit "
+                f"({self.buffer.max_staleness_limit}): lower buffer.max_staleness or raise buffer.max_staleness_limit")
+        if self.buffer.reclaim_after_s < 3 * self.actor.heartbeat_s:
+            raise ValueError(
+                f"buffer.reclaim_after_s ({self.buffer.reclaim_after_s}) < 3 x actor.heartbeat_s "
+                f"({self.actor.heartbeat_s}): a live actor would lose its grants between two heartbeats; raise "
+                "buffer.reclaim_after_s or lower actor.heartbeat_s")
         eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(

@@ -7,7 +7,7 @@ Cross-field checks that span sections live in ``schema.py``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -194,6 +194,9 @@ class BufferConfig(Section):
     """B: groups in one learner batch (split evenly across learner ranks)."""
     max_staleness: int = Field(2, ge=0)
     """eta: groups whose oldest behaviour version lags the learner by more are never trained on."""
+    max_staleness_limit: int = Field(16, ge=0)
+    """Ceiling on eta: max_staleness, and every live change of it (ControlCommand set_max_staleness, the file
+    <run>/control/max_staleness), must lie in [0, this]; a change above it is refused with an error naming it."""
     pacing: bool = True
     """Grant new groups only while started-unfinished + accepted <= (eta + v + 1) * B."""
     group_timeout_s: float = Field(120.0, gt=0)
@@ -218,14 +221,22 @@ class BufferConfig(Section):
     """Keep at most this many recording files (oldest deleted)."""
     grant_retry_s: float = Field(0.5, gt=0)
     """retry_after_s sent with an empty admission grant (pacing says "not now")."""
+    max_groups_per_actor: int = Field(4, ge=1)
+    """Granted-and-unfinished groups one actor may hold (an actor runs one group at a time and asks for one
+    more when it starts it); a GrantRequest wanting more gets at most the difference and an error saying so."""
+    reclaim_after_s: float = Field(30.0, gt=0)
+    """Service: an actor silent this long (no heartbeat, grant request or stats) loses its open groups: granted
+    ones with no member yet are reclaimed (groups "reclaimed"), partial ones expire (expired_partial). Must
+    exceed actor.heartbeat_s several times over."""
     remember_closed_groups: int = Field(10000, ge=1)
     """Closed group ids (with their trajectory ids) kept to recognise late duplicates and stragglers."""
     check_run_id: bool = True
     """Count trajectories whose run_id differs from this run's as malformed ("wrong_run")."""
     expire_every_s: float = Field(1.0, gt=0)
     """Service: seconds between sweeps that expire partial groups older than group_timeout_s."""
-    ledger_every_s: float = Field(10.0, gt=0)
-    """Service: seconds between rewrites of <run>/ledger.json (also written at exit)."""
+    ledger_every_s: float = Field(1.0, gt=0)
+    """Service: seconds between rewrites of <run>/ledger.json (also written at exit): a kill -9 of the buffer
+    loses the counts of at most this long (the recording, when on, is flushed every busy step)."""
     control_poll_s: float = Field(1.0, gt=0)
     """Service: seconds between checks of the file <run>/control/max_staleness (live eta changes)."""
 
@@ -413,6 +424,11 @@ class TransportConfig(Section):
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
+    weights_allowed_peers: List[str] = []
+    """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
+    transport.host is beyond loopback (required then: the store has no authentication). The store itself always
+    listens on 127.0.0.1; beyond it a guard on transport.host:weights_port closes every other peer's connection
+    at once. Loopback peers are always allowed."""
 
 
 class LoggingConfig(Section):

@@ -50,6 +50,7 @@ from async_vla.weights.pool import BufferPool
 from async_vla.weights.export import Exporter
 from async_vla.weights.members import MemberRegistry
 from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
+from async_vla.weights.store_guard import StoreGuard, is_loopback
 from async_vla.weights import native
 from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
 
@@ -89,15 +90,23 @@ class WeightPublisher:
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.weights_dir = Path(run_dir) / "weights"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        # Bind ourselves so the store listens on cfg.transport.host only (TCPStore alone binds every
-        # interface) and port 0 gives a free port; the store takes ownership of the fd.
+        # Bind ourselves so the store listens on loopback only (TCPStore alone binds every interface) and port 0
+        # gives a free port; the store takes ownership of the fd. It has no authentication: beyond loopback
+        # (transport.host) peers reach it through a StoreGuard that refuses addresses outside
+        # transport.weights_allowed_peers.
+        exposed = not is_loopback(cfg.transport.host)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.transport.host, cfg.transport.weights_port))
+        sock.bind(("127.0.0.1", 0 if exposed else cfg.transport.weights_port))
         sock.listen(128)
-        self.port = sock.getsockname()[1]
-        self._store = TCPStore(cfg.transport.host, self.port, None, True, td(self.timeout_s),
+        store_port = sock.getsockname()[1]
+        self._store = TCPStore("127.0.0.1", store_port, None, True, td(self.timeout_s),
                                wait_for_workers=False, master_listen_fd=sock.detach())
+        self.guard: Optional[StoreGuard] = None
+        if exposed:
+            self.guard = StoreGuard(cfg.transport.host, cfg.transport.weights_port, store_port,
+                                    cfg.transport.weights_allowed_peers)
+        self.port = self.guard.port if self.guard is not None else store_port
         self.session = uuid.uuid4().hex
         self._store.set("w/session", self.session)
         self._store.set("w/wire", str(WIRE_VERSION))
@@ -482,5 +491,7 @@ class WeightPublisher:
         with contextlib.suppress(OSError):
             if json.loads(self._endpoint.read_text()).get("session") == self.session:
                 self._endpoint.unlink()
+        if self.guard is not None:
+            self.guard.close()
         self._store = None
 

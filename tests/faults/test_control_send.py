@@ -12,6 +12,7 @@ import pytest
 from async_vla.config import load_config
 from async_vla.messages import ActorStats, ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, ControlServer, ControlTimeout
+from timing import slack
 
 
 @pytest.fixture
@@ -39,14 +40,14 @@ def test_full_queue_drops_heartbeats_and_requests_time_out(unreachable):
         t0 = time.monotonic()
         results = [client.send(Heartbeat(actor_id=1, pid=2)) for _ in range(50)]
         results += [client.send(ActorStats(actor_id=1)) for _ in range(10)]
-        assert time.monotonic() - t0 < 2.0                       # never blocked
+        assert time.monotonic() - t0 < slack(2.0)                # never blocked (a blocked send waits forever)
         assert results[:4] == [True] * 4                          # the queue took what fits (hwm)
         assert results.count(False) == client.dropped.total >= 50
         assert client.dropped.by_reason["heartbeat"] >= 40 and client.dropped.by_reason["actor_stats"] == 10
         t0 = time.monotonic()
         with pytest.raises(ControlTimeout, match="grant_request: the control queue .* stayed full for 0.3 s"):
             client.request(GrantRequest(actor_id=1), timeout_s=0.3)
-        assert 0.25 < time.monotonic() - t0 < 2.0
+        assert 0.25 < time.monotonic() - t0 < slack(2.0)
     finally:
         client.close()
 
@@ -57,7 +58,7 @@ def test_call_times_out_without_a_reply_and_succeeds_with_one(unreachable):
         t0 = time.monotonic()
         with pytest.raises(ControlTimeout, match="no reply"):
             client.call(ControlCommand("stats"), timeout_s=0.3)   # queued fine, but nobody answers
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < slack(2.0)
     finally:
         client.close()
     server = ControlServer("tcp://127.0.0.1:0")
@@ -86,7 +87,7 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     for _ in range(200):
         actor.tick()
         time.sleep(0.002)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < slack(10)
     st = read_status(status_path(tmp_path, 7))
     assert st["pid"] and st["control_dropped"]["heartbeat"] >= 100
     actor._retry_at = 0.0
@@ -95,7 +96,7 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     actor.core = type("Core", (), {"maybe_swap": lambda self: None, "version": 0, "totals": RolloutStats()})()
     t0 = time.monotonic()
     assert actor._next_group() is None                       # the grant request is dropped, not blocking
-    assert time.monotonic() - t0 < 2.0 and actor._grant_sent_at is None
+    assert time.monotonic() - t0 < slack(2.0) and actor._grant_sent_at is None
     assert actor.control.dropped.by_reason["grant_request"] == 1 and actor.control.dropped.by_reason["actor_stats"]
     actor.core = None
     actor.sender.close(flush_s=0)
@@ -103,34 +104,40 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     actor._ctx.term()
 
 
-def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path, unreachable):
+def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path, unreachable, monkeypatch):
     """A grant request sent right after new weights can reach the buffer before the learner's BatchRequest for
     that version does: the refusal is about the old version's pacing. The actor asks again within ~20 ms (a
     bounded number of times) instead of sleeping out retry_after_s; a refusal at its own version waits.
-    retry_after_s is 5 s (the actor caps it there) so "soon" (~20 ms) and "waits" differ by far more than any scheduling pause."""
-    from actors.actor import QUICK_RETRIES, Actor
+    The actor's clock is frozen here (``actors.actor.time``), so the waits it picks are read exactly, whatever the
+    machine's load: ~20 ms ("soon") against retry_after_s = 5 s ("waits")."""
+    import types
+
+    import actors.actor as actor_module
+    from actors.actor import QUICK_RETRIES, QUICK_RETRY_S, Actor
     from async_vla.messages import AdmissionGrant
 
     cfg = load_config(None, [])
     actor = Actor(cfg, 3, tmp_path, {"trajectory": unreachable(), "control": unreachable()})
     actor._connect()
+    now = 1000.0
+    monkeypatch.setattr(actor_module, "time", types.SimpleNamespace(monotonic=lambda: now, time=time.time,
+                                                                     sleep=time.sleep))
     try:
         actor._asked_version = 5
-        t0 = time.monotonic()
         refusal = AdmissionGrant(actor_id=3, group_ids=[], learner_version=4, max_staleness=1, retry_after_s=5.0)
         actor._handle(refusal)
-        assert actor._retry_at - t0 < 1.0 and actor._refused_at_version == 5
+        assert actor._retry_at - now <= QUICK_RETRY_S and actor._refused_at_version == 5
         for _ in range(QUICK_RETRIES):
             actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() > 3.0           # bounded: the buffer's wait applies again
+        assert actor._retry_at - now == 5.0                      # bounded: the buffer's wait applies again
         actor._handle(AdmissionGrant(actor_id=3, group_ids=[], learner_version=5, max_staleness=1,
                                      retry_after_s=5.0))
-        assert actor._retry_at - time.monotonic() > 3.0           # refused at our own version: a real "not now"
+        assert actor._retry_at - now == 5.0                      # refused at our own version: a real "not now"
         actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() > 3.0           # the allowance is per version, not per refusal
+        assert actor._retry_at - now == 5.0                      # the allowance is per version, not per refusal
         actor._asked_version = 6                                 # new weights: a fresh allowance
         actor._handle(refusal)
-        assert actor._retry_at - time.monotonic() < 1.0
+        assert actor._retry_at - now <= QUICK_RETRY_S
         actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"], learner_version=5, max_staleness=1))
         assert list(actor.pending) == ["g1"] and actor._quick_retries == 0
     finally:

@@ -27,7 +27,7 @@ def test_flood_back_pressure(tmp_path):
     template = make_traj("t", 0, True, run_id=RUN, calls=4, image=32, tokens=56)
     size = template.nbytes
     cfg = service_cfg(hwm=4, groups_per_batch=2, max_groups=8, max_bytes=40 * size, pacing=False,
-                      max_staleness=10**6, group_timeout_s=10**6)
+                      max_staleness=10**6, max_staleness_limit=10**6, group_timeout_s=10**6)
     flood_s, consumer_pause_s, G = 12.0, 0.2, 4
     stop_producers = threading.Event()
     sent = [0, 0]
