@@ -33,8 +33,9 @@ where
 Because the learner consumes B groups per version, accepted - v_rel*B is the admitted backlog, so at most
 (eta + 1) * B groups are ever being produced or waiting beyond what the learner has consumed: a group granted
 at version v is trained by version v + eta + 1 at the latest, and stale drops are rare. Nothing is granted
-while has_room() is False. With learner.steps_per_batch = k the version moves k per batch (looser pacing), and
-with reuse > 1 groups are consumed more than once; both only loosen it, the eta check still holds.
+while has_room() is False. The version moves one per batch whatever learner.minibatches / steps_per_batch are
+(docs/LEARNER.md "Versions"); with reuse > 1 groups are consumed more than once, which only loosens pacing, the
+eta check still holds.
 
 Memory: held bytes = every trajectory still referenced (open groups, ready queue, formed batches).
 has_room() is False when ready groups >= max_groups or held_bytes + (largest trajectory seen) > max_bytes,

@@ -378,8 +378,8 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
             groups = None
             version = learner.version
             t_pub = time.monotonic()
-            # Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step
-            # over every multiple of p, and then nothing would ever be published again.
+            # Counted from the last publish, not version % p (the version moves one per batch today, but a
+            # rule that cannot step over every multiple of p stays right if that changes).
             if version - last_published >= cfg.weights.publish_every:
                 last_published = version
                 wstats = publish_weights(learner, publisher, cfg.weights.verify_ranks)
