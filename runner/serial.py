@@ -19,7 +19,7 @@ from typing import Any, Optional
 from async_vla.config import Config, write_resolved
 from async_vla.metrics import Monitor
 from async_vla.transport import LocalPipe
-from runner.report import RunRecorder
+from runner.report import RunRecorder, eval_videos
 
 log = logging.getLogger("runner.serial")
 
@@ -74,7 +74,7 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     t_start = time.perf_counter()
 
     def evaluate(version: int) -> float:
-        res = evaluate_greedy(policy, envs, task_ids, split="eval")
+        res = evaluate_greedy(policy, envs, task_ids, split="eval", videos=eval_videos(cfg))
         recorder.eval_result(version, res)
         return res["success_rate"]
 

@@ -432,6 +432,12 @@ class LoggingConfig(Section):
     """Port of the TensorBoard server."""
     tensorboard_flush_s: int = Field(10, ge=1)
     """Seconds between flushes of buffered TensorBoard events to disk."""
+    eval_videos: int = Field(2, ge=0)
+    """Greedy eval episodes filmed per evaluation and written to TensorBoard as animated GIFs (Images tab,
+    eval/video/task<t>_init<i>: the same episodes at every eval, one per task first); 0 = off. Costs one image
+    copy per env step of those episodes and a GIF encode per eval."""
+    eval_video_fps: float = Field(8.0, gt=0)
+    """Playback speed of the eval videos in env steps per second (long episodes skip frames, same speed)."""
     status_every_s: float = Field(5.0, gt=0)
     """Seconds between live status lines."""
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
