@@ -37,6 +37,40 @@ REQUIRED_TAGS: tuple[str, ...] = (
 REQUIRED_TAG_PREFIXES: tuple[str, ...] = ("rollout/success_rate_by_task/",)
 """Tag families of which at least one member must exist (one tag per task id)."""
 
+# TensorBoard names a verl user knows -> the learner metric of ours they are copied from (docs/LEARNER.md has
+# the table with what each means and how it differs from verl's). Written next to our own tags, which stay.
+VERL_TAGS = {
+    "actor/pg_loss": "loss/policy",
+    "actor/pg_clipfrac_lower": "loss/dual_clip_frac",
+    "actor/ppo_kl": "loss/approx_kl",
+    "actor/entropy": "loss/entropy",
+    "actor/kl_loss": "loss/kl_ref",
+    "actor/grad_norm": "learner/grad_norm",
+    "actor/lr": "learner/lr",
+    "rollout_corr/rollout_is_mean": "offpolicy/is_weight_mean",
+    "rollout_corr/rollout_is_max": "offpolicy/is_weight_max",
+    "rollout_corr/rollout_rs_masked_fraction": "offpolicy/mis_masked_frac",
+    "rollout_corr/kl": "offpolicy/behav_kl",
+    "critic/score/mean": "learner/reward_mean",
+    "critic/rewards/mean": "learner/reward_mean",
+    "critic/advantages/mean": "learner/adv_mean",
+    "critic/advantages/max": "learner/adv_max",
+    "critic/advantages/min": "learner/adv_min",
+    "timing_s/update_actor": "perf/learner_step_s",
+    "timing_s/old_log_prob": "perf/learner_prox_s",
+    "training/global_step": "learner/version",
+}
+
+
+def verl_aliases(metrics: dict[str, float]) -> dict[str, float]:
+    """The ``VERL_TAGS`` copies of ``metrics`` (those whose source exists), plus ``actor/pg_clipfrac``: the
+    fraction of loss tokens a PPO clip silences, either side (verl's pg_clipfrac; ours split low / high)."""
+    out = {verl: metrics[ours] for verl, ours in VERL_TAGS.items() if ours in metrics}
+    if "loss/clip_frac_low" in metrics:
+        out["actor/pg_clipfrac"] = metrics["loss/clip_frac_low"] + metrics["loss/clip_frac_high"]
+    return out
+
+
 VIDEO_MIN_SIDE = 128
 """Videos of smaller images (the built-in env's 32 px) are enlarged by a whole factor (nearest pixel) to this."""
 VIDEO_MAX_FRAMES = 150

@@ -21,7 +21,7 @@ One ``train_step(groups)``:
    DeepSpeedLearner: see its module.
 
 Metrics returned use the TensorBoard tag names (``loss/*``, ``offpolicy/*``, ``perf/*``, ``learner/*``, and their
-verl-named copies ``VERL_TAGS``); in a multi-rank learner they are reduced over ranks, so every rank returns the
+verl-named copies, ``async_vla.metrics.VERL_TAGS``); in a multi-rank learner they are reduced over ranks, so every rank returns the
 global-batch values. Per-token and loss metrics average over every optimizer step of the batch.
 """
 
@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import abc
 import copy
-import hashlib
 import logging
-import random
-import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -47,11 +44,13 @@ from async_vla.batching import (TrainBatch, aggregation_units, collate, loss_tok
                                 micro_batches, minibatch_rows)
 from async_vla.config import Config
 from async_vla.messages import Trajectory
+from async_vla.metrics import verl_aliases
+from learner.checkpoint_files import (CKPT_FORMAT, LATEST_FILE, capture_rng_state, checkpoint_tag,  # noqa: F401
+                                      latest_tag, optimizer_tensors, prune_checkpoints, restore_rng_state,
+                                      tensors_digest)
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = 1
-LATEST_FILE = "latest"
 
 # policy_loss metrics by the count they average over (so micro-batches and ranks combine exactly).
 _PER_LOSS_TOKEN = ("clip_frac_low", "clip_frac_high", "nsr_rescued_frac", "dual_clip_frac", "approx_kl", "kl")
@@ -66,111 +65,9 @@ _TAGS = {
 }
 
 
-# TensorBoard names a verl user knows -> the metric of ours they are copied from (docs/LEARNER.md has the
-# table with what each means and how it differs from verl's). Written next to our own tags, which stay.
-VERL_TAGS = {
-    "actor/pg_loss": "loss/policy",
-    "actor/pg_clipfrac_lower": "loss/dual_clip_frac",
-    "actor/ppo_kl": "loss/approx_kl",
-    "actor/entropy": "loss/entropy",
-    "actor/kl_loss": "loss/kl_ref",
-    "actor/grad_norm": "learner/grad_norm",
-    "actor/lr": "learner/lr",
-    "rollout_corr/rollout_is_mean": "offpolicy/is_weight_mean",
-    "rollout_corr/rollout_is_max": "offpolicy/is_weight_max",
-    "rollout_corr/rollout_rs_masked_fraction": "offpolicy/mis_masked_frac",
-    "rollout_corr/kl": "offpolicy/behav_kl",
-    "critic/score/mean": "learner/reward_mean",
-    "critic/rewards/mean": "learner/reward_mean",
-    "critic/advantages/mean": "learner/adv_mean",
-    "critic/advantages/max": "learner/adv_max",
-    "critic/advantages/min": "learner/adv_min",
-    "timing_s/update_actor": "perf/learner_step_s",
-    "timing_s/old_log_prob": "perf/learner_prox_s",
-    "training/global_step": "learner/version",
-}
-
-
-def verl_aliases(metrics: dict[str, float]) -> dict[str, float]:
-    """The ``VERL_TAGS`` copies of ``metrics`` (those whose source exists), plus ``actor/pg_clipfrac``: the
-    fraction of loss tokens a PPO clip silences, either side (verl's pg_clipfrac; ours split low / high)."""
-    out = {verl: metrics[ours] for verl, ours in VERL_TAGS.items() if ours in metrics}
-    if "loss/clip_frac_low" in metrics:
-        out["actor/pg_clipfrac"] = metrics["loss/clip_frac_low"] + metrics["loss/clip_frac_high"]
-    return out
-
-
 def rollout_temperature(cfg: Config) -> float:
     """Temperature the learner's log-probs use: the actors' sampling temperature (0 = greedy -> 1)."""
     return 1.0 if cfg.actor.temperature == 0 else float(cfg.actor.temperature)
-
-
-# ------------------------------------------------------------------------------------------ RNG state
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU (and CUDA) generator states, for bit-identical resumes."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def tensors_digest(items: Iterator[tuple[str, Tensor]] | Sequence[tuple[str, Tensor]]) -> str:
-    """sha256 over names, dtypes, shapes and raw bytes: equal digests = bit-equal tensors."""
-    h = hashlib.sha256()
-    for name, t in items:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
-    """The optimizer's parameters (fp32 masters / partitions) and state tensors, in a stable order."""
-    out: list[tuple[str, Tensor]] = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            out.append((f"g{gi}.p{pi}", p.data))
-            for key, val in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(val, Tensor):
-                    out.append((f"g{gi}.p{pi}.{key}", val))
-    return out
-
-
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest ``v<version>`` checkpoint directories (never the latest)."""
-    latest = (directory / LATEST_FILE).read_text().strip() if (directory / LATEST_FILE).is_file() else None
-    tags = sorted((p for p in directory.glob("v*") if p.is_dir() and p.name[1:].isdigit()),
-                  key=lambda p: int(p.name[1:]))
-    for p in tags[:-keep] if keep > 0 else []:
-        if p.name != latest:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def checkpoint_tag(version: int) -> str:
-    return f"v{version:08d}"
-
-
-def latest_tag(directory: Path | str) -> Optional[str]:
-    """The tag named by ``<directory>/latest`` if that checkpoint exists; else (the pointer is missing, or names a
-    directory a kill caught being replaced) the newest complete Torch checkpoint (``v<version>/learner.pt``,
-    written via a temp dir and a rename, so present means complete); else None."""
-    d = Path(directory)
-    f = d / LATEST_FILE
-    if f.is_file():
-        tag = f.read_text().strip()
-        if (d / tag).is_dir():
-            return tag
-    complete = sorted(p.name for p in d.glob("v*")
-                      if re.fullmatch(r"v\d{8}", p.name) and (p / "learner.pt").is_file())
-    return complete[-1] if complete else None
 
 
 # --------------------------------------------------------------------------------------- the learner
