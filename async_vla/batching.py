@@ -154,27 +154,31 @@ class TrainBatch:
 
 
 # ------------------------------------------------------------------------------------------- collate
-def compute_advantages(groups: Sequence[Sequence[Trajectory]], loss_cfg: LossConfig) -> Tensor:
+def compute_advantages(groups: Sequence[Sequence[Trajectory]], loss_cfg: LossConfig,
+                       stats: Optional[grpo.RewardStats] = None) -> Tensor:
     """Per-trajectory advantages [B] (groups concatenated in order) from ``grpo.group_advantages``.
 
     Groups of one size G go through one ``[num_groups, G]`` call. Unequal sizes (not produced by the buffer,
     but legal) are handled without padding: ``group`` normalisation per group (``[1, g]`` each), ``batch``
     normalisation over all rewards at once (``[1, B]``; the same statistics as the whole ``[num_groups, G]``
-    tensor), ``none`` elementwise.
+    tensor), ``none`` elementwise. ``stats``: for ``batch`` normalisation, the statistics of the whole batch
+    when these groups are one learner rank's share of it (``grpo.batch_reward_stats``).
     """
     sizes = [len(g) for g in groups]
     rewards = [float(t.reward) for g in groups for t in g]
     if len(set(sizes)) == 1:
         r = torch.tensor(rewards, dtype=torch.float32).reshape(len(groups), sizes[0])
-        return grpo.group_advantages(r, loss_cfg).reshape(-1)
+        return grpo.group_advantages(r, loss_cfg, stats).reshape(-1)
     if loss_cfg.adv_norm == "batch" or loss_cfg.adv_norm == "none":
-        return grpo.group_advantages(torch.tensor([rewards], dtype=torch.float32), loss_cfg).reshape(-1)
+        return grpo.group_advantages(torch.tensor([rewards], dtype=torch.float32), loss_cfg, stats).reshape(-1)
     return torch.cat([grpo.group_advantages(torch.tensor([[float(t.reward) for t in g]], dtype=torch.float32),
                                             loss_cfg).reshape(-1) for g in groups])
 
 
-def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config) -> TrainBatch:
-    """Groups (lists of trajectories of one init state) -> a TrainBatch on the CPU."""
+def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config,
+            reward_stats: Optional[grpo.RewardStats] = None) -> TrainBatch:
+    """Groups (lists of trajectories of one init state) -> a TrainBatch on the CPU (``reward_stats``: see
+    ``compute_advantages``)."""
     if not groups or any(len(g) == 0 for g in groups):
         raise ValueError("collate needs at least one group and no empty group")
     trajs = [t for g in groups for t in g]
@@ -211,7 +215,7 @@ def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config) -> TrainBatch:
         wrist_images=torch.from_numpy(np.concatenate([t.wrist_images for t in trajs])) if has_wrist else None,
         behav_logprobs=torch.from_numpy(behav.reshape(B, L * T)),
         mask=torch.from_numpy(mask.reshape(B, L * T)),
-        advantages=compute_advantages(groups, cfg.loss).to(torch.float32),
+        advantages=compute_advantages(groups, cfg.loss, reward_stats).to(torch.float32),
         rewards=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
         success=torch.tensor([bool(t.success) for t in trajs], dtype=torch.bool),
         behaviour_version=torch.tensor([int(t.behaviour_version) for t in trajs], dtype=torch.int64),
@@ -222,6 +226,20 @@ def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config) -> TrainBatch:
         tokens_per_call=T,
         max_calls=L,
     )
+
+
+# ------------------------------------------------------------------------------------ mini-batches
+def minibatch_rows(batch: TrainBatch, k: int) -> list[list[int]]:
+    """Trajectory rows of ``k`` disjoint PPO mini-batches of whole groups (consecutive groups, sizes as equal
+    as the group count allows). Whole groups, not trajectories: a group's advantages sum to zero, so each
+    mini-batch keeps the contrast between the successes and failures of one init state (the shards SimpleVLA-RL
+    / verl get from a group-ordered batch split at a multiple of G), and no mini-step sees only one side."""
+    n_groups = int(batch.group_index.max()) + 1 if batch.num_trajectories else 0
+    if k < 1 or n_groups < k:
+        raise ValueError(f"learner.minibatches={k} needs at least {k} groups per learner rank, got {n_groups}: "
+                         "lower learner.minibatches or raise buffer.groups_per_batch")
+    gi = batch.group_index.cpu().numpy()
+    return [np.flatnonzero(np.isin(gi, part)).tolist() for part in np.array_split(np.arange(n_groups), k)]
 
 
 # ------------------------------------------------------------------------------------ micro-batches

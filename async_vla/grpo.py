@@ -14,7 +14,8 @@ Everything here is a small pure function so that tests/grpo_reference.py can mir
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -30,7 +31,48 @@ LOG_RATIO_CLAMP = 20.0
 
 
 # ----------------------------------------------------------------------------------------------- advantages
-def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
+@dataclass(frozen=True)
+class RewardStats:
+    """Statistics of (clipped) rewards over a whole batch that may be spread over several learner ranks:
+    ``adv_norm=batch`` normalises every rank's share with them, so the result equals one process's on the
+    union (``batch_reward_stats`` computes them from per-rank sums)."""
+
+    mean: float
+    std: float
+    """Unbiased (n - 1) sample std; 0 for a single reward."""
+    uniform: bool
+    """Every reward equal (max == min): advantages are exactly 0."""
+
+
+def clip_rewards(rewards: Tensor, cfg: LossConfig) -> Tensor:
+    """Rewards in the loss precision (>= float32), clipped to +-reward_clip when set: the first stage of
+    ``group_advantages``."""
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    return r.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip is not None else r
+
+
+def batch_reward_stats(rewards: Tensor, cfg: LossConfig, all_reduce: Callable[[Tensor, str], Tensor]
+                       ) -> RewardStats:
+    """``RewardStats`` of the union of every rank's ``rewards`` (any shape; this rank's share).
+
+    ``all_reduce(t, op)`` sums ("sum") or maximises ("max") a float64 tensor over the ranks (identity for one
+    process). Two passes, like torch.std: the mean from all-reduced sums and counts, then the all-reduced sum
+    of squared deviations from it (no sum-of-squares cancellation)."""
+    r = clip_rewards(rewards, cfg).reshape(-1).double()
+    n_sum = all_reduce(torch.stack([r.sum(), torch.tensor(float(r.numel()), dtype=torch.float64)]), "sum")
+    n = float(n_sum[1])
+    if n == 0:
+        raise ValueError("batch_reward_stats: no rewards on any rank")
+    mean = float(n_sum[0]) / n
+    big = torch.finfo(torch.float64).max
+    hi_neglo = all_reduce(torch.stack([r.max() if r.numel() else torch.tensor(-big, dtype=torch.float64),
+                                       -r.min() if r.numel() else torch.tensor(-big, dtype=torch.float64)]), "max")
+    sq = float(all_reduce(((r - mean) ** 2).sum().reshape(1), "sum")[0])
+    std = (sq / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return RewardStats(mean=mean, std=std, uniform=float(hi_neglo[0]) == -float(hi_neglo[1]))
+
+
+def group_advantages(rewards: Tensor, cfg: LossConfig, stats: Optional[RewardStats] = None) -> Tensor:
     """Group-relative advantages for rewards [num_groups, G] -> [num_groups, G].
 
     Pipeline (ROLL order): clip rewards to +-reward_clip -> normalise -> clip to +-advantage_clip.
@@ -41,6 +83,8 @@ def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
       * ``none``: raw (clipped) rewards, no centring and no scaling; ``adv_std`` is ignored. Use it when the
         reward already is an advantage; a uniform group then does NOT give zero advantages.
     ``adv_std=False`` keeps only the centring (Dr.GRPO: r - mean).
+    ``stats`` (``adv_norm=batch`` only): the batch statistics to use instead of those of ``rewards`` -- those
+    of the whole batch when ``rewards`` is one learner rank's share of it (``batch_reward_stats``).
 
     The std is the UNBIASED sample std (divide by n - 1, torch's default): that is what GRPO implementations
     (torch.std) and the worked example we test against use -- rewards [1,0,1,1,0,0,1,0] give std 0.535 and
@@ -53,11 +97,15 @@ def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, G], got shape {tuple(rewards.shape)}")
-    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    if cfg.reward_clip is not None:
-        r = r.clamp(-cfg.reward_clip, cfg.reward_clip)
+    if stats is not None and cfg.adv_norm != "batch":
+        raise ValueError(f"batch reward statistics only apply to loss.adv_norm=batch, not {cfg.adv_norm!r}")
+    r = clip_rewards(rewards, cfg)
     if cfg.adv_norm == "none":
         adv = r
+    elif stats is not None:
+        centred = torch.zeros_like(r) if stats.uniform else r - stats.mean
+        # A uniform batch: numerator 0, divide by 1 (as _normalise does).
+        adv = centred / ((1.0 if stats.uniform else stats.std) + cfg.adv_eps) if cfg.adv_std else centred
     else:
         dims = (-1,) if cfg.adv_norm == "group" else (0, 1)
         adv = _normalise(r, dims, cfg.adv_std, cfg.adv_eps)

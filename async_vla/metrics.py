@@ -37,6 +37,75 @@ REQUIRED_TAGS: tuple[str, ...] = (
 REQUIRED_TAG_PREFIXES: tuple[str, ...] = ("rollout/success_rate_by_task/",)
 """Tag families of which at least one member must exist (one tag per task id)."""
 
+# TensorBoard names a verl user knows -> the learner metric of ours they are copied from (docs/LEARNER.md has
+# the table with what each means and how it differs from verl's). Written next to our own tags, which stay.
+VERL_TAGS = {
+    "actor/pg_loss": "loss/policy",
+    "actor/pg_clipfrac_lower": "loss/dual_clip_frac",
+    "actor/ppo_kl": "loss/approx_kl",
+    "actor/entropy": "loss/entropy",
+    "actor/kl_loss": "loss/kl_ref",
+    "actor/grad_norm": "learner/grad_norm",
+    "actor/lr": "learner/lr",
+    "rollout_corr/rollout_is_mean": "offpolicy/is_weight_mean",
+    "rollout_corr/rollout_is_max": "offpolicy/is_weight_max",
+    "rollout_corr/rollout_rs_masked_fraction": "offpolicy/mis_masked_frac",
+    "rollout_corr/kl": "offpolicy/behav_kl",
+    "critic/score/mean": "learner/reward_mean",
+    "critic/rewards/mean": "learner/reward_mean",
+    "critic/advantages/mean": "learner/adv_mean",
+    "critic/advantages/max": "learner/adv_max",
+    "critic/advantages/min": "learner/adv_min",
+    "timing_s/update_actor": "perf/learner_step_s",
+    "timing_s/old_log_prob": "perf/learner_prox_s",
+    "training/global_step": "learner/version",
+}
+
+
+def verl_aliases(metrics: dict[str, float]) -> dict[str, float]:
+    """The ``VERL_TAGS`` copies of ``metrics`` (those whose source exists), plus ``actor/pg_clipfrac``: the
+    fraction of loss tokens a PPO clip silences, either side (verl's pg_clipfrac; ours split low / high)."""
+    out = {verl: metrics[ours] for verl, ours in VERL_TAGS.items() if ours in metrics}
+    if "loss/clip_frac_low" in metrics:
+        out["actor/pg_clipfrac"] = metrics["loss/clip_frac_low"] + metrics["loss/clip_frac_high"]
+    return out
+
+
+VIDEO_MIN_SIDE = 128
+"""Videos of smaller images (the built-in env's 32 px) are enlarged by a whole factor (nearest pixel) to this."""
+VIDEO_MAX_FRAMES = 150
+"""Longer episodes (LIBERO: up to ~500 steps) keep every n-th frame, played at the same real-time speed."""
+
+
+def video_frames(frames: np.ndarray) -> tuple[np.ndarray, int]:
+    """uint8 [T, H, W, 3] -> (the frames a video shows, env steps per shown frame): every n-th frame (and the
+    last) when T > VIDEO_MAX_FRAMES, enlarged by a whole factor to at least VIDEO_MIN_SIDE."""
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+    stride = max(1, math.ceil(len(frames) / VIDEO_MAX_FRAMES))
+    idx = list(range(0, len(frames), stride))
+    if idx[-1] != len(frames) - 1:
+        idx.append(len(frames) - 1)   # the last frame shows how the episode ended
+    shown = frames[idx]
+    scale = max(1, math.ceil(VIDEO_MIN_SIDE / min(frames.shape[1:3])))
+    if scale > 1:
+        shown = shown.repeat(scale, axis=1).repeat(scale, axis=2)
+    return shown, stride
+
+
+def gif_bytes(frames: np.ndarray, frame_ms: int) -> bytes:
+    """An animated, looping GIF of uint8 [T, H, W, 3] frames, ``frame_ms`` per frame (Pillow)."""
+    import io
+
+    from PIL import Image
+
+    images = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=max(20, int(frame_ms)),
+                   loop=0, optimize=False)
+    return buf.getvalue()
+
 
 class Monitor:
     """TensorBoard writer for one process. ``enabled=False`` makes every method a no-op."""
@@ -75,6 +144,21 @@ class Monitor:
         if arr.size == 0:
             return
         self._writer.add_histogram(tag, arr, global_step=int(step))
+
+    def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
+        """An episode (uint8 [T, H, W, 3]) as an animated GIF in TensorBoard's Images tab.
+
+        The same record ``SummaryWriter.add_video`` writes (an image summary holding a GIF), encoded with Pillow
+        instead: add_video goes through ``moviepy.editor``, which moviepy 2.x no longer has, and when that
+        import fails it prints a line and writes nothing. Pillow is installed with matplotlib."""
+        if self._writer is None:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        shown, stride = video_frames(frames)
+        data = gif_bytes(shown, 1000.0 * stride / fps)
+        image = Summary.Image(height=shown.shape[1], width=shown.shape[2], colorspace=3, encoded_image_string=data)
+        self._writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), int(step))
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -119,6 +203,19 @@ def read_tags(tb_dir: Union[str, Path]) -> set[str]:
         tags.update(kinds.get("scalars", []))
         tags.update(kinds.get("histograms", []))
     return tags
+
+
+def read_images(tb_dir: Union[str, Path], tag: str) -> list[tuple[int, bytes]]:
+    """(step, encoded image: PNG, or GIF for videos) pairs of one image tag, sorted by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: list[tuple[int, bytes]] = []
+    for path in _event_files(tb_dir):
+        acc = EventAccumulator(str(path), size_guidance={"images": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("images", []):
+            out.extend((e.step, e.encoded_image_string) for e in acc.Images(tag))
+    return sorted(out, key=lambda si: si[0])
 
 
 def read_scalars(tb_dir: Union[str, Path], tag: str) -> list[tuple[int, float]]:

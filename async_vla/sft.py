@@ -146,16 +146,24 @@ class EpisodeResult:
     observations: list[Observation]  # one per policy call
     action_tokens: list[np.ndarray]  # [T] per call
     logprobs: list[np.ndarray]  # [T] per call
+    frames: list[np.ndarray] = field(default_factory=list)
+    """The camera image (uint8 [H, W, 3]) at the reset and after every env step, when recorded."""
 
 
 def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int, int]], temperature: float,
-            generator: Optional[torch.Generator] = None, keep_data: bool = False) -> list[EpisodeResult]:
-    """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk."""
+            generator: Optional[torch.Generator] = None, keep_data: bool = False,
+            record: Sequence[bool] = ()) -> list[EpisodeResult]:
+    """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk.
+    ``record[k]``: keep episode k's frames (every env step's image) for a video."""
     if len(episodes) != len(envs):
         raise ValueError(f"{len(episodes)} episodes for {len(envs)} envs")
     obs = [env.reset(t, i) for env, (t, i) in zip(envs, episodes)]
     instr = [env.instruction(t) for env, (t, _) in zip(envs, episodes)]
     results = [EpisodeResult(t, i, False, 0, [], [], []) for t, i in episodes]
+    recording = [bool(record[k]) if k < len(record) else False for k in range(len(envs))]
+    for k in range(len(envs)):
+        if recording[k]:
+            results[k].frames.append(obs[k].image)
     live = list(range(len(envs)))
     while live:
         images = np.stack([obs[k].image for k in live])
@@ -173,6 +181,8 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
             for a in chunks[row]:
                 obs[k], done, success = envs[k].step(a)
                 res.env_steps += 1
+                if recording[k]:
+                    res.frames.append(obs[k].image)
                 if done:
                     res.success = bool(success)
                     break
@@ -182,16 +192,33 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
     return results
 
 
+def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int, int]]:
+    """The ``n`` episodes to film: round-robin over the tasks (each task's first init states first), so a few
+    videos show as many tasks as possible and the same episodes at every eval."""
+    by_task: dict[int, list[tuple[int, int]]] = {}
+    for ep in episodes:
+        by_task.setdefault(ep[0], []).append(ep)
+    chosen: list[tuple[int, int]] = []
+    depth = 0
+    while len(chosen) < min(n, len(episodes)):
+        chosen += [eps[depth] for eps in by_task.values() if depth < len(eps)][:n - len(chosen)]
+        depth += 1
+    return set(chosen)
+
+
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
-                    split: str = "eval", batch_size: int = 8) -> dict:
+                    split: str = "eval", batch_size: int = 8, videos: int = 0) -> dict:
     """Greedy (T = 0) success over every init state of ``split`` for each task.
 
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
-    Returns ``{"success_rate", "by_task": {task_id: rate}, "episodes", "env_steps", "wall_s"}``.
+    Returns ``{"success_rate", "by_task": {task_id: rate}, "episodes", "env_steps", "wall_s"}``, plus with
+    ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with task_id, init_state_id,
+    success and frames (uint8 [steps + 1, H, W, 3]).
     """
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)
     episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)]
+    film = video_episodes(episodes, videos) if videos > 0 else set()
     t0 = time.perf_counter()
     was_training = policy.training
     policy.eval()
@@ -199,9 +226,13 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     width = max(1, min(batch_size, len(envs)))
     for start in range(0, len(episodes), width):
         part = episodes[start:start + width]
-        results += rollout(policy, envs[:len(part)], part, temperature=0.0)
+        results += rollout(policy, envs[:len(part)], part, temperature=0.0, record=[ep in film for ep in part])
     policy.train(was_training)
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
-    return {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
-            "episodes": len(results), "env_steps": int(sum(r.env_steps for r in results)),
-            "wall_s": time.perf_counter() - t0}
+    out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
+           "episodes": len(results), "env_steps": int(sum(r.env_steps for r in results)),
+           "wall_s": time.perf_counter() - t0}
+    if film:
+        out["videos"] = [{"task_id": r.task_id, "init_state_id": r.init_state_id, "success": r.success,
+                          "frames": np.stack(r.frames)} for r in results if r.frames]
+    return out

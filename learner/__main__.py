@@ -286,8 +286,8 @@ class RankRun:
     def publish_if_due(self) -> float:
         """Publish when ``weights.publish_every`` versions have passed; returns the seconds it took (0 if not due).
 
-        Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step over every
-        multiple of p, and then nothing would ever be published again."""
+        Counted from the last publish, not version % p (the version moves one per batch today, but a rule that
+        cannot step over every multiple of p stays right if that changes)."""
         t_pub = time.monotonic()
         if self.learner.version - self.last_published >= self.cfg.weights.publish_every:
             self.last_published = self.learner.version

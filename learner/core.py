@@ -2,51 +2,55 @@
 
 One ``train_step(groups)``:
 
-1. ``collate`` the groups (advantages from ``grpo.group_advantages``) and split them into micro-batches of
-   whole trajectories (``learner.micro_batch_trajectories``).
+1. ``collate`` the groups (advantages from ``grpo.group_advantages``; ``loss.adv_norm=batch`` with the
+   statistics of the whole batch over every rank), split the rows into ``learner.minibatches`` PPO
+   mini-batches of whole groups (``batching.minibatch_rows``) and each of those into micro-batches of whole
+   trajectories (``learner.micro_batch_trajectories``).
 2. Proximal log-probs: one no-grad pass over every micro-batch with the weights as they are at batch start,
-   at the rollout temperature (``actor.temperature``; 0 = greedy -> log-probs at T = 1). Decoupled PPO:
-   pi_prox stays these batch-start weights for every optimizer step of the batch.
-3. For each of ``learner.steps_per_batch`` optimizer steps: forward + ``grpo.policy_loss`` (with
-   ``loss.correction``) + backward per micro-batch, each loss weighted by its share of the aggregation units
-   (``grpo.micro_batch_weight``: the accumulated gradient is exactly the full-batch gradient, and across
-   data-parallel ranks the global-batch gradient), then one optimizer step -> ``version += 1``.
-   Steps after the first reuse the same batch one version later: each is counted as extra staleness.
-4. A non-finite loss or gradient skips the step (and the rest of the batch): no parameter or optimizer
-   state changes, ``learner/skipped_steps`` counts it, the version stays. TorchLearner checks the loss, then
-   the global gradient norm, before ``optimizer.step()``; DeepSpeedLearner: see its module.
+   at the rollout temperature (``actor.temperature``; 0 = greedy -> log-probs at T = 1), plus the per-token
+   entropy of that policy. Decoupled PPO: pi_prox stays these batch-start weights for every optimizer step of
+   the batch, so from the second mini-batch on the PPO ratio pi_theta / pi_prox moves and the clip binds.
+3. ``steps_per_batch`` passes over the mini-batches, one optimizer step per mini-batch: forward +
+   ``grpo.policy_loss`` (with ``loss.correction``) + backward per micro-batch, each loss weighted by its share
+   of its mini-batch's aggregation units (``grpo.micro_batch_weight``: the accumulated gradient is exactly
+   that mini-batch's gradient, and across data-parallel ranks the global mini-batch's), then one optimizer
+   step. After the last, ``version += 1``: one version per batch (docs/LEARNER.md "Versions").
+4. A non-finite loss or gradient skips the step and the rest of the batch: no parameter or optimizer state
+   changes in that step, ``learner/skipped_steps`` counts it, the version still moves on (the batch is
+   consumed). TorchLearner checks the loss, then the global gradient norm, before ``optimizer.step()``;
+   DeepSpeedLearner: see its module.
 
-Metrics returned use the TensorBoard tag names (``loss/*``, ``offpolicy/*``, ``perf/*``, ``learner/*``); in a
-multi-rank learner they are reduced over ranks, so every rank returns the global-batch values.
+Metrics returned use the TensorBoard tag names (``loss/*``, ``offpolicy/*``, ``perf/*``, ``learner/*``, and their
+verl-named copies, ``async_vla.metrics.VERL_TAGS``); in a multi-rank learner they are reduced over ranks, so every rank returns the
+global-batch values. Per-token and loss metrics average over every optimizer step of the batch.
 """
 
 from __future__ import annotations
 
 import abc
 import copy
-import hashlib
 import logging
-import random
-import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from async_vla import grpo
-from async_vla.batching import TrainBatch, collate, micro_batches
+from async_vla.batching import TrainBatch, collate, micro_batches, minibatch_rows
 from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weight
 from async_vla.config import Config
 from async_vla.messages import Trajectory
+from async_vla.metrics import verl_aliases
+from learner.checkpoint_files import (CKPT_FORMAT, LATEST_FILE, capture_rng_state, checkpoint_tag,  # noqa: F401
+                                      latest_tag, optimizer_tensors, prune_checkpoints, restore_rng_state,
+                                      tensors_digest)
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = 1
-LATEST_FILE = "latest"
 
 # policy_loss metrics by the count they average over (so micro-batches and ranks combine exactly).
 _PER_LOSS_TOKEN = ("clip_frac_low", "clip_frac_high", "nsr_rescued_frac", "dual_clip_frac", "approx_kl", "kl")
@@ -66,74 +70,6 @@ def rollout_temperature(cfg: Config) -> float:
     return 1.0 if cfg.actor.temperature == 0 else float(cfg.actor.temperature)
 
 
-# ------------------------------------------------------------------------------------------ RNG state
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU (and CUDA) generator states, for bit-identical resumes."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def tensors_digest(items: Iterator[tuple[str, Tensor]] | Sequence[tuple[str, Tensor]]) -> str:
-    """sha256 over names, dtypes, shapes and raw bytes: equal digests = bit-equal tensors."""
-    h = hashlib.sha256()
-    for name, t in items:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
-    """The optimizer's parameters (fp32 masters / partitions) and state tensors, in a stable order."""
-    out: list[tuple[str, Tensor]] = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            out.append((f"g{gi}.p{pi}", p.data))
-            for key, val in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(val, Tensor):
-                    out.append((f"g{gi}.p{pi}.{key}", val))
-    return out
-
-
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest ``v<version>`` checkpoint directories (never the latest)."""
-    latest = (directory / LATEST_FILE).read_text().strip() if (directory / LATEST_FILE).is_file() else None
-    tags = sorted((p for p in directory.glob("v*") if p.is_dir() and p.name[1:].isdigit()),
-                  key=lambda p: int(p.name[1:]))
-    for p in tags[:-keep] if keep > 0 else []:
-        if p.name != latest:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def checkpoint_tag(version: int) -> str:
-    return f"v{version:08d}"
-
-
-def latest_tag(directory: Path | str) -> Optional[str]:
-    """The tag named by ``<directory>/latest`` if that checkpoint exists; else (the pointer is missing, or names a
-    directory a kill caught being replaced) the newest complete Torch checkpoint (``v<version>/learner.pt``,
-    written via a temp dir and a rename, so present means complete); else None."""
-    d = Path(directory)
-    f = d / LATEST_FILE
-    if f.is_file():
-        tag = f.read_text().strip()
-        if (d / tag).is_dir():
-            return tag
-    complete = sorted(p.name for p in d.glob("v*")
-                      if re.fullmatch(r"v\d{8}", p.name) and (p / "learner.pt").is_file())
-    return complete[-1] if complete else None
-
-
 # --------------------------------------------------------------------------------------- the learner
 class Learner(abc.ABC):
     """Interface (docs/CONTRACTS.md) plus the GRPO step; backends implement the hooks at the bottom."""
@@ -150,7 +86,8 @@ class Learner(abc.ABC):
         self.uses_reference = cfg.loss.kl_beta > 0
         self.version = 0
         self.skipped_steps = 0
-        self.extra_steps = 0
+        self.optimizer_steps = 0
+        """Optimizer steps applied over the run (minibatches x steps_per_batch per batch, less skipped ones)."""
         self.temperature = rollout_temperature(cfg)
         # NSR draws come from this generator (per rank) so a resumed run repeats them exactly.
         self.loss_generator = torch.Generator(device="cpu")
@@ -160,33 +97,53 @@ class Learner(abc.ABC):
 
     # ---------------------------------------------------------------------------------- the step
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
-        """One batch of groups -> ``steps_per_batch`` optimizer steps (fewer if one is skipped) -> metrics."""
+        """One batch of groups -> ``steps_per_batch`` x ``minibatches`` optimizer steps (fewer if one is
+        skipped) -> ``version += 1`` -> metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        batch = collate(groups, cfg).to(self.device)
+        lc = cfg.learner
+        batch = collate(groups, cfg, self._reward_stats(groups)).to(self.device)
         start_version = self.version
         self.last_lags = batch.lag(start_version).cpu().numpy()
-        mbs = micro_batches(batch, cfg.learner.micro_batch_trajectories)
-        mbs = self._pad_micro_batches(mbs)
+        shards = ([batch] if lc.minibatches == 1
+                  else [batch.select(rows) for rows in minibatch_rows(batch, lc.minibatches)])
+        # Every rank runs the same number of micro-batches per mini-batch (ZeRO-3 forwards are collective).
+        minis = [self._pad_micro_batches(micro_batches(s, lc.micro_batch_trajectories)) for s in shards]
+        flat = [mb for mbs in minis for mb in mbs]
+        mini_of = [j for j, mbs in enumerate(minis) for _ in mbs]
 
         with torch.no_grad():  # pi_prox: the weights at batch start, once per batch (and the reference's)
-            prox = [mb.layout(self._logprobs(mb).float()) for mb in mbs]
-            refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in mbs] if self.uses_reference
-                    else [None] * len(mbs))
+            prox, entropy = [], torch.zeros(2, dtype=torch.float64)
+            for mb in flat:
+                logp, ent = self._logprobs_entropy(mb)
+                prox.append(mb.layout(logp.float()))
+                if ent is not None:   # per-token entropy of pi_prox: actor/entropy
+                    ent = mb.layout(ent.float())
+                    entropy += torch.tensor([float(torch.where(mb.mask, ent, 0.0).sum()), float(mb.mask.sum())],
+                                            dtype=torch.float64)
+            refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in flat] if self.uses_reference
+                    else [None] * len(flat))
         t_prox = time.perf_counter() - t0
-        loss_masks = [loss_token_mask(p, mb.behav_logprobs, mb.mask, cfg.loss) for p, mb in zip(prox, mbs)]
+        loss_masks = [loss_token_mask(p, mb.behav_logprobs, mb.mask, cfg.loss) for p, mb in zip(prox, flat)]
         units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
-        total_units = float(self._all_reduce(torch.tensor([sum(units)], dtype=torch.float64), "sum")[0])
-        weights = [micro_batch_weight(u, total_units, self.world) for u in units]
+        # Each optimizer step minimises its global mini-batch's loss: units over that mini-batch on every rank.
+        local_units = torch.zeros(len(minis), dtype=torch.float64)
+        for u, j in zip(units, mini_of):
+            local_units[j] += u
+        mini_units = self._all_reduce(local_units, "sum").tolist()
+        weights = [micro_batch_weight(u, mini_units[j], self.world) for u, j in zip(units, mini_of)]
 
         sums = torch.zeros(len(_PER_LOSS_TOKEN) + len(_PER_VALID_TOKEN) + len(_PER_UNIT) + 2, dtype=torch.float64)
         w_max = torch.zeros(1, dtype=torch.float64)
-        applied, steps_run, grad_norm, has_kl = 0, 0, float("nan"), False
-        for step in range(cfg.learner.steps_per_batch):
+        applied, steps_run, norms, has_kl = 0, 0, [], False
+        order = [[i for i, j in enumerate(mini_of) if j == mini] for mini in range(len(minis))]
+        for step in range(lc.steps_per_batch * len(minis)):
+            idx = order[step % len(minis)]
             nonfinite = False
             steps_run += 1
-            for i, (mb, p, ref, lm, w, u) in enumerate(zip(mbs, prox, refs, loss_masks, weights, units)):
-                self._begin_micro_batch(i == len(mbs) - 1)
+            for pos, i in enumerate(idx):
+                mb, p, ref, lm, w, u = flat[i], prox[i], refs[i], loss_masks[i], weights[i], units[i]
+                self._begin_micro_batch(pos == len(idx) - 1)
                 logp = mb.layout(self._logprobs(mb).float())
                 loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
                                            generator=self.loss_generator, ref_logp=ref)
@@ -195,48 +152,66 @@ class Learner(abc.ABC):
                 self._backward(loss * w, finite)
                 has_kl |= "kl" in m
                 n_loss, n_valid = float(lm.sum()), float(mb.mask.sum())
+                total_units = mini_units[mini_of[i]]
                 row = [m.get(k, 0.0) * n_loss for k in _PER_LOSS_TOKEN]
                 row += [m[k] * n_valid for k in _PER_VALID_TOKEN]
                 row += [m[k] * (u / total_units if total_units > 0 else 0.0) for k in _PER_UNIT]
                 sums += torch.tensor(row + [n_loss, n_valid], dtype=torch.float64)
                 w_max = torch.maximum(w_max, torch.tensor([m["is_weight_max"]], dtype=torch.float64))
-            ok, grad_norm = self._optimizer_step(nonfinite)
+            ok, norm = self._optimizer_step(nonfinite)
+            norms.append(norm)
             if not ok:
                 self.skipped_steps += 1
-                log.warning("learner: non-finite loss or gradient at version %d: step skipped (%d so far)",
-                            self.version, self.skipped_steps)
-                if applied == 0:
-                    # The batch is consumed all the same (as DeepSpeed does on an fp16 overflow): the version moves
-                    # on with the weights bit-equal, so the buffer forms a fresh batch. Holding the version would
-                    # get this very batch served again, and a batch whose data is the cause would never end.
-                    self.version += 1
+                log.warning("learner: non-finite loss or gradient at version %d (optimizer step %d of the batch): "
+                            "the rest of the batch is skipped (%d skipped so far)", self.version, step + 1,
+                            self.skipped_steps)
                 break
             applied += 1
-            self.version += 1
-            self.extra_steps += step > 0
-        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version)
+        # One version per batch, however many optimizer steps it took (docs/LEARNER.md "Versions"): only the
+        # weights after the last step leave the learner. A batch whose first step was skipped is consumed all
+        # the same (as DeepSpeed does on an fp16 overflow): the version moves on with the weights bit-equal, so
+        # the buffer forms a fresh batch; holding it would get this very batch served again, forever if its
+        # data is the cause.
+        self.version += 1
+        self.optimizer_steps += applied
+        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version, entropy)
         dt = time.perf_counter() - t0
+        grad_norm = float(np.mean(norms)) if norms else float("nan")
         metrics.update({
             "perf/learner_step_s": dt, "perf/learner_prox_s": t_prox,
             "perf/learner_tokens_per_s": metrics["learner/tokens"] / dt if dt > 0 else 0.0,
             "learner/version": float(self.version), "learner/steps_applied": float(applied),
+            "learner/optimizer_steps": float(self.optimizer_steps),
             "learner/skipped_steps": float(self.skipped_steps),
-            "learner/extra_staleness_steps": float(self.extra_steps),
-            "learner/grad_norm": float(grad_norm), "learner/lr": float(self._lr()),
-            "learner/micro_batches": float(len(mbs)),
+            "learner/grad_norm": grad_norm, "learner/lr": float(self._lr()),
+            "learner/micro_batches": float(len(flat)), "learner/minibatches": float(len(minis)),
         })
+        metrics.update(verl_aliases(metrics))
         return metrics
 
+    def _reward_stats(self, groups: Sequence[Sequence[Trajectory]]) -> Optional[grpo.RewardStats]:
+        """``loss.adv_norm=batch`` on several ranks: the statistics of the whole batch (all ranks' shares), so
+        every rank normalises as one process would on the union. None otherwise (the local statistics are
+        the batch's)."""
+        if self.cfg.loss.adv_norm != "batch" or self.world == 1:
+            return None
+        rewards = torch.tensor([float(t.reward) for g in groups for t in g], dtype=torch.float32)
+        return grpo.batch_reward_stats(rewards, self.cfg.loss, self._all_reduce)
+
     def _finish_metrics(self, batch: TrainBatch, sums: Tensor, w_max: Tensor, steps: int, has_kl: bool,
-                        start_version: int) -> dict[str, float]:
+                        start_version: int, entropy: Tensor) -> dict[str, float]:
         lag = batch.lag(start_version).double()
+        adv = batch.advantages.double()
         batch_sums = torch.tensor([batch.num_trajectories, batch.num_valid_tokens, float(batch.env_steps.sum()),
                                    float(batch.success.sum()), float(batch.rewards.sum()), float(lag.sum()),
-                                   float(batch.advantages.abs().sum())], dtype=torch.float64)
+                                   float(adv.abs().sum()), float(adv.sum()), float(entropy[0]),
+                                   float(entropy[1])], dtype=torch.float64)
         reduced = self._all_reduce(torch.cat([sums, batch_sums]), "sum")
-        maxes = self._all_reduce(torch.cat([w_max, lag.max().reshape(1).cpu()]), "max")
+        maxes = self._all_reduce(torch.cat([w_max, lag.max().reshape(1).cpu(), adv.max().reshape(1).cpu(),
+                                            -adv.min().reshape(1).cpu()]), "max")
         n = len(sums)
-        sums, (trajs, tokens, env_steps, succ, rew, lag_sum, adv_abs) = reduced[:n], reduced[n:].tolist()
+        sums = reduced[:n]
+        trajs, tokens, env_steps, succ, rew, lag_sum, adv_abs, adv_sum, ent_sum, ent_n = reduced[n:].tolist()
         n_loss, n_valid = float(sums[-2]), float(sums[-1])
         out: dict[str, float] = {}
         j = 0
@@ -251,14 +226,15 @@ class Learner(abc.ABC):
         # (how far the step moved the policy), so the tag always exists.
         out["loss/kl"] = out.get("loss/kl_ref", out["loss/approx_kl"])
         out["offpolicy/is_weight_max"] = float(maxes[0])
-        steps_lag = self.cfg.learner.steps_per_batch - 1
+        if ent_n > 0:
+            out["loss/entropy"] = ent_sum / ent_n
+        ntraj = max(trajs, 1.0)
         out.update({
             "learner/trajectories": trajs, "learner/tokens": tokens, "learner/env_steps": env_steps,
-            "learner/success_rate": succ / max(trajs, 1.0), "learner/reward_mean": rew / max(trajs, 1.0),
-            "learner/adv_abs_mean": adv_abs / max(trajs, 1.0),
-            "learner/lag_mean": lag_sum / max(trajs, 1.0), "learner/lag_max": float(maxes[1]),
-            # Mean lag over this batch's optimizer steps: step s trains on data s versions staler.
-            "learner/effective_lag_mean": lag_sum / max(trajs, 1.0) + 0.5 * steps_lag,
+            "learner/success_rate": succ / ntraj, "learner/reward_mean": rew / ntraj,
+            "learner/adv_abs_mean": adv_abs / ntraj, "learner/adv_mean": adv_sum / ntraj,
+            "learner/adv_max": float(maxes[2]), "learner/adv_min": -float(maxes[3]),
+            "learner/lag_mean": lag_sum / ntraj, "learner/lag_max": float(maxes[1]),
         })
         return out
 
@@ -270,6 +246,11 @@ class Learner(abc.ABC):
     @abc.abstractmethod
     def _logprobs(self, mb: TrainBatch) -> Tensor:
         """Per-call token log-probs [C, T] under the current weights at ``self.temperature``."""
+
+    def _logprobs_entropy(self, mb: TrainBatch) -> tuple[Tensor, Optional[Tensor]]:
+        """(log-probs, per-token entropy [C, T] of the action distribution) under the current weights, no
+        gradient needed; entropy None when the policy cannot give it (``token_logprobs_entropy``)."""
+        return self._logprobs(mb), None
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
         """Per-call token log-probs [C, T] under the frozen reference policy (only with ``loss.kl_beta`` > 0)."""
@@ -318,15 +299,25 @@ class Learner(abc.ABC):
 
     def _learner_state(self, extra: Optional[dict]) -> dict:
         return {"format": CKPT_FORMAT, "version": self.version, "skipped_steps": self.skipped_steps,
-                "extra_steps": self.extra_steps, "world": self.world, "extra": dict(extra or {})}
+                "optimizer_steps": self.optimizer_steps, "world": self.world, "extra": dict(extra or {})}
 
     def _restore_learner_state(self, state: dict) -> dict:
         if state.get("format") != CKPT_FORMAT:
             raise ValueError(f"unsupported learner checkpoint format {state.get('format')}")
         self.version = int(state["version"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.extra_steps = int(state["extra_steps"])
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
         return dict(state.get("extra", {}))
+
+
+def policy_has_entropy(policy: torch.nn.Module) -> bool:
+    """Whether ``policy`` gives per-token entropies (``token_logprobs_entropy``, as every ``VLAPolicy``
+    does); without it ``actor/entropy`` is not logged, and this says so once."""
+    has = callable(getattr(policy, "token_logprobs_entropy", None))
+    if not has:
+        log.warning("%s has no token_logprobs_entropy(): actor/entropy (loss/entropy) is not logged",
+                    type(policy).__name__)
+    return has
 
 
 def save_policy_dir(policy: torch.nn.Module, directory: Path) -> Path:
@@ -368,6 +359,7 @@ class TorchLearner(Learner):
         self.optimizer = torch.optim.AdamW(self._params, lr=lc.lr, betas=tuple(lc.betas),
                                            weight_decay=lc.weight_decay)
         self._bf16 = self._device.type == "cuda" and lc.precision in ("auto", "bf16")
+        self._has_entropy = policy_has_entropy(policy)
 
     @property
     def device(self) -> torch.device:
@@ -377,6 +369,13 @@ class TorchLearner(Learner):
         with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._bf16):
             return (policy or self.policy).token_logprobs(mb.images, mb.proprio, mb.instructions, mb.action_tokens,
                                                           self.temperature)
+
+    def _logprobs_entropy(self, mb: TrainBatch) -> tuple[Tensor, Optional[Tensor]]:
+        if not self._has_entropy:
+            return self._logprobs(mb), None
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._bf16):
+            return self.policy.token_logprobs_entropy(mb.images, mb.proprio, mb.instructions, mb.action_tokens,
+                                                      self.temperature)
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
         return self._logprobs(mb, self.ref_policy)

@@ -57,7 +57,8 @@ from torch import Tensor
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
 from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
-                          prune_checkpoints, restore_rng_state, save_policy_dir, tensors_digest)
+                          policy_has_entropy, prune_checkpoints, restore_rng_state, save_policy_dir,
+                          tensors_digest)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ class LogProbModule(torch.nn.Module):
         self.policy = policy
 
     def forward(self, images: Tensor, proprio: Tensor, instructions: list[str], action_tokens: Tensor,
-                temperature: float) -> Tensor:
+                temperature: float, with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        if with_entropy:   # the proximal pass: log-probs and per-token entropies from one forward
+            return self.policy.token_logprobs_entropy(images, proprio, instructions, action_tokens, temperature)
         return self.policy.token_logprobs(images, proprio, instructions, action_tokens, temperature)
 
 
@@ -229,6 +232,7 @@ class DeepSpeedLearner(Learner):
         self._own_skip_check = (self.engine.optimizer is getattr(self.engine, "basic_optimizer", None)
                                 or not hasattr(self.engine.optimizer, "overflow"))
         self._dtype = next(self.module.parameters()).dtype
+        self._has_entropy = policy_has_entropy(policy)
         self.ref_engine: Optional[Any] = None
         self.ref_module: Optional[torch.nn.Module] = None
         if ref is not None:
@@ -254,6 +258,13 @@ class DeepSpeedLearner(Learner):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
             return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
                                self.temperature)
+
+    def _logprobs_entropy(self, mb: TrainBatch) -> tuple[Tensor, Optional[Tensor]]:
+        if not self._has_entropy:
+            return self._logprobs(mb), None
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
+            return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
+                               self.temperature, with_entropy=True)
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
         ref = self.ref_engine if self.ref_engine is not None else self.ref_module

@@ -201,7 +201,10 @@ class Evaluator:
             self._load(final, v)
         else:
             self.version = max(self.version, 0)
-        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+        from runner.report import eval_videos
+
+        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval",
+                                             videos=eval_videos(self.cfg))
 
     def _load(self, path: Path, version: Optional[int] = None) -> None:
         from actors.weight_loading import load_weights, load_weights_path

@@ -99,6 +99,9 @@ class RunRecorder:
         self.monitor.scalar("eval/success_rate", res["success_rate"], version)
         for task, rate in res.get("by_task", {}).items():
             self.monitor.scalar(f"eval/success_rate_by_task/{task}", rate, version)
+        for video in res.get("videos", []):   # logging.eval_videos episodes (evaluate_greedy(videos=n))
+            self.monitor.video(f"eval/video/task{video['task_id']}_init{video['init_state_id']}", video["frames"],
+                               version, self.cfg.logging.eval_video_fps)
         self.monitor.flush()
         print(f"[eval] version {version}: greedy held-out success {res['success_rate']:.3f} "
               f"({res.get('episodes', '?')} episodes, {wall:.0f}s)", flush=True)
@@ -154,6 +157,11 @@ class RunRecorder:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         plot_success(self.run_dir / "success.png", self.eval_points, self.train_points)
         return summary
+
+
+def eval_videos(cfg: Any) -> int:
+    """Episodes to film per evaluation: ``logging.eval_videos``, 0 when TensorBoard is off (nowhere to put them)."""
+    return cfg.logging.eval_videos if cfg.logging.tensorboard else 0
 
 
 def fmt_rate(x: Optional[float]) -> str:

@@ -19,7 +19,7 @@ from typing import Optional
 from async_vla.config import Config, write_resolved
 from async_vla.metrics import Monitor
 from async_vla.transport import LocalPipe
-from runner.report import RunRecorder
+from runner.report import RunRecorder, eval_videos
 
 log = logging.getLogger("runner.serial")
 
@@ -99,7 +99,7 @@ class SerialRun:
     def evaluate(self, version: int) -> float:
         from async_vla.sft import evaluate_greedy
 
-        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval", videos=eval_videos(self.cfg))
         self.recorder.eval_result(version, res)
         return res["success_rate"]
 

@@ -64,14 +64,23 @@ class StandInPolicy(torch.nn.Module):
         self.poison: Optional[str] = None
         self.tokens_per_call = T
 
-    def token_logprobs(self, images, proprio, instructions, action_tokens, temperature):
+    def _logp_all(self, images, proprio, temperature):
         dev = self.query.device
         x = torch.as_tensor(images, device=dev).float().mean(dim=(1, 2)) / 255.0
         p = torch.as_tensor(proprio, device=dev).to(self.query.dtype)
         feat = torch.tanh(self.enc(torch.cat([x.to(self.query.dtype), p], dim=-1)))
         hidden = feat[:, None, :] + self.query[None]
         logits = F.linear(hidden, self.head.weight, self.head.bias)  # weight read outside head's forward
-        logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+        return F.log_softmax(logits.float() / temperature, dim=-1)
+
+    def token_logprobs_entropy(self, images, proprio, instructions, action_tokens, temperature):
+        logp_all = self._logp_all(images, proprio, temperature)
+        return (self.token_logprobs(images, proprio, instructions, action_tokens, temperature),
+                -(logp_all.exp() * logp_all).sum(-1))
+
+    def token_logprobs(self, images, proprio, instructions, action_tokens, temperature):
+        dev = self.query.device
+        logp_all = self._logp_all(images, proprio, temperature)
         idx = torch.as_tensor(action_tokens, device=dev).long() - FIRST
         logp = logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
         if self.poison == "logp":
@@ -123,6 +132,34 @@ def make_groups(policy: Optional[torch.nn.Module] = None, seed: int = 0, n_group
 
 
 # ------------------------------------------------------------------------------ multi-rank worker
+MB_REWARDS = ((1.0, 0.0, 1.0, 1.0), (0.0, 0.0, 1.0, 0.0))   # per rank: 2 groups of 2, different reward means
+
+
+def minibatch_groups(rank: int) -> list[list[Trajectory]]:
+    """Rank ``rank``'s share for the mini-batch worker: two groups (policy-independent behaviour log-probs)."""
+    return make_groups(seed=20 + rank, n_groups=2, calls=(2, 1, 3, 2), rewards=MB_REWARDS[rank], behav_noise=0.2)
+
+
+def minibatch_worker(out_path: str) -> None:
+    """One ZeRO-3 rank: ``learner.minibatches=2`` with ``loss.adv_norm=batch`` over 2 ranks, one batch; writes
+    the gathered weights' digest and the metrics. The reference (one process, TorchLearner) trains the groups
+    ordered rank0-g0, rank1-g0, rank0-g1, rank1-g1: its mini-batch j is the union of the ranks' mini-batch j."""
+    torch.set_num_threads(1)
+    from learner.deepspeed_engine import DeepSpeedLearner
+
+    over = ["learner.zero_stage=3", "learner.num_ranks=2", "learner.micro_batch_trajectories=1",
+            "learner.minibatches=2", "buffer.groups_per_batch=4", "loss.adv_norm=batch", "loss.correction=tis"]
+    cfg = small_cfg(*over)
+    learner = DeepSpeedLearner(cfg, StandInPolicy(seed=1))
+    m = learner.train_step(minibatch_groups(learner.rank))
+    full = {k: v.tolist() for k, v in learner.full_state_items(all_ranks=True)}
+    report = {"rank": learner.rank, "version": learner.version, "params": full,
+              "metrics": {k: m[k] for k in ("loss/policy", "learner/steps_applied", "learner/minibatches",
+                                            "learner/adv_abs_mean", "actor/pg_clipfrac", "actor/ppo_kl")}}
+    Path(f"{out_path}.{learner.rank}").write_text(json.dumps(report))
+    learner._dist.barrier()
+
+
 def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
     """One DeepSpeed rank. phase "train": 2 steps, digests, save, 1 more step, digests, then SIGKILL itself.
     phase "resume": load, digests, the same 3rd step, digests. Each rank writes its JSON to out_path.<rank>."""
@@ -191,4 +228,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1] == "minibatch":
+        minibatch_worker(sys.argv[3])
+    else:
+        worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

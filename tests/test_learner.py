@@ -38,13 +38,14 @@ def test_step_raises_logprob_of_positive_advantage_trajectories():
     assert m["learner/trajectories"] == 4 and m["learner/micro_batches"] == 2
 
 
-def test_steps_per_batch_counts_extra_staleness():
+def test_steps_per_batch_takes_several_steps_in_one_version():
     cfg = small_cfg("learner.steps_per_batch=3")
     policy = StandInPolicy(seed=1)
     learner = TorchLearner(cfg, policy)
     m = learner.train_step(make_groups(policy=policy))
-    assert learner.version == 3 and m["learner/steps_applied"] == 3
-    assert m["learner/extra_staleness_steps"] == 2 and m["learner/effective_lag_mean"] == pytest.approx(1.0)
+    # one version per batch (docs/LEARNER.md "Versions"), three optimizer steps inside it
+    assert learner.version == 1 and m["learner/steps_applied"] == 3 and m["learner/optimizer_steps"] == 3
+    assert learner.optimizer_steps == 3 and m["learner/lag_mean"] == 0
 
 
 def test_checkpoint_round_trip_is_bit_equal(tmp_path):

@@ -77,3 +77,28 @@ def test_two_rank_zero3_equal_weights_and_bit_equal_resume(tmp_path):
         assert s3["learner/grad_norm"] == pytest.approx(ref["learner/grad_norm"], rel=1e-4)
     # Budget: < 90 s in all (about 30 s on an idle 2-core machine; each phase is capped at 80 s above).
     print(f"two-rank ZeRO-3 train + resume: {time.monotonic() - t0:.1f} s")
+
+
+def test_two_rank_zero3_minibatches_and_batch_adv_norm_equal_one_process(tmp_path):
+    """learner.minibatches=2 under ZeRO-3 on 2 gloo ranks (micro-batches of one trajectory: gradient accumulation
+    inside each mini-batch) with loss.adv_norm=batch: the weights after the batch equal one process's
+    TorchLearner on the union (the ranks' mini-batch j = the union's mini-batch j; batch statistics over both
+    ranks: the ranks' reward means differ, so per-rank statistics would give other weights)."""
+    import torch
+
+    from learner.core import TorchLearner
+    from tests.learner_helpers import StandInPolicy, minibatch_groups, small_cfg
+
+    a = _run_ranks("minibatch", tmp_path, tmp_path / "mb", stage=3)
+    cfg = small_cfg("learner.micro_batch_trajectories=1", "learner.minibatches=2", "buffer.groups_per_batch=4",
+                    "loss.adv_norm=batch", "loss.correction=tis")
+    g0, g1 = minibatch_groups(0), minibatch_groups(1)
+    ref = TorchLearner(cfg, StandInPolicy(seed=1))
+    m = ref.train_step([g0[0], g1[0], g0[1], g1[1]])
+    assert a[0]["params"] == a[1]["params"] and a[0]["version"] == a[1]["version"] == 1
+    for name, want in ref.full_state_items():
+        torch.testing.assert_close(torch.tensor(a[0]["params"][name]), want, rtol=1e-4, atol=1e-6, msg=name)
+    got = a[0]["metrics"]
+    assert got["learner/steps_applied"] == 2 and got["learner/minibatches"] == 2
+    for k in ("loss/policy", "learner/adv_abs_mean", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert got[k] == pytest.approx(m[k], rel=1e-4, abs=1e-7), k

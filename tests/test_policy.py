@@ -72,6 +72,17 @@ def test_logprobs_are_log_softmax_of_scaled_action_logits(policy):
                                policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.0))
 
 
+def test_token_entropy_is_that_of_the_scaled_action_distribution(policy):
+    images, proprio, instr = batch(2)
+    tokens, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(3))
+    idx = policy.tokenizer.token_to_index(torch.from_numpy(tokens))
+    p = torch.softmax(policy.action_logits(images, proprio, instr, idx) / 1.6, -1)
+    logp, ent = policy.token_logprobs_entropy(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    torch.testing.assert_close(ent, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp, policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6))
+    assert ent.shape == (B, 56) and float(ent.max()) <= float(np.log(256)) + 1e-4
+
+
 def test_greedy_is_argmax_and_deterministic(policy):
     images, proprio, instr = batch(3)
     t1, lp1 = policy.act(images, proprio, instr, 0.0)

@@ -112,3 +112,54 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "policy.nope=1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "policy.nope" in bad.stderr
+
+
+def test_eval_videos_of_the_builtin_env_reach_tensorboard(tmp_path):
+    """evaluate_greedy(videos=3) films 3 episodes, each task's first held-out init state first (round-robin), frame = the camera after the
+    reset and every env step; the recorder writes each as an animated GIF under eval/video/... at the version."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    from async_vla.metrics import VIDEO_MIN_SIDE, Monitor, read_images
+    from runner.report import RunRecorder, eval_videos
+
+    cfg, _, policy = setup(tasks="[4,7]")
+    envs = [make_env(cfg, s) for s in range(3)]
+    res = evaluate_greedy(policy, envs, split="eval", videos=3)
+    vids = res["videos"]
+    ids = {t: list(envs[0].init_state_ids(t, "eval")) for t in (4, 7)}
+    # chosen round-robin (4's first, 7's first, 4's second), listed in the eval's episode order
+    assert [(v["task_id"], v["init_state_id"]) for v in vids] == [(4, ids[4][0]), (4, ids[4][1]), (7, ids[7][0])]
+    for v in vids:
+        assert v["frames"].dtype == np.uint8 and v["frames"].shape[1:] == (32, 32, 3) and len(v["frames"]) > 1
+    assert "videos" not in evaluate_greedy(policy, envs, split="eval")   # 0 = off
+    assert eval_videos(load_config(None, ["logging.tensorboard=false"])) == 0
+    monitor = Monitor(tmp_path)
+    RunRecorder(cfg, tmp_path, monitor).eval_result(5, res)
+    monitor.close()
+    [(step, gif)] = read_images(tmp_path / "tb", f"eval/video/task7_init{ids[7][0]}")
+    img = Image.open(BytesIO(gif))
+    assert step == 5 and img.format == "GIF" and img.size == (VIDEO_MIN_SIDE, VIDEO_MIN_SIDE)  # 32 px x 4
+    # Pillow merges identical consecutive frames (a robot standing still) into one longer frame: the play time
+    # is what stays, 1000 / fps ms per env step
+    durations = []
+    for i in range(img.n_frames):
+        img.seek(i)
+        durations.append(img.info["duration"])
+    want_ms = len(vids[2]["frames"]) * 1000 / cfg.logging.eval_video_fps
+    assert 1 < img.n_frames <= len(vids[2]["frames"]) and abs(sum(durations) - want_ms) <= 10 * img.n_frames  # 10 ms units
+    last = np.asarray(img.convert("RGB"))[::4, ::4]
+    np.testing.assert_allclose(last.astype(int), vids[2]["frames"][-1].astype(int), atol=24)  # GIF palette
+
+
+def test_long_videos_keep_every_nth_frame_and_the_last():
+    from async_vla.metrics import VIDEO_MAX_FRAMES, video_frames
+
+    frames = np.zeros((451, 200, 200, 3), dtype=np.uint8)
+    frames[:, 0, 0, 0] = np.arange(451) % 256
+    shown, stride = video_frames(frames)
+    assert stride == 4 and len(shown) <= VIDEO_MAX_FRAMES + 1 and shown.shape[1:] == (200, 200, 3)
+    assert shown[-1, 0, 0, 0] == 450 % 256 and shown[1, 0, 0, 0] == 4
+    with pytest.raises(ValueError, match="uint8"):
+        video_frames(frames.astype(np.float32))

@@ -36,8 +36,9 @@ where
 Because the learner consumes B groups per version, accepted - v_rel*B is the admitted backlog, so at most
 (eta + 1) * B groups are ever being produced or waiting beyond what the learner has consumed: a group granted
 at version v is trained by version v + eta + 1 at the latest, and stale drops are rare. Nothing is granted
-while has_room() is False. With learner.steps_per_batch = k the version moves k per batch (looser pacing), and
-with reuse > 1 groups are consumed more than once; both only loosen it, the eta check still holds.
+while has_room() is False. The version moves one per batch whatever learner.minibatches / steps_per_batch are
+(docs/LEARNER.md "Versions"); with reuse > 1 groups are consumed more than once, which only loosens pacing, the
+eta check still holds.
 
 Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
 ``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes

@@ -53,6 +53,13 @@ class Config(Section):
                 f"buffer.groups_per_batch ({self.buffer.groups_per_batch}) must be a multiple of "
                 f"learner.num_ranks ({self.learner.num_ranks}) so every rank gets the same number of groups"
             )
+        per_rank = self.buffer.groups_per_batch // self.learner.num_ranks
+        if per_rank % self.learner.minibatches:
+            raise ValueError(
+                f"learner.minibatches ({self.learner.minibatches}) must divide the groups each learner rank gets "
+                f"(buffer.groups_per_batch / learner.num_ranks = {per_rank}): mini-batches are shards of whole "
+                f"groups, equal on every rank; set learner.minibatches to a divisor of {per_rank} or raise "
+                "buffer.groups_per_batch")
         t = self.transport
         if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
             raise ValueError(

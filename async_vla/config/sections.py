@@ -262,8 +262,14 @@ class LearnerConfig(Section):
     """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
+    minibatches: int = Field(1, ge=1)
+    """PPO mini-batches per batch (verl's ppo_mini_batch_size = batch / minibatches): each rank splits its
+    groups into this many shards of whole groups and takes one optimizer step per shard, all against the
+    proximal log-probs of the batch-start weights (decoupled PPO). The version moves by one per batch whatever
+    this is (docs/LEARNER.md). buffer.groups_per_batch must be a multiple of learner.num_ranks x this."""
     steps_per_batch: int = Field(1, ge=1)
-    """Optimizer steps per batch; each extra step adds one version of staleness (counted)."""
+    """Passes over each batch (verl's ppo_epochs): each pass takes learner.minibatches optimizer steps; all
+    against the batch-start proximal log-probs, one version per batch."""
     micro_batch_trajectories: int = Field(16, ge=1)
     """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
     deepspeed_config: Optional[str] = None
@@ -442,6 +448,12 @@ class LoggingConfig(Section):
     """Port of the TensorBoard server."""
     tensorboard_flush_s: int = Field(10, ge=1)
     """Seconds between flushes of buffered TensorBoard events to disk."""
+    eval_videos: int = Field(2, ge=0)
+    """Greedy eval episodes filmed per evaluation and written to TensorBoard as animated GIFs (Images tab,
+    eval/video/task<t>_init<i>: the same episodes at every eval, one per task first); 0 = off. Costs one image
+    copy per env step of those episodes and a GIF encode per eval."""
+    eval_video_fps: float = Field(8.0, gt=0)
+    """Playback speed of the eval videos in env steps per second (long episodes skip frames, same speed)."""
     status_every_s: float = Field(5.0, gt=0)
     """Seconds between live status lines."""
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

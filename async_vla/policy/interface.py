@@ -107,6 +107,19 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
         logp_all = F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
         return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
+    def token_logprobs_entropy(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
+                               action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        """``token_logprobs`` and, from the same forward, the entropy ``[B, T]`` of each position's action
+        distribution at that temperature (the learner's proximal pass: actor/entropy)."""
+        tokens = torch.as_tensor(action_tokens, device=self.device).long()
+        idx = self.tokenizer.token_to_index(tokens)
+        if bool(((idx < 0) | (idx >= self.tokenizer.num_bins)).any()):
+            raise ValueError("action_tokens contain ids outside the action-token range")
+        logits = self.action_logits(images, proprio, instructions, idx)
+        logp_all = F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1), entropy
+
     def decode_actions(self, action_tokens: np.ndarray) -> np.ndarray:
         """Token ids ``[B, T]`` -> un-normalised actions ``[B, chunk, dof]`` (float32)."""
         return self.tokenizer.decode_actions(np.asarray(action_tokens))
