@@ -73,6 +73,9 @@ class EnvConfig(Section):
     image_orientation: Literal["rot180", "vflip"] = "rot180"
     """LIBERO: rot180 = img[::-1, ::-1] as OpenVLA's LIBERO pipeline (and its training data) expects;
     vflip = the true camera view (MuJoCo returns rows bottom-up)."""
+    jpeg_roundtrip: bool = False
+    """LIBERO: JPEG-encode and decode each frame (quality 95) before the resize to image_size, as OpenVLA-OFT's and
+    SimpleVLA-RL's LIBERO pipelines do (their training images were stored as JPEG; docs/FIDELITY.md)."""
     wrist_camera: bool = False
     """Also record the wrist camera image (LIBERO)."""
     render_mode: Literal["full", "cheap"] = "full"
@@ -126,7 +129,13 @@ class PolicyConfig(Section):
     action_dim: int = Field(7, ge=1)
     """Degrees of freedom per action step (xyz, rpy, gripper)."""
     unnorm_key: Optional[str] = None
-    """Dataset key of the action normalisation statistics (None = the task family's own)."""
+    """Dataset key of the action normalisation statistics (None = the task family's own). OpenVLA checkpoints: a
+    key of their ``dataset_statistics.json`` / ``norm_stats``; ``libero_X`` falls back to ``libero_X_no_noops``
+    when only that exists (as SimpleVLA-RL does)."""
+    center_crop: bool = False
+    """OpenVLA(-OFT) checkpoints trained with image augmentation (random crops): centre-crop 0.9 of each frame's
+    area and resize it back before the processor, as SimpleVLA-RL's rollout does with center_crop=True
+    (async_vla/image_ops.py; docs/FIDELITY.md)."""
     proprio_dim: int = Field(8, ge=1)
     """Proprioception vector length fed to the tiny arch (builtin env and LIBERO: 8 = eef xyz, axis-angle, 2 gripper)."""
     max_instruction_tokens: int = Field(16, ge=2)
