@@ -424,6 +424,29 @@ class TransportConfig(Section):
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
 
 
+class PlacementConfig(Section):
+    gpus_learner: Optional[list[int]] = None
+    """GPU indices (as this host's CUDA_VISIBLE_DEVICES numbers them) of the learner ranks, one per rank in rank
+    order (length = learner.num_ranks); bin/train hands the list to the learner as its CUDA_VISIBLE_DEVICES. None =
+    leave the devices alone (rank r uses cuda:r of what it sees)."""
+    gpus_actors: Optional[list[int]] = None
+    """GPU indices the actors are spread over: actor i gets gpus_actors[i % len] as its only visible device. None =
+    every actor sees every GPU and uses cuda:0."""
+    gpu_evaluator: Optional[int] = Field(None, ge=0)
+    """GPU index of bin/train's evaluator (it runs in the launcher process). None = cuda:0."""
+
+    @model_validator(mode="after")
+    def _check_indices(self) -> "PlacementConfig":
+        for name in ("gpus_learner", "gpus_actors"):
+            ids = getattr(self, name)
+            if ids is not None and (not ids or min(ids) < 0):
+                raise ValueError(f"placement.{name} must be a non-empty list of GPU indices >= 0, got {ids}")
+        if self.gpus_learner is not None and len(set(self.gpus_learner)) != len(self.gpus_learner):
+            raise ValueError(f"placement.gpus_learner {self.gpus_learner} names a GPU twice: NCCL cannot run two ranks "
+                             "on one device; give each rank its own GPU")
+        return self
+
+
 class LoggingConfig(Section):
     tensorboard: bool = True
     """Write TensorBoard events to <run>/tb."""
