@@ -264,6 +264,14 @@ class LearnerConfig(Section):
     """Optimizer steps per batch; each extra step adds one version of staleness (counted)."""
     micro_batch_trajectories: int = Field(16, ge=1)
     """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank of peft adapters on the language model's linear layers (q/k/v/o, gate/up/down); only they train
+    and actors receive merged weights (learner/adapt.py). 0 = full fine-tuning."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank (OpenVLA's LoRA runs: 16)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (a 7B OpenVLA-OFT
+    micro-batch of one 64-call trajectory: ~130 GB of activations without, ~10 GB with; docs/GPU.md)."""
     deepspeed_config: Optional[str] = None
     """Path to a user DeepSpeed JSON that replaces the generated one."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
