@@ -198,12 +198,21 @@ def test_jpeg_roundtrip_is_lossy_but_close_on_a_smooth_frame():
 
 
 # ----------------------------------------------------------------------------------------------- the configs
-@pytest.mark.parametrize("suite", ["spatial", "object", "goal", "10"])
-def test_shipped_libero_configs_follow_simplevla_rl(suite):
-    cfg = load_config(f"configs/libero_{suite}.yaml", [])
+@pytest.mark.parametrize("name", ["spatial", "object", "goal", "10", "spatial_lora"])
+def test_shipped_libero_configs_follow_simplevla_rl(name):
+    cfg = load_config(f"configs/libero_{name}.yaml", [])
+    suite = name.split("_")[0]
     assert cfg.policy.arch == "openvla_oft" and (cfg.policy.chunk_size, cfg.policy.action_dim) == (8, 7)
     assert cfg.env.max_steps == 512 and cfg.env.settle_steps == 10          # rob_rollout.py max_steps, wait steps
     assert cfg.env.render_size == 256 and cfg.env.image_size == 224 and cfg.env.image_orientation == "rot180"
     assert cfg.env.jpeg_roundtrip and cfg.policy.center_crop and not cfg.env.wrist_camera
     assert cfg.actor.temperature == 1.6 and cfg.actor.group_size == 8 and cfg.buffer.groups_per_batch == 64
-    assert cfg.policy.unnorm_key == f"libero_{suite}_no_noops"
+    assert cfg.policy.unnorm_key == f"libero_{suite}_no_noops" and cfg.actor.backend == "torch"
+    assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_beta) == (0.2, 0.28, 0.0)
+    assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.learner.weight_decay == 0.01
+    assert cfg.learner.grad_clip == 1.0 and cfg.learner.gradient_checkpointing and cfg.learner.micro_batch_trajectories == 1
+    if not cfg.learner.lora_rank:
+        assert cfg.learner.lr == 5e-6 and cfg.learner.num_ranks == 4 and cfg.learner.zero_stage == 3
+    p = cfg.placement                   # every process placed; learner ranks never share a GPU with an actor
+    assert len(p.gpus_learner) == cfg.learner.num_ranks and p.gpus_actors and p.gpu_evaluator is not None
+    assert not set(p.gpus_learner) & set(p.gpus_actors)

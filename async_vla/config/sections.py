@@ -271,7 +271,7 @@ class LearnerConfig(Section):
     """LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank (OpenVLA's LoRA runs: 16)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (a 7B OpenVLA-OFT
-    micro-batch of one 64-call trajectory: ~130 GB of activations without, ~10 GB with; docs/GPU.md)."""
+    micro-batch of one 64-call trajectory: ~130 GB of activations without, ~12 GB with; docs/GPU.md)."""
     deepspeed_config: Optional[str] = None
     """Path to a user DeepSpeed JSON that replaces the generated one."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"

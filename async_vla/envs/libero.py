@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 SUITES = {"spatial": "libero_spatial", "object": "libero_object", "goal": "libero_goal", "10": "libero_10",
           "90": "libero_90"}
-# Episode limits of the OpenVLA-OFT / SimpleVLA-RL LIBERO evaluations (longest demo + margin per suite).
+# Episode limits of OpenVLA-OFT's LIBERO evaluation (longest demo + margin per suite). SimpleVLA-RL runs 512
+# steps in every suite (rob_rollout.py): configs/libero_*.yaml set env.max_steps=512.
 SUITE_MAX_STEPS = {"spatial": 220, "object": 280, "goal": 300, "10": 520, "90": 400}
 PROPRIO_DIM = 8
 NOOP_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])  # LIBERO convention: -1 = open
