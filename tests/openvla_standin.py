@@ -48,8 +48,9 @@ def StandInPrismatic(action_positions: int = 0, patch: int = 8, hidden: int = 32
     from tests import standin_vla_remote as remote
 
     torch.manual_seed(seed)
-    return remote.StandInVLAForActionPrediction(remote.StandInVLAConfig(
-        hidden_size=hidden, patch=patch, action_positions=action_positions, norm_stats=norm_stats or {}))
+    return remote.StandInVLAForActionPrediction(remote.StandInVLAConfig(   # eager: as the loader builds Prismatic
+        hidden_size=hidden, patch=patch, action_positions=action_positions, norm_stats=norm_stats or {},
+        attn_implementation="eager"))
 
 
 def set_platform_constants(name: str) -> None:
@@ -86,7 +87,8 @@ def write_standin_checkpoint(path, oft: bool = False, norm_stats: Optional[dict]
     remote.StandInVLAForActionPrediction.register_for_auto_class(auto_model)
     remote.StandInVLAProcessor.register_for_auto_class("AutoProcessor")
     torch.manual_seed(seed)
-    cfg = remote.StandInVLAConfig(action_positions=56 if oft else 0, norm_stats=norm_stats or {})
+    cfg = remote.StandInVLAConfig(action_positions=56 if oft else 0, norm_stats=norm_stats or {},
+                                  attn_implementation="eager")
     remote.StandInVLAForActionPrediction(cfg).save_pretrained(path)
 
     vocab = {"[UNK]": 0, "<s>": BOS, **{w: i + 2 for i, w in enumerate(WORDS)}}

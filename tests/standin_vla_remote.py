@@ -69,6 +69,12 @@ class StandInVLAForActionPrediction(PreTrainedModel):
         self.norm_stats = config.norm_stats
         self.post_init()
 
+    @property
+    def _supports_sdpa(self) -> bool:
+        # As Prismatic's modeling_prismatic.py: asks the language model, which transformers' PreTrainedModel.__init__
+        # wants to know before this __init__ has built it (so the model must be built with eager attention)
+        return self.language_model._supports_sdpa
+
     def get_input_embeddings(self):
         return self.language_model.get_input_embeddings()
 

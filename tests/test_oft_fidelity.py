@@ -76,6 +76,20 @@ def test_loading_a_checkpoint_sets_robot_platform_before_the_remote_code_reads_i
     assert (remote.NUM_ACTIONS_CHUNK, remote.ACTION_DIM) == (8, 7) and remote.__name__.startswith("transformers_modules")
 
 
+def test_prismatic_models_are_built_eager_then_run_sdpa(tmp_path):
+    """Prismatic's `_supports_sdpa` asks its language model, which transformers wants to know before the remote
+    __init__ has built it: a plain from_pretrained fails (as SimpleVLA-RL's modeling_prismatic.py does under
+    transformers 4.57.6); the loader builds it eager and switches the language model to SDPA."""
+    from async_vla.policy import build_policy
+    from async_vla.policy.openvla_loader import _auto_model_class
+
+    write_standin_checkpoint(tmp_path / "ckpt", oft=True, norm_stats=STATS)
+    with pytest.raises(AttributeError, match="_supports_sdpa"):
+        _auto_model_class().from_pretrained(tmp_path / "ckpt", trust_remote_code=True)
+    cfg = load_config(None, [o for o in OFT if not o.startswith("policy.path")] + [f"policy.path={tmp_path / 'ckpt'}"])
+    assert build_policy(cfg).model.language_model.config._attn_implementation == "sdpa"
+
+
 # ------------------------------------------------------------------------------------------------- attention
 def test_oft_attention_is_bidirectional_and_the_stock_model_is_not():
     """Action position 0 sees the stop token appended after the 56 placeholders only with bidirectional attention:

@@ -33,6 +33,7 @@ at one (tests/test_policy.py).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -50,6 +51,8 @@ from async_vla.tokenizer import ActionStats, ActionTokenizer
 
 if TYPE_CHECKING:
     from async_vla.config import PolicyConfig
+
+log = logging.getLogger(__name__)
 
 EMPTY_TOKEN = 29871  # OpenVLA appends this "empty" token after the prompt before the action tokens
 PROMPT = "In: What action should the robot take to {}?\nOut:"
@@ -196,6 +199,18 @@ class OpenVLAPolicy(VLAPolicy):
         return idx_all, logp_all
 
 
+def use_sdpa(lm) -> None:
+    """Switch a loaded (eager-built) language model to PyTorch SDPA attention (transformers picks the kernel per
+    call from the config); a transformers without ``set_attn_implementation`` keeps eager, saying so."""
+    if lm is None:
+        return
+    if hasattr(lm, "set_attn_implementation"):
+        lm.set_attn_implementation("sdpa")
+    else:
+        log.warning("transformers %s cannot switch the language model to SDPA after loading: it runs eager attention",
+                    __import__("transformers").__version__)
+
+
 def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None) -> OpenVLAPolicy:
     """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory); fp32 on CPU, bf16 on GPU."""
     from transformers import AutoProcessor
@@ -209,9 +224,14 @@ def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None
         ensure_robot_platform(policy_cfg.chunk_size, policy_cfg.action_dim)   # before the remote code is imported
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    # attn_implementation="eager" at construction: Prismatic's `_supports_sdpa` is a property that reads
+    # self.language_model, which transformers >= 4.5x asks for in PreTrainedModel.__init__, before the remote code
+    # has built it (AttributeError on SimpleVLA-RL's modeling_prismatic.py under 4.57.6, checked on CPU). The
+    # language model then runs SDPA, the default it was trained with (transformers 4.40).
     model = _auto_model_class().from_pretrained(policy_cfg.path, trust_remote_code=True, low_cpu_mem_usage=True,
-                                                **{_dtype_kwarg(): dtype}).to(device)
+                                                attn_implementation="eager", **{_dtype_kwarg(): dtype}).to(device)
     model.eval()
+    use_sdpa(getattr(model, "language_model", None))
     statistics = load_dataset_statistics(policy_cfg.path)
     if statistics is not None:     # fsdp_workers.py: the file's statistics replace the config's norm_stats
         model.norm_stats = statistics
