@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from typing import Any, Callable, Optional, TextIO
 
 from actors.status import log_path, read_status, status_path
 from async_vla.child_process import die_with_parent
+from async_vla.placement import actor_env
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,13 @@ class Fleet:
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        placement = actor_env(self.cfg, slot.actor_id, os.environ)   # its GPU (placement.gpus_actors)
+        env.update(placement)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "commands.txt", "a") as f:          # as runner/launch.py records its children
+            given = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(placement.items()))
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  actor{slot.actor_id}: {given}"
+                    f"{shlex.join(self._command(slot))}\n")
         logfile = log_path(self.run_dir, slot.actor_id)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         status_path(self.run_dir, slot.actor_id).unlink(missing_ok=True)  # a stale file would look alive

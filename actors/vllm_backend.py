@@ -41,7 +41,7 @@ from async_vla.policy.interface import ArrayLike, VLAPolicy
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.11.0"    # keep in step with the `gpu` extra in pyproject.toml
+VLLM_VERSION = "0.23.0"    # the `gpu` extra's pin (tests/test_gpu_stack.py checks they agree)
 WORKER_EXTENSION = "actors.vllm_worker_ext.VLAWorkerExtension"
 
 

@@ -54,7 +54,7 @@ class VLAWorkerExtension:
     def vla_init_weight_group(self, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0,
                               backend: str = "nccl", prefix: str = "vla/relay") -> None:
         """Join the sender's group as ``rank`` (the sender hosts the store and is rank 0)."""
-        from torch._C._distributed_c10d import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore, TCPStore   # public names (not torch._C internals)
 
         from async_vla.weights.wire import BroadcastGroup, td
 

@@ -136,7 +136,7 @@ class ActionTokenizer:
         st = self._stats(key)
         if st is None:
             return a.copy()
-        return np.where(st.mask, 0.5 * (a + 1.0) * (st.q99 - st.q01) + st.q01, a)
+        return np.where(st.mask, 0.5 * (a + 1.0) * (st.q99 - st.q01 + 1e-8) + st.q01, a)   # mp _unnormalize_actions
 
     # ---- chunks -----------------------------------------------------------------------------------
     def encode_actions(self, actions: np.ndarray, key: Optional[str] = None) -> np.ndarray:

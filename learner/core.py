@@ -77,8 +77,11 @@ class Learner(abc.ABC):
     version: int
 
     def __init__(self, cfg: Config, policy: torch.nn.Module, rank: int = 0, world: int = 1):
+        from learner.adapt import lora_scale, prepare_for_training
+
         self.cfg = cfg
-        self.policy = policy
+        self.policy = prepare_for_training(policy, cfg.learner)   # LoRA / checkpointing, in place (learner/adapt.py)
+        self.lora_scale = lora_scale(cfg.learner)   # None without LoRA; else full_state_items merges the adapters
         self.rank, self.world = rank, world
         # loss.kl_beta > 0: a frozen copy of the starting policy (policy.path, or the seeded initial weights) is
         # the KL reference; each backend keeps its own (``_ref_logprobs``). Taken before any step or checkpoint
@@ -402,8 +405,10 @@ class TorchLearner(Learner):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
-        for name, p in self.policy.named_parameters():
-            yield name, p.detach().clone() if copy else p.detach()
+        from learner.adapt import merge_lora_items
+
+        items = ((name, p.detach().clone() if copy else p.detach()) for name, p in self.policy.named_parameters())
+        yield from merge_lora_items(items, self.lora_scale)
 
     def optimizer_digest(self) -> str:
         return tensors_digest(optimizer_tensors(self.optimizer))
@@ -438,7 +443,10 @@ class TorchLearner(Learner):
         return self._restore_learner_state(state["learner"])
 
     def export_policy(self, directory: str | Path) -> Optional[Path]:
-        return save_policy_dir(self.policy, Path(directory))
+        from learner.adapt import merged_view
+
+        with merged_view(self.policy, self.lora_scale):
+            return save_policy_dir(self.policy, Path(directory))
 
 
 def finite_params(items: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]]) -> bool:

@@ -337,6 +337,11 @@ class DeepSpeedLearner(Learner):
         return groups
 
     def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
+        from learner.adapt import merge_lora_items
+
+        yield from merge_lora_items(self._gathered_items(all_ranks, copy), self.lora_scale)
+
+    def _gathered_items(self, all_ranks: bool, copy: bool) -> Iterator[tuple[str, Tensor]]:
         want = all_ranks or self.rank == 0
         for group in self._module_groups():
             ctx = (self._zero_gather([p for _, p in group], modifier_rank=None) if self.stage == 3
@@ -417,6 +422,8 @@ class DeepSpeedLearner(Learner):
 
     def export_policy(self, directory: str | Path) -> Optional[Path]:
         """Every rank must call; rank 0 writes the policy (safetensors) into ``directory``."""
+        from learner.adapt import merged_view
+
         directory = Path(directory)
         params = list(self.policy.parameters())
         ctx = self._zero_gather(params, modifier_rank=None) if self.stage == 3 else nullcontext()
@@ -429,7 +436,8 @@ class DeepSpeedLearner(Learner):
                 try:
                     for p in params:
                         p.data = p.data.clone()
-                    save_policy_dir(self.policy, directory)
+                    with merged_view(self.policy, self.lora_scale):   # LoRA: the plain architecture, merged
+                        save_policy_dir(self.policy, directory)
                 finally:
                     for p, v in zip(params, views):
                         p.data = v

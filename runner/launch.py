@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from async_vla.child_process import die_with_parent
 from async_vla.config import Config, load_config, write_resolved
 from async_vla.metrics import Monitor
+from async_vla.placement import evaluator_device, learner_env
 from async_vla.transport import endpoints
 from runner.report import RunRecorder, fmt_rate
 
@@ -63,8 +64,9 @@ class Child:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
-        with open(run_dir / "commands.txt", "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {name}: {shlex.join(argv)}\n")
+        with open(run_dir / "commands.txt", "a") as f:   # with the environment it is given (its devices)
+            given = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted((env or {}).items()))
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {name}: {given}{shlex.join(argv)}\n")
         self._log = open(self.log_path, "ab")
         full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
@@ -135,6 +137,9 @@ class Evaluator:
 
         torch.set_num_threads(1)
         self.cfg, self.run_dir = cfg, run_dir
+        device = evaluator_device(cfg)
+        if device is not None:     # "cuda" (what the OpenVLA loader asks for) then means this GPU
+            torch.cuda.set_device(torch.device(device))
         torch.manual_seed(cfg.run.seed)
         self.policy = build_policy(cfg)   # the architecture (and action statistics) the exported weights load into
         n = min(cfg.actor.group_size, 8)
@@ -258,7 +263,7 @@ def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_
             raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
     learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
     children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir,
-                                cores=learner_cores)
+                                env=learner_env(cfg, os.environ), cores=learner_cores)
     connect = f"{eps['trajectory']},{control}"
     children["actors"] = Child("actors", [py, str(REPO / "bin" / "actors"), str(cfg_path), "--num",
                                           str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],

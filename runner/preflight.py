@@ -21,6 +21,7 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     warnings: list[str] = []
     errors += _policy_path(cfg)
     errors += _deepspeed_json(cfg.learner.deepspeed_config)
+    errors += _placement(cfg)
     if cfg.transport.curve and cfg.run.mode != "serial":
         errors += _curve_keys(cfg.transport.curve_dir)
     if cfg.policy.path is None and cfg.policy.arch == "tiny" and not resume:
@@ -52,6 +53,28 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     if cfg.logging.serve_tensorboard:
         errors += busy_ports(cfg.logging.tensorboard_host, [("logging.tensorboard_port", cfg.logging.tensorboard_port)])
     return errors, warnings
+
+
+def _placement(cfg: Any, gpus_dir: Path = Path("/proc/driver/nvidia/gpus")) -> list[str]:
+    """A placement needs GPUs, as many as its indices name (counted from the driver's /proc entries: no torch)."""
+    import os
+
+    from async_vla.placement import VISIBLE, placed
+
+    if not placed(cfg) or cfg.run.mode == "serial":
+        return []
+    count = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
+    visible = os.environ.get(VISIBLE)
+    if visible is not None and visible.strip():
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    if count == 0:
+        return ["the placement section names GPUs but this host has none (no NVIDIA driver entries in "
+                f"{gpus_dir}): remove placement.* or run on a GPU host"]
+    p = cfg.placement
+    used = (p.gpus_learner or []) + (p.gpus_actors or []) + ([p.gpu_evaluator] if p.gpu_evaluator is not None else [])
+    if max(used) >= count:
+        return [f"placement names GPU {max(used)} but this process sees {count} GPU(s): use indices 0..{count - 1}"]
+    return []
 
 
 def _policy_path(cfg: Any) -> list[str]:

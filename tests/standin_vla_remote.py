@@ -1,18 +1,36 @@
-"""Remote code of a tiny stand-in OpenVLA checkpoint directory (written by tests/openvla_standin.py).
+"""Remote code of a tiny stand-in OpenVLA(-OFT) checkpoint directory (written by tests/openvla_standin.py).
 
 ``save_pretrained`` copies this file into the checkpoint, and ``from_pretrained(..., trust_remote_code=True)``
 imports it from there, as transformers does with Prismatic's ``modeling_prismatic.py``: so it must stay
-self-contained (torch and transformers only). The model follows Prismatic's forward contract, not its
-architecture (see tests/openvla_standin.py).
+self-contained (torch and transformers only). It follows the published module layout (``vision_backbone``,
+``projector``, ``language_model``) and forward contracts, not the architecture (tiny random layers):
+
+- OpenVLA (``action_positions == 0``): ``forward(input_ids, attention_mask, pixel_values, past_key_values,
+  use_cache)`` -> ``.logits`` over the padded 32064-row vocabulary and ``.past_key_values``; the image's patch
+  embeddings go right after BOS on the first pass, later passes extend the KV cache one token at a time.
+- OpenVLA-OFT as SimpleVLA-RL's ``modeling_prismatic.py`` ``forward`` (written from its description): append
+  ``ACTION_DIM x NUM_ACTIONS_CHUNK`` placeholder tokens (id 1) and a stop token (id 2) to the prompt, zero the
+  placeholders' embeddings, insert the patches after BOS, run the language model with the 2D attention mask, and
+  return the logits tensor ``[B, ACTION_DIM x NUM_ACTIONS_CHUNK, vocab]`` sliced from position
+  ``num_patches + (prompt length - 1)``. The language model is stock transformers Llama, i.e. causal unless the
+  loader makes it bidirectional as OFT's transformers fork does.
+- ``NUM_ACTIONS_CHUNK`` / ``ACTION_DIM`` are module globals fixed at import from ``ROBOT_PLATFORM``, falling back
+  to ALOHA (25 x 14) as SimpleVLA-RL's ``constants.py`` does: the trap a loader must not fall into.
 """
 
 import inspect
+import os
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, ProcessorMixin
+
+_PLATFORMS = {"LIBERO": (8, 7), "ALOHA": (25, 14), "BRIDGE": (5, 7)}
+ROBOT_PLATFORM = os.environ.get("ROBOT_PLATFORM", "").upper() or "ALOHA"
+NUM_ACTIONS_CHUNK, ACTION_DIM = _PLATFORMS.get(ROBOT_PLATFORM, _PLATFORMS["ALOHA"])
+PLACEHOLDER_ID, STOP_INDEX = 1, 2
 
 
 class StandInVLAConfig(PretrainedConfig):
@@ -26,6 +44,16 @@ class StandInVLAConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+class PatchEncoder(torch.nn.Module):
+    def __init__(self, patch: int, dim: int):
+        super().__init__()
+        self.patch = patch
+        self.proj = torch.nn.Linear(3 * patch * patch, dim)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.unfold(pixel_values, self.patch, stride=self.patch).transpose(1, 2))
+
+
 class StandInVLAForActionPrediction(PreTrainedModel):
     config_class = StandInVLAConfig
     base_model_prefix = "standin"
@@ -33,30 +61,62 @@ class StandInVLAForActionPrediction(PreTrainedModel):
     def __init__(self, config: StandInVLAConfig):
         super().__init__(config)
         h = config.hidden_size
-        self.llm = LlamaForCausalLM(LlamaConfig(
+        self.vision_backbone = PatchEncoder(config.patch, h)
+        self.projector = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.GELU(), torch.nn.Linear(h, h))
+        self.language_model = LlamaForCausalLM(LlamaConfig(
             vocab_size=config.vocab_size, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
-        self.proj = torch.nn.Linear(3 * config.patch * config.patch, h)
-        self.queries = torch.nn.Parameter(0.02 * torch.randn(config.action_positions, h))
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512))
         self.norm_stats = config.norm_stats
         self.post_init()
+
+    @property
+    def _supports_sdpa(self) -> bool:
+        # As Prismatic's modeling_prismatic.py: asks the language model, which transformers' PreTrainedModel.__init__
+        # wants to know before this __init__ has built it (so the model must be built with eager attention)
+        return self.language_model._supports_sdpa
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 pixel_values: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
                 **kwargs):
-        emb = self.llm.get_input_embeddings()(input_ids)
-        if pixel_values is not None:     # first pass: [BOS, image patches, the rest of the prompt(, queries)]
-            p = self.config.patch
-            patches = F.unfold(pixel_values, p, stride=p).transpose(1, 2)
-            emb = torch.cat([emb[:, :1], self.proj(patches), emb[:, 1:]], dim=1)
-            if self.config.action_positions:
-                emb = torch.cat([emb, self.queries.expand(emb.shape[0], -1, -1)], dim=1)
-        new_api = "cache" in inspect.signature(self.llm.forward).parameters     # transformers >= 5.24
-        out = self.llm(inputs_embeds=emb, use_cache=use_cache, **{"cache" if new_api else "past_key_values":
-                                                                   past_key_values})
+        if self.config.action_positions:
+            return self._oft_forward(input_ids, attention_mask, pixel_values)
+        emb = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:     # first pass: [BOS, image patches, the rest of the prompt]
+            patches = self.projector(self.vision_backbone(pixel_values))
+            emb = torch.cat([emb[:, :1], patches, emb[:, 1:]], dim=1)
+        new_api = "cache" in inspect.signature(self.language_model.forward).parameters     # transformers >= 5.24
+        out = self.language_model(inputs_embeds=emb, use_cache=use_cache,
+                                  **{"cache" if new_api else "past_key_values": past_key_values})
         # Prismatic returns its own output type with ``past_key_values`` (a ModelOutput with that field cannot be
         # made on transformers 5.24, which renames it ``cache``; DeepSpeed warns that it cannot see into this one)
         return SimpleNamespace(logits=out.logits, past_key_values=out.cache if new_api else out.past_key_values)
+
+    def _oft_forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                     pixel_values: torch.Tensor) -> torch.Tensor:
+        b = input_ids.shape[0]
+        n_act = ACTION_DIM * NUM_ACTIONS_CHUNK             # read when called: the module's import-time constants
+        num_prompt_tokens = input_ids.shape[-1] - 1
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        ids = torch.cat([input_ids, torch.full((b, n_act), PLACEHOLDER_ID, dtype=input_ids.dtype,
+                                               device=input_ids.device),
+                         torch.full((b, 1), STOP_INDEX, dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+        mask = torch.cat([attention_mask, torch.ones(b, n_act + 1, dtype=attention_mask.dtype,
+                                                     device=attention_mask.device)], dim=1)
+        emb = self.get_input_embeddings()(ids)
+        is_action = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        is_action[:, -n_act - 1:-1] = True                 # the placeholders' embeddings are zeroed, the stop's kept
+        emb = emb * ~is_action.unsqueeze(-1)
+        patches = self.projector(self.vision_backbone(pixel_values))
+        mm = torch.cat([emb[:, :1], patches, emb[:, 1:]], dim=1)
+        mm_mask = torch.cat([mask[:, :1], torch.ones(b, patches.shape[1], dtype=mask.dtype, device=mask.device),
+                             mask[:, 1:]], dim=1)
+        out = self.language_model(inputs_embeds=mm, attention_mask=mm_mask, use_cache=False)
+        start = patches.shape[1] + num_prompt_tokens
+        return out.logits[:, start:start + n_act]
 
 
 class StandInVLAProcessor(ProcessorMixin):

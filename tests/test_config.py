@@ -126,3 +126,11 @@ def test_config_doc_is_current():
     from async_vla.config.docs import render_config_doc
 
     assert (REPO / "docs" / "CONFIG.md").read_text() == render_config_doc(), "run bin/config-docs"
+
+
+def test_vllm_with_openvla_oft_is_refused_naming_the_torch_backend():
+    """OFT's one bidirectional pass is not something vLLM decodes (docs/GPU.md): refused whether or not vLLM is
+    installed, with the fix named."""
+    with pytest.raises(ConfigError, match="set actor.backend=torch"):
+        load_config(None, ["actor.backend=vllm", "policy.arch=openvla_oft", "policy.path=ckpt",
+                           "policy.decoding=autoregressive"])

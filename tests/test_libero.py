@@ -45,7 +45,7 @@ def _act(gripper: float, xyz=(0.0, 0.0, 0.0)) -> np.ndarray:
 def test_suite_metadata_and_disjoint_init_state_splits(env):
     assert env.task_ids == [0, 1]
     assert env.instruction(0) == "pick up the black bowl between the plate and the ramekin and place it on the plate"
-    assert env.max_steps(0) == 220  # OpenVLA-OFT / SimpleVLA-RL libero_spatial limit
+    assert env.max_steps(0) == 220  # OpenVLA-OFT's libero_spatial limit (SimpleVLA-RL: 512, set by the configs)
     assert env.num_init_states(0) == 50
     train, held_out = env.init_state_ids(0, "train"), env.init_state_ids(0, "eval")
     assert train == list(range(40)) and held_out == list(range(40, 50))  # eval = the last 10 of the fixed 50

@@ -67,7 +67,8 @@ def test_gradients_reach_the_language_model_and_the_image_projection():
     images, proprio = _obs(2)
     toks, _ = pol.act(images, proprio, INSTR[:2], 1.6, torch.Generator().manual_seed(0))
     pol.token_logprobs(images, proprio, INSTR[:2], torch.from_numpy(toks), 1.6).sum().backward()
-    for name in ("model.proj.weight", "model.queries", "model.llm.model.layers.0.self_attn.q_proj.weight"):
+    for name in ("model.vision_backbone.proj.weight", "model.projector.0.weight",
+                 "model.language_model.model.layers.0.self_attn.q_proj.weight"):
         grad = dict(pol.named_parameters())[name].grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 

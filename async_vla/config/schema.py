@@ -13,6 +13,7 @@ from async_vla.config.sections import (
     LearnerConfig,
     LoggingConfig,
     LossConfig,
+    PlacementConfig,
     PolicyConfig,
     RunConfig,
     Section,
@@ -44,6 +45,8 @@ class Config(Section):
     """ZeroMQ sockets."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """TensorBoard and status output."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Which GPU each learner rank, actor and the evaluator use (bin/train)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> "Config":
@@ -80,6 +83,11 @@ class Config(Section):
                 except ValueError:
                     raise ValueError(f"transport.weights_allowed_peers: {p!r} is not an address or network "
                                      "(e.g. 10.0.0.7 or 10.0.0.0/24)") from None
+        if self.actor.backend == "vllm" and self.policy.arch == "openvla_oft":
+            # OFT decodes nothing: one bidirectional pass gives all 56 positions, which vLLM's causal paged-KV
+            # decoding cannot serve and would not speed up (docs/GPU.md "vLLM and OpenVLA-OFT").
+            raise ValueError("actor.backend=vllm serves autoregressive OpenVLA (policy.arch=openvla); OpenVLA-OFT's "
+                             "one bidirectional pass runs on actor.backend=torch (docs/GPU.md): set actor.backend=torch")
         if self.actor.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "actor.backend=vllm but vllm is not installed: install the `gpu` extra "
@@ -91,6 +99,10 @@ class Config(Section):
             # The tiny arch adds per-position queries and a context vector to its action inputs and has its own
             # action head: not a plain causal LM that vLLM could serve (docs/ARCHITECTURE.md).
             raise ValueError("actor.backend=vllm needs policy.arch=openvla (an autoregressive OpenVLA checkpoint)")
+        gl = self.placement.gpus_learner
+        if gl is not None and len(gl) != self.learner.num_ranks:
+            raise ValueError(f"placement.gpus_learner {gl} has {len(gl)} GPUs for learner.num_ranks="
+                             f"{self.learner.num_ranks}: give one GPU per rank")
         if self.policy.arch != "tiny" and self.policy.path is None:
             raise ValueError(f"policy.arch={self.policy.arch} needs policy.path (a local checkpoint directory)")
         if self.policy.num_bins > self.policy.vocab_size:

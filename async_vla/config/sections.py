@@ -73,6 +73,9 @@ class EnvConfig(Section):
     image_orientation: Literal["rot180", "vflip"] = "rot180"
     """LIBERO: rot180 = img[::-1, ::-1] as OpenVLA's LIBERO pipeline (and its training data) expects;
     vflip = the true camera view (MuJoCo returns rows bottom-up)."""
+    jpeg_roundtrip: bool = False
+    """LIBERO: JPEG-encode and decode each frame (quality 95) before the resize to image_size, as OpenVLA-OFT's and
+    SimpleVLA-RL's LIBERO pipelines do (their training images were stored as JPEG; docs/FIDELITY.md)."""
     wrist_camera: bool = False
     """Also record the wrist camera image (LIBERO)."""
     render_mode: Literal["full", "cheap"] = "full"
@@ -126,7 +129,13 @@ class PolicyConfig(Section):
     action_dim: int = Field(7, ge=1)
     """Degrees of freedom per action step (xyz, rpy, gripper)."""
     unnorm_key: Optional[str] = None
-    """Dataset key of the action normalisation statistics (None = the task family's own)."""
+    """Dataset key of the action normalisation statistics (None = the task family's own). OpenVLA checkpoints: a
+    key of their ``dataset_statistics.json`` / ``norm_stats``; ``libero_X`` falls back to ``libero_X_no_noops``
+    when only that exists (as SimpleVLA-RL does)."""
+    center_crop: bool = False
+    """OpenVLA(-OFT) checkpoints trained with image augmentation (random crops): centre-crop 0.9 of each frame's
+    area and resize it back before the processor, as SimpleVLA-RL's rollout does with center_crop=True
+    (async_vla/image_ops.py; docs/FIDELITY.md)."""
     proprio_dim: int = Field(8, ge=1)
     """Proprioception vector length fed to the tiny arch (builtin env and LIBERO: 8 = eef xyz, axis-angle, 2 gripper)."""
     max_instruction_tokens: int = Field(16, ge=2)
@@ -272,6 +281,14 @@ class LearnerConfig(Section):
     against the batch-start proximal log-probs, one version per batch."""
     micro_batch_trajectories: int = Field(16, ge=1)
     """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank of peft adapters on the language model's linear layers (q/k/v/o, gate/up/down); only they train
+    and actors receive merged weights (learner/adapt.py). 0 = full fine-tuning."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank (OpenVLA's LoRA runs: 16)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (a 7B OpenVLA-OFT
+    micro-batch of one 64-call trajectory: ~130 GB of activations without, ~12 GB with; docs/GPU.md)."""
     deepspeed_config: Optional[str] = None
     """Path to a user DeepSpeed JSON that replaces the generated one."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -435,6 +452,29 @@ class TransportConfig(Section):
     transport.host is beyond loopback (required then: the store has no authentication). The store itself always
     listens on 127.0.0.1; beyond it a guard on transport.host:weights_port closes every other peer's connection
     at once. Loopback peers are always allowed."""
+
+
+class PlacementConfig(Section):
+    gpus_learner: Optional[list[int]] = None
+    """GPU indices (as this host's CUDA_VISIBLE_DEVICES numbers them) of the learner ranks, one per rank in rank
+    order (length = learner.num_ranks); bin/train hands the list to the learner as its CUDA_VISIBLE_DEVICES. None =
+    leave the devices alone (rank r uses cuda:r of what it sees)."""
+    gpus_actors: Optional[list[int]] = None
+    """GPU indices the actors are spread over: actor i gets gpus_actors[i % len] as its only visible device. None =
+    every actor sees every GPU and uses cuda:0."""
+    gpu_evaluator: Optional[int] = Field(None, ge=0)
+    """GPU index of bin/train's evaluator (it runs in the launcher process). None = cuda:0."""
+
+    @model_validator(mode="after")
+    def _check_indices(self) -> "PlacementConfig":
+        for name in ("gpus_learner", "gpus_actors"):
+            ids = getattr(self, name)
+            if ids is not None and (not ids or min(ids) < 0):
+                raise ValueError(f"placement.{name} must be a non-empty list of GPU indices >= 0, got {ids}")
+        if self.gpus_learner is not None and len(set(self.gpus_learner)) != len(self.gpus_learner):
+            raise ValueError(f"placement.gpus_learner {self.gpus_learner} names a GPU twice: NCCL cannot run two ranks "
+                             "on one device; give each rank its own GPU")
+        return self
 
 
 class LoggingConfig(Section):

@@ -16,7 +16,8 @@ Conventions (the same as OpenVLA / OpenVLA-OFT / SimpleVLA-RL LIBERO evaluations
   and rotated 180 deg (``img[::-1, ::-1]``) exactly as OpenVLA's ``get_libero_image`` does: MuJoCo returns rows
   bottom-up, and OpenVLA's LIBERO training data was rotated by 180 deg, so checkpoints expect this view (floor
   down, robot at the top, left/right mirrored relative to the raw camera). ``image_orientation=vflip`` gives
-  the true camera view instead. Resized to ``image_size`` with PIL Lanczos when the two differ.
+  the true camera view instead. With ``env.jpeg_roundtrip`` JPEG-encoded and decoded (OpenVLA-OFT's pipeline), then
+  resized to ``image_size`` with PIL Lanczos when the two differ (async_vla/image_ops.py).
 - Proprio (8, float32): eef position (3), eef orientation as axis-angle (3), gripper finger qpos (2).
 - Action (7, float): ``[dx, dy, dz, droll, dpitch, dyaw, gripper]`` delta end-effector (OSC_POSE, clipped to
   [-1, 1]). Gripper with ``gripper_convention=openvla`` (OpenVLA's action statistics): ``g`` in [0, 1], 1 = open;
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
 
 SUITES = {"spatial": "libero_spatial", "object": "libero_object", "goal": "libero_goal", "10": "libero_10",
           "90": "libero_90"}
-# Episode limits of the OpenVLA-OFT / SimpleVLA-RL LIBERO evaluations (longest demo + margin per suite).
+# Episode limits of OpenVLA-OFT's LIBERO evaluation (longest demo + margin per suite). SimpleVLA-RL runs 512
+# steps in every suite (rob_rollout.py): configs/libero_*.yaml set env.max_steps=512.
 SUITE_MAX_STEPS = {"spatial": 220, "object": 280, "goal": 300, "10": 520, "90": 400}
 PROPRIO_DIM = 8
 NOOP_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])  # LIBERO convention: -1 = open
@@ -362,13 +364,12 @@ class LiberoEnv(Env):
         self._render_ctx_id = id(ctx)
 
     def _image(self, raw_img: np.ndarray) -> np.ndarray:
-        img = raw_img[::-1, ::-1] if self.cfg.image_orientation == "rot180" else raw_img[::-1]
-        if img.shape[0] != self.obs_image_size:
-            from PIL import Image
+        from async_vla.image_ops import jpeg_roundtrip, lanczos_resize
 
-            img = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize(
-                (self.obs_image_size, self.obs_image_size), Image.LANCZOS))
-        return np.ascontiguousarray(img, dtype=np.uint8)
+        img = raw_img[::-1, ::-1] if self.cfg.image_orientation == "rot180" else raw_img[::-1]
+        if self.cfg.jpeg_roundtrip:      # libero_utils.py resize_image: JPEG round-trip, then Lanczos3 resize
+            img = jpeg_roundtrip(img)
+        return lanczos_resize(img, self.obs_image_size)
 
     def _observe(self, raw: dict) -> Observation:
         proprio = np.concatenate([raw["robot0_eef_pos"], quat2axisangle(raw["robot0_eef_quat"]),

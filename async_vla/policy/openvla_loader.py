@@ -5,17 +5,22 @@ code shipped with the checkpoint; transformers >= 5 renamed the auto class to
 ``AutoModelForImageTextToText``, which is used when the old name is gone) and its ``AutoProcessor``.
 
 - Prompt: ``"In: What action should the robot take to {instruction}?\\nOut:"`` plus the empty token 29871
-  that OpenVLA's ``predict_action`` appends; images go through the checkpoint's own image processor.
+  that OpenVLA's ``predict_action`` appends, for OFT as well (SimpleVLA-RL ``rob_rollout.py`` appends it to every
+  prompt); images go through the checkpoint's own image processor, after a centre crop of 0.9 of the area with
+  ``policy.center_crop`` (async_vla/image_ops.py).
 - Action logits are the LM head's logits at ids ``vocab_size - num_bins .. vocab_size - 1`` (31744..31999;
   the head itself is padded to 32064 rows, the padding is ignored), divided by the temperature for both
   sampling and ``token_logprobs``, exactly like the tiny model.
 - ``openvla`` (autoregressive): tokens are sampled one by one with the KV cache; the learner recomputes them
   with one teacher-forced pass (logits at the last T positions of prompt + tokens[:-1]). Plain OpenVLA
   predicts one step, so it needs ``policy.chunk_size=1`` (7 tokens per call).
-- ``openvla_oft`` (parallel): one forward pass over the prompt; the checkpoint's forward must return the
-  logits of its ``chunk_size * 7`` action positions last (SimpleVLA-RL's OFT remote code does, returning a
-  ``[B, 56, vocab]`` tensor); the last T positions are used.
-- Un-normalisation uses the checkpoint's ``norm_stats[unnorm_key]["action"]`` (q01, q99, mask).
+- ``openvla_oft`` (parallel): one forward pass over the prompt; the checkpoint's forward returns the logits of
+  exactly ``chunk_size * action_dim`` action positions (SimpleVLA-RL's OFT remote code returns ``[B, 56, vocab]``
+  under ``ROBOT_PLATFORM=LIBERO``, which the loader sets; any other count is an error), and its language model
+  runs bidirectionally (async_vla/policy/prismatic.py: the platform trap, the attention, the statistics).
+- Un-normalisation uses ``dataset_statistics.json`` of the checkpoint directory when present, else the model's
+  ``norm_stats``: ``[unnorm_key]["action"]`` (q01, q99, mask; no mask = every dimension, as upstream), with
+  SimpleVLA-RL's ``libero_X`` -> ``libero_X_no_noops`` fallback.
 - Proprio is ignored (OpenVLA has no proprio input; OFT's proprio projector is not part of the HF model).
 
 Tests: on a tiny stand-in for Prismatic's forward contract, written to disk as a checkpoint directory with its
@@ -27,17 +32,27 @@ at one (tests/test_policy.py).
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from async_vla.image_ops import center_crop_resize
 from async_vla.policy.interface import ArrayLike, VLAPolicy, sample_tokens
+from async_vla.policy.prismatic import (
+    STATISTICS_FILE, check_action_positions, check_remote_code_dependencies, ensure_robot_platform,
+    load_dataset_statistics, make_bidirectional, resolve_unnorm_key,
+)
 from async_vla.tokenizer import ActionStats, ActionTokenizer
 
 if TYPE_CHECKING:
     from async_vla.config import PolicyConfig
+
+log = logging.getLogger(__name__)
 
 EMPTY_TOKEN = 29871  # OpenVLA appends this "empty" token after the prompt before the action tokens
 PROMPT = "In: What action should the robot take to {}?\nOut:"
@@ -66,7 +81,7 @@ def _stats_from_checkpoint(model, action_dim: int) -> dict[str, ActionStats]:
         act = entry.get("action", entry)
         if "q01" not in act or "q99" not in act:
             continue
-        mask = act.get("mask", [True] * (action_dim - 1) + [False])
+        mask = act.get("mask", [True] * len(act["q01"]))   # modeling_prismatic.py _unnormalize_actions: ones
         out[key] = ActionStats(act["q01"], act["q99"], mask)
     return out
 
@@ -81,7 +96,7 @@ class OpenVLAPolicy(VLAPolicy):
         self.policy_cfg = policy_cfg
         self.decoding = "parallel" if policy_cfg.arch == "openvla_oft" else "autoregressive"
         stats = _stats_from_checkpoint(model, policy_cfg.action_dim)
-        key = policy_cfg.unnorm_key
+        key = resolve_unnorm_key(policy_cfg.unnorm_key, stats)
         if key is None and len(stats) > 1:
             raise ValueError(f"checkpoint has action statistics {sorted(stats)}: choose one with policy.unnorm_key")
         if key is not None and key not in stats:
@@ -92,6 +107,12 @@ class OpenVLAPolicy(VLAPolicy):
         self.tokens_per_call = policy_cfg.chunk_size * policy_cfg.action_dim
         self._lo = self.tokenizer.first_action_id
         self._hi = self.tokenizer.vocab_size
+        if self.decoding == "parallel":
+            lm = getattr(model, "language_model", None)
+            if lm is None:
+                raise ValueError(f"policy.arch=openvla_oft: {type(model).__name__} has no `language_model` (the "
+                                 "Prismatic layout: vision_backbone, projector, language_model)")
+            make_bidirectional(lm)      # OpenVLA-OFT's LM attends both ways (its transformers fork: is_causal=False)
 
     def save_pretrained(self, directory) -> None:
         """A checkpoint directory like the one loaded: the model (config, safetensors weights - transformers' default
@@ -99,11 +120,14 @@ class OpenVLAPolicy(VLAPolicy):
         original."""
         self.model.save_pretrained(str(directory))
         self.processor.save_pretrained(str(directory))
+        norm_stats = getattr(self.model, "norm_stats", None)
+        if norm_stats:     # they may have come from dataset_statistics.json, which then wins on reload: keep it
+            (Path(directory) / STATISTICS_FILE).write_text(json.dumps(norm_stats, indent=2))
 
     # ---- inputs ---------------------------------------------------------------------------------------
     def _prompt_ids(self, instruction: str) -> Tensor:
         ids = self.processor.tokenizer(PROMPT.format(instruction.lower()), return_tensors="pt").input_ids[0]
-        if self.decoding == "autoregressive" and int(ids[-1]) != EMPTY_TOKEN:
+        if int(ids[-1]) != EMPTY_TOKEN:
             ids = torch.cat([ids, torch.tensor([EMPTY_TOKEN])])
         return ids.to(self.device)
 
@@ -111,6 +135,8 @@ class OpenVLAPolicy(VLAPolicy):
         from PIL import Image
 
         arr = images.cpu().numpy() if isinstance(images, Tensor) else np.asarray(images)
+        if self.policy_cfg.center_crop:
+            arr = [center_crop_resize(np.asarray(a, dtype=np.uint8)) for a in arr]
         pil = [Image.fromarray(np.ascontiguousarray(a, dtype=np.uint8)) for a in arr]
         pix = self.processor.image_processor(pil, return_tensors="pt")["pixel_values"]
         return pix.to(self.device, dtype=next(self.model.parameters()).dtype)
@@ -139,6 +165,13 @@ class OpenVLAPolicy(VLAPolicy):
                     raise ValueError("autoregressive decoding needs the action tokens to teacher-force on")
                 prev = action_tokens[rows, :-1].to(self.device) + self._lo  # bin indices -> token ids
                 ids = torch.cat([ids, prev], dim=1)
+            if self.decoding == "parallel":
+                # SimpleVLA-RL's OFT forward (dp_rob.py and rob_rollout.py call it with these three arguments)
+                out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows])
+                logits = out if isinstance(out, Tensor) else out.logits
+                check_action_positions(logits, self.policy_cfg.chunk_size, self.policy_cfg.action_dim)
+                result[rows] = self._logits(logits)
+                continue
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows],
                              use_cache=False)
             result[rows] = self._logits(out)[:, -t:]
@@ -166,6 +199,18 @@ class OpenVLAPolicy(VLAPolicy):
         return idx_all, logp_all
 
 
+def use_sdpa(lm) -> None:
+    """Switch a loaded (eager-built) language model to PyTorch SDPA attention (transformers picks the kernel per
+    call from the config); a transformers without ``set_attn_implementation`` keeps eager, saying so."""
+    if lm is None:
+        return
+    if hasattr(lm, "set_attn_implementation"):
+        lm.set_attn_implementation("sdpa")
+    else:
+        log.warning("transformers %s cannot switch the language model to SDPA after loading: it runs eager attention",
+                    __import__("transformers").__version__)
+
+
 def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None) -> OpenVLAPolicy:
     """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory); fp32 on CPU, bf16 on GPU."""
     from transformers import AutoProcessor
@@ -174,10 +219,21 @@ def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None
         raise ValueError(f"policy.arch={policy_cfg.arch} needs policy.path (a local checkpoint directory)")
     if policy_cfg.arch == "openvla" and policy_cfg.chunk_size != 1:
         raise ValueError("policy.arch=openvla predicts one step (7 tokens) per call: set policy.chunk_size=1")
+    check_remote_code_dependencies(policy_cfg.path)
+    if policy_cfg.arch == "openvla_oft":
+        ensure_robot_platform(policy_cfg.chunk_size, policy_cfg.action_dim)   # before the remote code is imported
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    # attn_implementation="eager" at construction: Prismatic's `_supports_sdpa` is a property that reads
+    # self.language_model, which transformers >= 4.5x asks for in PreTrainedModel.__init__, before the remote code
+    # has built it (AttributeError on SimpleVLA-RL's modeling_prismatic.py under 4.57.6, checked on CPU). The
+    # language model then runs SDPA, the default it was trained with (transformers 4.40).
     model = _auto_model_class().from_pretrained(policy_cfg.path, trust_remote_code=True, low_cpu_mem_usage=True,
-                                                **{_dtype_kwarg(): dtype}).to(device)
+                                                attn_implementation="eager", **{_dtype_kwarg(): dtype}).to(device)
     model.eval()
+    use_sdpa(getattr(model, "language_model", None))
+    statistics = load_dataset_statistics(policy_cfg.path)
+    if statistics is not None:     # fsdp_workers.py: the file's statistics replace the config's norm_stats
+        model.norm_stats = statistics
     processor = AutoProcessor.from_pretrained(policy_cfg.path, trust_remote_code=True)
     return OpenVLAPolicy(model, processor, policy_cfg)

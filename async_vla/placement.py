@@ -1,0 +1,57 @@
+"""Device placement on a GPU host (the ``placement`` config section): what each child of bin/train sees.
+
+A child process is placed by its ``CUDA_VISIBLE_DEVICES``: the learner sees its ranks' GPUs in rank order (rank r
+then uses ``cuda:r``, its LOCAL_RANK), each actor sees one GPU (``cuda:0`` inside it), and the evaluator, which
+runs in the launcher process, is given a ``cuda:<index>`` device. Indices are as the launcher sees the GPUs: when
+the launcher itself runs under ``CUDA_VISIBLE_DEVICES=2,3,...`` index 0 is GPU 2, and the children get the
+physical ids, so a placement means the same whatever the launcher was restricted to.
+
+No process is started here; bin/train (runner/launch.py) and the actor fleet (actors/fleet.py) apply these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from async_vla.config import Config
+
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def _physical(indices: Sequence[int], parent_env: Mapping[str, str], field: str) -> str:
+    visible = parent_env.get(VISIBLE)
+    if visible is None or visible.strip() == "":
+        return ",".join(str(i) for i in indices)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    bad = [i for i in indices if i >= len(ids)]
+    if bad:
+        raise ValueError(f"placement.{field} names GPU {bad[0]} but this process sees only {len(ids)} "
+                         f"({VISIBLE}={visible}): use indices 0..{len(ids) - 1}")
+    return ",".join(ids[i] for i in indices)
+
+
+def learner_env(cfg: "Config", parent_env: Mapping[str, str]) -> dict[str, str]:
+    """Environment overrides for the learner process (all ranks), {} when placement.gpus_learner is unset."""
+    gpus = cfg.placement.gpus_learner
+    return {} if gpus is None else {VISIBLE: _physical(gpus, parent_env, "gpus_learner")}
+
+
+def actor_env(cfg: "Config", actor_id: int, parent_env: Mapping[str, str]) -> dict[str, str]:
+    """Environment overrides for actor ``actor_id``: one GPU, round-robin over placement.gpus_actors."""
+    gpus = cfg.placement.gpus_actors
+    if gpus is None:
+        return {}
+    return {VISIBLE: _physical([gpus[actor_id % len(gpus)]], parent_env, "gpus_actors")}
+
+
+def evaluator_device(cfg: "Config") -> Optional[str]:
+    """The evaluator's torch device (it shares the launcher's view of the GPUs), None when unset."""
+    gpu = cfg.placement.gpu_evaluator
+    return None if gpu is None else f"cuda:{gpu}"
+
+
+def placed(cfg: "Config") -> bool:
+    """Whether the config places anything on a GPU (bin/train refuses that on a host without CUDA)."""
+    p = cfg.placement
+    return p.gpus_learner is not None or p.gpus_actors is not None or p.gpu_evaluator is not None

@@ -1,0 +1,108 @@
+"""Device placement (the `placement` section): what CUDA_VISIBLE_DEVICES / device bin/train gives the learner, each
+actor and the evaluator, checked on CPU in the commands the launcher and the fleet record and in what the child
+processes actually see."""
+
+import io
+import sys
+import time
+
+import pytest
+
+from async_vla.config import ConfigError, load_config, write_resolved
+from async_vla.placement import actor_env, evaluator_device, learner_env
+
+PLACED = ["learner.num_ranks=2", "placement.gpus_learner=[0,1]", "placement.gpus_actors=[2,3]",
+          "placement.gpu_evaluator=3"]
+
+
+def test_each_role_gets_its_devices_renumbered_through_the_launchers_own_view():
+    cfg = load_config(None, PLACED)
+    assert learner_env(cfg, {}) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert [actor_env(cfg, i, {})["CUDA_VISIBLE_DEVICES"] for i in range(5)] == ["2", "3", "2", "3", "2"]
+    assert evaluator_device(cfg) == "cuda:3"
+    parent = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}                    # the launcher itself sees GPUs 4-7 only
+    assert learner_env(cfg, parent) == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert actor_env(cfg, 1, parent) == {"CUDA_VISIBLE_DEVICES": "7"}
+    with pytest.raises(ValueError, match="placement.gpus_actors names GPU 3 but this process sees only 2"):
+        actor_env(cfg, 1, {"CUDA_VISIBLE_DEVICES": "4,5"})
+    unplaced = load_config(None, [])
+    assert learner_env(unplaced, parent) == {} and actor_env(unplaced, 0, parent) == {}
+    assert evaluator_device(unplaced) is None
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["learner.num_ranks=2", "placement.gpus_learner=[0]"], "one GPU per rank"),
+    (["learner.num_ranks=2", "placement.gpus_learner=[1,1]"], "names a GPU twice"),
+    (["placement.gpus_actors=[]"], "non-empty list"),
+    (["placement.gpus_actors=[-1]"], "non-empty list"),
+])
+def test_bad_placements_fail_at_load_naming_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_preflight_refuses_a_placement_the_host_cannot_hold(tmp_path, monkeypatch):
+    from runner.preflight import _placement
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = load_config(None, PLACED)
+    assert "has none" in _placement(cfg, tmp_path / "absent")[0]
+    gpus = tmp_path / "gpus"
+    for i in range(4):
+        (gpus / f"0000:0{i}:00.0").mkdir(parents=True)
+    assert _placement(cfg, gpus) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert "sees 2 GPU(s)" in _placement(cfg, gpus)[0]
+    assert _placement(load_config(None, []), tmp_path / "absent") == []      # nothing placed: nothing needed
+
+
+def test_the_launcher_starts_the_learner_with_its_ranks_gpus(tmp_path, monkeypatch):
+    """runner.launch's real start-up sequence with the processes recorded instead of started."""
+    import runner.launch as launch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    started = {}
+
+    class Recorded:
+        def __init__(self, name, argv, run_dir, env=None, cores=None):
+            started[name] = (argv, dict(env or {}))
+
+    monkeypatch.setattr(launch, "Child", Recorded)
+    monkeypatch.setattr(launch, "buffer_stats", lambda *a, **k: {})
+    cfg = load_config(None, PLACED + ["transport.trajectory_port=0", "transport.control_port=0"])
+    launch._start_children({}, cfg, tmp_path, tmp_path / "config.yaml", False, lambda: False)
+    assert started["learner"][1] == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert "CUDA_VISIBLE_DEVICES" not in started["buffer"][1] and "CUDA_VISIBLE_DEVICES" not in started["actors"][1]
+
+
+def test_a_child_records_and_gets_its_devices(tmp_path):
+    from runner.launch import Child
+
+    child = Child("learner", [sys.executable, "-c", "import os; print('sees', os.environ['CUDA_VISIBLE_DEVICES'])"],
+                  tmp_path, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    child.proc.wait(60)
+    child.stop()
+    assert "learner: CUDA_VISIBLE_DEVICES=0,1 " in (tmp_path / "commands.txt").read_text()
+    assert "sees 0,1" in child.tail()
+
+
+def test_the_fleet_gives_each_actor_one_gpu_round_robin(tmp_path, monkeypatch):
+    from tests.test_fleet import ScriptFleet
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    cfg = load_config(None, ["placement.gpus_actors=[1,2]", "actor.stop_timeout_s=2"])
+    cfile = write_resolved(cfg, tmp_path)
+    script = ("import os, sys, time; open(os.path.join(sys.argv[1], 'gpu%s' % sys.argv[2]), 'w')"
+              ".write(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(60)")
+    fleet = ScriptFleet(cfg, cfile, 3, tmp_path, out=io.StringIO(), script=script)
+    fleet.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"gpu{i}").exists() for i in range(3)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [(tmp_path / f"gpu{i}").read_text() for i in range(3)] == ["5", "6", "5"]
+    finally:
+        fleet.stop()
+    lines = [ln for ln in (tmp_path / "commands.txt").read_text().splitlines() if " actor" in ln]
+    assert [ln.split(": ", 1)[1].split(" ")[0] for ln in lines] == ["CUDA_VISIBLE_DEVICES=5", "CUDA_VISIBLE_DEVICES=6",
+                                                                    "CUDA_VISIBLE_DEVICES=5"]
