@@ -131,7 +131,9 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
         for who in (None, stranger):   # a plain-text peer, and a CURVE peer whose key is not in authorized/
             c = ControlClient(svc.control_endpoint, keys=who)
             closing.callback(c.close)
-            with pytest.raises(ControlTimeout, match="no reply"):
+            # Refused either way: the request queued and never answered, or (a loaded machine, where the
+            # handshake that never completes leaves no room) never queued at all.
+            with pytest.raises(ControlTimeout, match="no reply|stayed full"):
                 c.call(M.ControlCommand("stats"), timeout_s=1.5)
             s = TrajectorySender(svc.trajectory_endpoint, keys=who)
             closing.callback(s.close, flush_s=0.5)
