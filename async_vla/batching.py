@@ -1,4 +1,4 @@
-"""Groups of trajectories -> one ``TrainBatch`` of tensors, micro-batches, and loss weights across them.
+"""Groups of trajectories -> one ``TrainBatch`` of tensors, and micro-batches of it (tensor layout only).
 
 Layout
 ------
@@ -14,22 +14,12 @@ Rows are trajectories (B of them); trajectory b made ``n_b`` policy calls of ``T
 * Per-trajectory: ``advantages`` (from ``grpo.group_advantages`` over each group's rewards), rewards,
   success, ``behaviour_version`` (= min of its chunk versions), group index, task id, env steps.
 
-Micro-batches and exact aggregation
------------------------------------
+Micro-batches
+-------------
 ``micro_batches(batch, k)`` splits the rows into consecutive micro-batches of at most ``k`` whole
-trajectories. ``grpo.aggregate`` divides a sum S by a count U (``aggregation_units``): for ``token_mean`` the
-number of loss tokens, for the ``seq_mean_*`` modes the number of trajectories with at least one loss token.
-A micro-batch m gives loss ``S_m / max(U_m, 1)`` (0 when U_m = 0, where S_m = 0 too). Weighting it by
-``U_m / U`` with ``U = sum_m U_m`` gives
-
-    sum_m (U_m / U) * S_m / max(U_m, 1) = sum_m S_m / U = S / U = full-batch loss,
-
-so the accumulated gradient equals the gradient of the full-batch loss exactly (up to float rounding).
-Across W data-parallel ranks whose gradients are AVERAGED (DeepSpeed), rank r uses ``W * U_m / U_global``
-with U_global the sum over ranks, and the average is again the loss of the global batch
-(``micro_batch_weight``). The loss mask the counts use must be the one the loss uses: valid tokens minus
-those masked by MIS (``loss_token_mask``), known before the first micro-batch because it depends only on the
-proximal and behaviour log-probs.
+trajectories. How their losses are weighted so that the accumulated gradient is the full-batch gradient
+follows the loss's own counting rules, so it lives next to the loss (``grpo.loss_token_mask``,
+``grpo.aggregation_units``, ``grpo.micro_batch_weight``).
 """
 
 from __future__ import annotations
@@ -243,36 +233,3 @@ def micro_batches(batch: TrainBatch, max_trajectories: int) -> list[TrainBatch]:
     if B <= max_trajectories:
         return [batch]
     return [batch.select(slice(i, min(i + max_trajectories, B))) for i in range(0, B, max_trajectories)]
-
-
-def loss_token_mask(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, loss_cfg: LossConfig) -> Tensor:
-    """The tokens ``grpo.policy_loss`` will average over: valid tokens, minus MIS-masked ones.
-
-    Mirrors policy_loss: padded positions are zeroed before the importance weight is taken, and correction
-    "none" uses no weight (every valid token counts).
-    """
-    valid = mask if mask.dtype == torch.bool else mask != 0
-    if loss_cfg.correction == "none":
-        return valid
-    zero = torch.zeros((), dtype=torch.float32, device=valid.device)
-    log_w = torch.where(valid, prox_logp.float(), zero) - torch.where(valid, behav_logp.float(), zero)
-    return grpo.importance_weight(log_w, valid, loss_cfg)[1]
-
-
-def aggregation_units(loss_mask: Tensor, aggregation: str) -> Tensor:
-    """The count ``grpo.aggregate`` divides by (before its clamp to >= 1), as a float scalar tensor:
-    loss tokens for token_mean, trajectories with >= 1 loss token for the seq_mean_* modes."""
-    if aggregation == "token_mean":
-        return loss_mask.sum().to(torch.float64)
-    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
-        return (loss_mask.sum(dim=-1) > 0).sum().to(torch.float64)
-    raise ValueError(f"unknown aggregation {aggregation!r}")
-
-
-def micro_batch_weight(units: float, total_units: float, world: int = 1) -> float:
-    """Weight of a micro-batch loss so that the weighted sum (and, with ``world`` ranks whose gradients are
-    averaged, the average over ranks) equals the full-batch loss: ``world * units / total_units``.
-    ``total_units`` is the count over the whole (global) batch; an empty batch gives weight 0."""
-    if total_units <= 0:
-        return 0.0
-    return float(world) * float(units) / float(total_units)

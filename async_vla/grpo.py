@@ -79,7 +79,6 @@ def _normalise(r: Tensor, dims: tuple[int, ...], use_std: bool, eps: float) -> T
     return centred / (std + eps)
 
 
-# -------------------------------------------------------------------------------------- group predicates
 # ------------------------------------------------------------------------------------------ policy loss
 def nsr_uniforms(shape: torch.Size | tuple[int, ...], generator: Optional[torch.Generator] = None,
                  device: torch.device | str | None = None) -> Tensor:
@@ -99,7 +98,7 @@ def importance_weight(log_w: Tensor, valid: Tensor, cfg: LossConfig) -> tuple[Te
 
     none: weight 1. tis: min(w, tis_cap). mis (icepop): w where mis_low <= w <= mis_high, else the token is
     dropped from ``loss_mask`` (so it leaves the token count too). The weight is data, never differentiated.
-    ``log_w`` must be 0 on padding (policy_loss zeroes padded inputs first); batching.loss_token_mask calls
+    ``log_w`` must be 0 on padding (policy_loss zeroes padded inputs first); loss_token_mask (below) calls
     this to know the loss tokens before the first micro-batch.
     """
     if cfg.correction == "none":
@@ -314,3 +313,53 @@ def _metrics(u: Tensor, log_u: Tensor, log_w: Tensor, valid: Tensor, loss_mask: 
         out[name] = row_sum / count[m]
     out.update(is_weight_max=w_max, policy_loss=surr, loss=total)
     return out
+
+
+# ------------------------------------------------------------------------------------------- loss layout
+# Exact aggregation over micro-batches (``batching.micro_batches`` splits a batch into consecutive runs of
+# whole trajectories). ``aggregate`` divides a sum S by a count U (``aggregation_units``): for ``token_mean`` the
+# number of loss tokens, for the ``seq_mean_*`` modes the number of trajectories with at least one loss token.
+# A micro-batch m gives loss ``S_m / max(U_m, 1)`` (0 when U_m = 0, where S_m = 0 too). Weighting it by
+# ``U_m / U`` with ``U = sum_m U_m`` gives
+#
+#     sum_m (U_m / U) * S_m / max(U_m, 1) = sum_m S_m / U = S / U = full-batch loss,
+#
+# so the accumulated gradient equals the gradient of the full-batch loss exactly (up to float rounding).
+# Across W data-parallel ranks whose gradients are AVERAGED (DeepSpeed), rank r uses ``W * U_m / U_global``
+# with U_global the sum over ranks, and the average is again the loss of the global batch
+# (``micro_batch_weight``). The loss mask the counts use must be the one the loss uses: valid tokens minus
+# those masked by MIS (``loss_token_mask``), known before the first micro-batch because it depends only on the
+# proximal and behaviour log-probs.
+
+
+def loss_token_mask(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, loss_cfg: LossConfig) -> Tensor:
+    """The tokens ``policy_loss`` will average over: valid tokens, minus MIS-masked ones.
+
+    Mirrors policy_loss: padded positions are zeroed before the importance weight is taken, and correction
+    "none" uses no weight (every valid token counts).
+    """
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    if loss_cfg.correction == "none":
+        return valid
+    zero = torch.zeros((), dtype=torch.float32, device=valid.device)
+    log_w = torch.where(valid, prox_logp.float(), zero) - torch.where(valid, behav_logp.float(), zero)
+    return importance_weight(log_w, valid, loss_cfg)[1]
+
+
+def aggregation_units(loss_mask: Tensor, aggregation: str) -> Tensor:
+    """The count ``aggregate`` divides by (before its clamp to >= 1), as a float scalar tensor:
+    loss tokens for token_mean, trajectories with >= 1 loss token for the seq_mean_* modes."""
+    if aggregation == "token_mean":
+        return loss_mask.sum().to(torch.float64)
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        return (loss_mask.sum(dim=-1) > 0).sum().to(torch.float64)
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def micro_batch_weight(units: float, total_units: float, world: int = 1) -> float:
+    """Weight of a micro-batch loss so that the weighted sum (and, with ``world`` ranks whose gradients are
+    averaged, the average over ranks) equals the full-batch loss: ``world * units / total_units``.
+    ``total_units`` is the count over the whole (global) batch; an empty batch gives weight 0."""
+    if total_units <= 0:
+        return 0.0
+    return float(world) * float(units) / float(total_units)

@@ -3,7 +3,7 @@
 Every process that logs (learner rank 0, buffer service, fleet) opens its own Monitor on the same run
 directory; each writer creates its own event file (the file name carries host, pid and a counter), and
 TensorBoard / ``read_tags`` merge every file of the directory. ``REQUIRED_TAGS`` lists the tags a run must
-contain (issue 8); a test reads a run's events back and checks them.
+contain; a test reads a run's events back and checks them.
 
 A disabled Monitor (``logging.tensorboard=false``, or learner ranks other than 0) accepts every call and
 writes nothing, so callers never branch on it.

@@ -3,7 +3,7 @@
 What one rank does: build the policy (same seed on every rank) -> ``DeepSpeedLearner`` (or ``TorchLearner``
 with ``learner.backend=torch``, one rank) -> optionally resume from ``DIR/checkpoints`` -> publish the current
 weights -> loop { ``BatchRequest(rank, world, version)`` to the buffer's control endpoint -> this rank's share
-of the batch -> ``train_step`` -> (rank 0) publish weights via ``async_vla.weights.WeightPublisher`` every
+of the batch -> ``train_step`` -> (rank 0) publish weights (``learner/publish.py``) every
 ``weights.publish_every`` versions (all ranks join the ZeRO-3 gathers) -> metrics to TensorBoard (rank 0) ->
 checkpoint every ``run.checkpoint_every`` versions } until ``run.max_versions`` or ``run.max_wall_s`` or
 SIGTERM/SIGINT, then a final checkpoint and an exported policy in ``DIR/policy``.
@@ -29,7 +29,6 @@ The config is parsed (and rejected with a readable message) before torch or Deep
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import os
@@ -43,7 +42,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one start
 log = logging.getLogger("learner")
 
 
@@ -98,6 +96,8 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
     from async_vla.child_process import die_with_parent
 
+    from async_vla.buffer.client import SESSION_ENV
+
     port = _free_port()
     session = uuid.uuid4().hex
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
@@ -137,304 +137,227 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------------------- one rank
-class _Batches:
-    """This rank's side of the control channel: one outstanding BatchRequest at a time."""
+def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
+    """One rank: build, resume, publish, then train batch after batch until a stop; checkpoint and export."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.learner.backend == "torch" and world != 1:
+        log.error("learner.backend=torch runs one rank; use backend=deepspeed for %d ranks", world)
+        return 2
+    r = RankRun(cfg, run_dir, rank, world)
+    r.resume(resume)
+    r.stop_on_signals()
+    r.connect()          # monitor, batch client, and (rank 0) the weight publisher
+    r.publish_first()    # actors (and a resumed run's actors) get this version
+    try:
+        while r.learner.version < cfg.run.max_versions:
+            groups = r.wait_for_share()     # this rank's share, or None when the ranks agreed to stop
+            if groups is None:
+                break
+            start_version = r.learner.version
+            metrics = r.learner.train_step(groups)
+            r.record_lags(start_version)
+            publish_s = r.publish_if_due()
+            r.report_step(metrics, publish_s)
+            r.checkpoint_if_due()
+    finally:
+        r.batches.close()
+        r.lag_log.close()
+    r.finish()
+    return 0
+
+
+class RankRun:
+    """The state of one rank's run: learner, batch client, publisher (rank 0), monitor, and the counters the loop
+    keeps (last checkpoint, last publish, idle time). Every method is called by every rank unless it says so."""
 
     def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int):
-        from async_vla.transport import CurveKeys, endpoints
+        import warnings
 
-        self.cfg, self.rank, self.world = cfg, rank, world
-        self.endpoint = endpoints(cfg.transport, run_dir, side="connect")["control"]
-        self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
-        self.client = self._connect()
-        self.pending = False
-        self.sent_at = 0.0
-        self.reconnects = 0
-        # One id for this learner start, the same on every rank (the launcher sets it): the buffer tells a resumed
-        # learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
-        self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
+        import torch
 
-    def _connect(self) -> Any:
-        from async_vla.transport import ControlClient
+        # DeepSpeed 0.19 calls c10d collectives torch 2.13 marks deprecated: one warning per call, every step.
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
-        ident = f"learner-{self.rank}-{os.getpid()}-{time.monotonic_ns()}".encode()
-        return ControlClient(self.endpoint, identity=ident, keys=self.keys)
+        from async_vla.policy import build_policy
 
-    def poll(self, version: int) -> Optional[list[list[Any]]]:
-        """Ask for (or keep waiting on) this rank's share; a list of groups, or None if not ready yet."""
-        from async_vla.messages import BatchRequest
-        from async_vla.transport import ControlTimeout
-
-        timeout = self.cfg.learner.batch_timeout_s
-        if not self.pending:
-            try:
-                self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
-                                                 timeout_s=timeout, session=self.session), timeout_s=timeout)
-            except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
-                log.warning("%s: reconnecting", exc)
-                self._reconnect()
-                return None
-            self.pending, self.sent_at = True, time.monotonic()
-        bad_before = self.client.malformed.total
-        got = self.client.recv_bundle(timeout_s=timeout + 0.5)
-        if got is None:
-            if self.client.malformed.total > bad_before:
-                self.pending = False  # a reply we could not read (e.g. a refused request): ask again
-            elif time.monotonic() - self.sent_at > timeout + self.cfg.learner.reply_grace_s:
-                # No reply at all: the buffer restarted (our request died with it) or is gone.
-                log.warning("no reply from the buffer at %s for %.0f s: reconnecting", self.endpoint,
-                            time.monotonic() - self.sent_at)
-                self._reconnect()
-            return None
-        self.pending = False
-        header, members = got
-        if not getattr(header, "ready", False):
-            return None
-        sizes = list(header.group_sizes)
-        if sum(sizes) != len(members) or not sizes:
-            log.warning("batch %s: %d members for group sizes %s: dropped", header.batch_id, len(members), sizes)
-            return None
-        groups, pos = [], 0
-        for s in sizes:
-            groups.append(members[pos:pos + s])
-            pos += s
-        return groups
-
-    def _reconnect(self) -> None:
-        """A fresh socket (new identity): any late reply to the old one is dropped, never mistaken for ours."""
-        self.client.close()
-        self.client = self._connect()
-        self.pending = False
-        self.reconnects += 1
-
-    def buffer_stats(self, timeout_s: float = 2.0) -> dict:
-        """The buffer's ledger and counters (for the checkpoint), {} if it does not answer."""
-        from async_vla.messages import ControlCommand
-        from async_vla.transport import ControlClient
-
-        from async_vla.transport import ControlTimeout
-
-        client = ControlClient(self.endpoint, identity=f"learner-stats-{os.getpid()}".encode(), keys=self.keys)
-        try:
-            reply = client.call(ControlCommand("stats"), timeout_s=timeout_s)
-            if getattr(reply, "command", "") == "stats" and isinstance(reply.value, str):
-                return json.loads(reply.value)
-        except (ValueError, json.JSONDecodeError, ControlTimeout):
-            pass
-        finally:
-            client.close()
-        return {}
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def _make_publisher(cfg: Any, run_dir: Path) -> Any:
-    try:
-        from async_vla.weights import WeightPublisher
-    except ImportError as exc:
-        log.warning("async_vla.weights unavailable (%s): weights are not broadcast", exc)
-        return None
-    return WeightPublisher(cfg, run_dir)
-
-
-def publish_weights(learner: Any, publisher: Any, verify_ranks: bool = False) -> dict:
-    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers.
-
-    ``verify_ranks``: then every rank gathers the full weights again and the ranks agree (all-reduce of
-    min / max) that their checksums equal the one rank 0's publisher computed from the buckets it sent, which
-    is also what each receiver checks before it acknowledges (``confirmed``): rank r == broadcast == actor.
-    """
-    import torch
-
-    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather (so never
-    # publish(..., zero_copy=True) here: that would keep references to parameters the gather releases).
-    items = learner.full_state_items(copy=False)
-    stats: dict = {}
-    t0 = time.perf_counter()
-    try:
-        if publisher is not None:
-            stats = dict(publisher.publish(learner.version, items) or {})
-    except Exception:  # noqa: BLE001 - a broken broadcast must not stop training (actors fall back)
-        log.exception("weight publish of v%d failed", learner.version)
-    finally:
-        for _ in items:  # a publisher that stopped early must not leave the other ranks in a gather
-            pass
-    stats.setdefault("sync_s", time.perf_counter() - t0)
-    if verify_ranks:
-        from async_vla.weights.buckets import checksum
-
-        mine = checksum(list(learner.full_state_items(all_ranks=True)))
-        sent = float(stats.get("checksum", mine)) if publisher is not None else mine
-        t = torch.tensor([mine, -mine, sent, -sent], dtype=torch.float64)
-        hi_mine, neg_lo_mine, hi_sent, neg_lo_sent = learner._all_reduce(t, "max").tolist()
-        ok = hi_mine == -neg_lo_mine == hi_sent == -neg_lo_sent  # every rank's gather == the broadcast checksum
-        stats["rank_checksum_ok"] = float(ok)
-        if not ok:
-            log.error("v%d: learner ranks' gathered weights differ from the broadcast (checksums %s..%s vs %s)",
-                      learner.version, -neg_lo_mine, hi_mine, hi_sent)
-    return stats
-
-
-def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
-    import warnings
-
-    import numpy as np
-    import torch
-
-    # DeepSpeed 0.19 calls c10d collectives torch 2.13 marks deprecated: one warning per call, every step.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-
-    from async_vla.metrics import Monitor
-    from async_vla.policy import build_policy
-    from async_vla.policy.interface import write_policy_version
-    from learner.core import TorchLearner, checkpoint_tag, latest_tag, tensors_digest
-
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.learner.torch_threads)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        from async_vla.config import write_resolved
-        write_resolved(cfg, run_dir)
-    policy = build_policy(cfg)
-    if cfg.learner.backend == "torch":
-        if world != 1:
-            log.error("learner.backend=torch runs one rank; use backend=deepspeed for %d ranks", world)
-            return 2
-        learner = TorchLearner(cfg, policy)
-    else:
-        from learner.deepspeed_engine import DeepSpeedLearner
-        learner = DeepSpeedLearner(cfg, policy)
-    ckpt_dir = run_dir / "checkpoints"
-
-    def digests() -> dict:
-        """Every rank calls: sha256 of the full parameters (rank 0) and of this rank's optimizer state."""
-        if not cfg.learner.checkpoint_digest:
-            return {}
-        return {"params": tensors_digest(learner.full_state_items()), "optimizer": learner.optimizer_digest()}
-
-    if resume and latest_tag(ckpt_dir) is not None:
-        tag = latest_tag(ckpt_dir)
-        extra = learner.load_checkpoint(ckpt_dir)
-        log.info("resumed at version %d (buffer ledger at the checkpoint: %s)", learner.version,
-                 (extra.get("buffer_ledger") or {}).get("ledger", "n/a"))
-        if cfg.learner.checkpoint_digest:
-            write_resume_report(run_dir, ckpt_dir / tag, rank, learner.version, digests())
-    elif resume and any(ckpt_dir.glob("v*")):
-        # Checkpoints exist but none is usable: starting at 0 would roll the buffer (and the run) back silently.
-        raise SystemExit(f"--resume: {ckpt_dir} holds checkpoint directories but no complete one that "
-                         f"{ckpt_dir / 'latest'} points at; pass the run without --resume to start over, or fix "
-                         "the 'latest' file to name a complete checkpoint")
-    elif resume:
-        log.warning("--resume: no checkpoint in %s, starting at version 0", ckpt_dir)
-
-    stop = {"signal": False}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a closed terminal: a clean stop, checkpointed
-        signal.signal(sig, lambda *_: stop.__setitem__("signal", True))
-    monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard and rank == 0,
-                      flush_secs=cfg.logging.tensorboard_flush_s)
-    publisher = _make_publisher(cfg, run_dir) if rank == 0 else None
-    batches = _Batches(cfg, run_dir, rank, world)
-    t_start = time.monotonic()
-
-    def agree(flags: list[float], op: str) -> list[float]:
-        return learner._all_reduce(torch.tensor(flags, dtype=torch.float64), op).tolist()
-
-    def checkpoint() -> None:
-        t0 = time.perf_counter()
-        extra = {"buffer_ledger": batches.buffer_stats() if rank == 0 else {}}
-        saved = digests()
-        learner.save_checkpoint(ckpt_dir, extra=extra)
-        if saved:  # for the resume check (a kill between save and this leaves a checkpoint without it: unchecked)
-            (ckpt_dir / checkpoint_tag(learner.version) / f"digest_rank{rank:05d}.json").write_text(json.dumps(saved))
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
+        if not torch.cuda.is_available():
+            torch.set_num_threads(cfg.learner.torch_threads)
+        run_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
-            monitor.scalar("learner/checkpoint_s", time.perf_counter() - t0, learner.version)
+            from async_vla.config import write_resolved
+            write_resolved(cfg, run_dir)
+        policy = build_policy(cfg)
+        if cfg.learner.backend == "torch":
+            from learner.core import TorchLearner
+            self.learner = TorchLearner(cfg, policy)
+        else:
+            from learner.deepspeed_engine import DeepSpeedLearner
+            self.learner = DeepSpeedLearner(cfg, policy)
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.monitor: Any = None
+        self.publisher: Any = None
+        self.batches: Any = None
+        self.stop = {"signal": False}
+        self.t_start = self.t_mark = time.monotonic()
+        self.idle = 0.0
+        self.last_ckpt = self.last_published = self.learner.version
 
-    def log_weights(stats: dict) -> None:
-        values = {"weights/sync_s": float(stats.get("sync_s", 0.0)), "weights/bytes": float(stats.get("bytes", 0)),
-                  "weights/receivers": float(stats.get("receivers", 0)),
-                  "weights/confirmed": float(stats.get("confirmed", 0)),
-                  "weights/shared_memory": float(stats.get("transport") == "shm"),
-                  "weights/doorbell": float(bool(stats.get("doorbell"))),
-                  "weights/shm_pinned_remakes": float(stats.get("shm_remade", 0)),
-                  "weights/version": float(learner.version)}
-        if "rank_checksum_ok" in stats:
-            values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]
-        monitor.scalars(values, learner.version)
+    def connect(self) -> None:
+        from async_vla.buffer.client import BatchClient
+        from async_vla.metrics import Monitor
+        from learner.publish import make_publisher
 
-    # actors (and a resumed run's actors) get this version
-    log_weights(publish_weights(learner, publisher, cfg.weights.verify_ranks))
-    lag_log = open(run_dir / f"learner_lags_rank{rank}.jsonl", "a", buffering=1)   # line-buffered: kill -9 safe
-    last_ckpt = last_published = learner.version
-    t_mark, idle = time.monotonic(), 0.0
-    groups = None
-    try:
-        while learner.version < cfg.run.max_versions:
-            # ---- wait for every rank's share, or a stop decided together
-            t_wait = time.monotonic()
-            while True:
-                if groups is None:
-                    groups = batches.poll(learner.version)
-                out_of_time = time.monotonic() - t_start > cfg.run.max_wall_s
-                have_none, stop_any = agree([float(groups is None), float(stop["signal"] or out_of_time)], "max")
-                if stop_any or have_none == 0:
-                    break
-            idle += time.monotonic() - t_wait
-            if stop_any:
+        self.monitor = Monitor(self.run_dir, enabled=self.cfg.logging.tensorboard and self.rank == 0,
+                               flush_secs=self.cfg.logging.tensorboard_flush_s)
+        self.publisher = make_publisher(self.cfg, self.run_dir) if self.rank == 0 else None
+        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world)
+        # line-buffered: a kill -9 loses at most the line being written
+        self.lag_log = open(self.run_dir / f"learner_lags_rank{self.rank}.jsonl", "a", buffering=1)
+        self.t_start = self.t_mark = time.monotonic()
+
+    def digests(self) -> dict:
+        """sha256 of the full parameters (rank 0) and of this rank's optimizer state ({} when not asked for)."""
+        from learner.core import tensors_digest
+
+        if not self.cfg.learner.checkpoint_digest:
+            return {}
+        return {"params": tensors_digest(self.learner.full_state_items()),
+                "optimizer": self.learner.optimizer_digest()}
+
+    def resume(self, resume: bool) -> None:
+        from learner.core import latest_tag
+
+        ckpt_dir = self.ckpt_dir
+        if resume and latest_tag(ckpt_dir) is not None:
+            tag = latest_tag(ckpt_dir)
+            extra = self.learner.load_checkpoint(ckpt_dir)
+            log.info("resumed at version %d (buffer ledger at the checkpoint: %s)", self.learner.version,
+                     (extra.get("buffer_ledger") or {}).get("ledger", "n/a"))
+            if self.cfg.learner.checkpoint_digest:
+                write_resume_report(self.run_dir, ckpt_dir / tag, self.rank, self.learner.version, self.digests())
+        elif resume and any(ckpt_dir.glob("v*")):
+            # Checkpoints exist but none is usable: starting at 0 would roll the buffer (and the run) back silently.
+            raise SystemExit(f"--resume: {ckpt_dir} holds checkpoint directories but no complete one that "
+                             f"{ckpt_dir / 'latest'} points at; pass the run without --resume to start over, or fix "
+                             "the 'latest' file to name a complete checkpoint")
+        elif resume:
+            log.warning("--resume: no checkpoint in %s, starting at version 0", ckpt_dir)
+        self.last_ckpt = self.last_published = self.learner.version
+
+    def stop_on_signals(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a closed terminal: a clean stop, checkpointed
+            signal.signal(sig, lambda *_: self.stop.__setitem__("signal", True))
+
+    def _agree(self, flags: list[float], op: str) -> list[float]:
+        import torch
+
+        return self.learner._all_reduce(torch.tensor(flags, dtype=torch.float64), op).tolist()
+
+    def wait_for_share(self) -> Optional[list]:
+        """Poll the buffer until every rank has its share (then this rank's groups), or None once any rank wants
+        to stop (signal, wall-clock budget): the ranks all-reduce the flags after every poll, so they enter each
+        step together and stop together (a rank stopping alone would hang the others' ZeRO-3 collectives)."""
+        t_wait = time.monotonic()
+        groups = None
+        while True:
+            if groups is None:
+                groups = self.batches.poll(self.learner.version)
+            out_of_time = time.monotonic() - self.t_start > self.cfg.run.max_wall_s
+            have_none, stop_any = self._agree([float(groups is None), float(self.stop["signal"] or out_of_time)],
+                                              "max")
+            if stop_any or have_none == 0:
                 break
-            start_version = learner.version
-            metrics = learner.train_step(groups)
-            groups = None
-            version = learner.version
-            # This rank's lags as trained, per batch (an audit's second witness beside the buffer's ledger).
-            lags = collections.Counter(int(x) for x in np.asarray(learner.last_lags).tolist())
-            lag_log.write(json.dumps({"version": start_version, "session": batches.session,
-                                      "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
-            t_pub = time.monotonic()
-            # Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step
-            # over every multiple of p, and then nothing would ever be published again.
-            if version - last_published >= cfg.weights.publish_every:
-                last_published = version
-                wstats = publish_weights(learner, publisher, cfg.weights.verify_ranks)
-                if rank == 0:
-                    log_weights(wstats)
-            if rank == 0:
-                now = time.monotonic()
-                interval = max(now - t_mark, 1e-9)
-                metrics.update({
-                    "perf/learner_idle_frac": idle / interval,
-                    "perf/trajectories_per_s": metrics["learner/trajectories"] / interval,
-                    "perf/env_steps_per_s": metrics["learner/env_steps"] / interval,
-                    "perf/tokens_per_s": metrics["learner/tokens"] / interval,
-                    "perf/publish_s": now - t_pub,
-                })
-                monitor.scalars(metrics, version)
-                monitor.histogram("learner/lag", np.asarray(learner.last_lags, dtype=np.float64), version)
-                log.info("v%d loss %.4f clip %.3f/%.3f is_w %.3f lag %.2f step %.2fs idle %.0f%%", version,
-                         metrics["loss/policy"], metrics["loss/clip_frac_low"], metrics["loss/clip_frac_high"],
-                         metrics["offpolicy/is_weight_mean"], metrics["learner/lag_mean"],
-                         metrics["perf/learner_step_s"], 100 * metrics["perf/learner_idle_frac"])
-            t_mark, idle = time.monotonic(), 0.0
-            every = cfg.run.checkpoint_every
-            if every and version // every > last_ckpt // every:
-                checkpoint()
-                last_ckpt = version
-    finally:
-        batches.close()
-        lag_log.close()
-    if learner.version != last_ckpt or not (ckpt_dir / "latest").is_file():
-        checkpoint()
-    learner.export_policy(run_dir / "policy")
-    if rank == 0:   # which version <run>/policy holds (bin/train evaluates it when weights.export is off)
-        write_policy_version(run_dir / "policy", learner.version)
-    if publisher is not None:
-        for fn in ("wait_export", "close"):
-            if hasattr(publisher, fn):
-                getattr(publisher, fn)()
-    monitor.close()
-    log.info("stopped at version %d (%d skipped steps)", learner.version, learner.skipped_steps)
-    return 0
+        self.idle += time.monotonic() - t_wait
+        return None if stop_any else groups
+
+    def publish(self) -> None:
+        from learner.publish import publish_weights, weight_metrics
+
+        stats = publish_weights(self.learner, self.publisher, self.cfg.weights.verify_ranks)
+        if self.rank == 0:
+            self.monitor.scalars(weight_metrics(stats, self.learner.version), self.learner.version)
+
+    def publish_first(self) -> None:
+        """Publish the starting version; the first step's throughput is counted from here."""
+        self.publish()
+        self.t_mark, self.idle = time.monotonic(), 0.0
+
+    def publish_if_due(self) -> float:
+        """Publish when ``weights.publish_every`` versions have passed; returns the seconds it took (0 if not due).
+
+        Counted from the last publish, not version % p: a skipped step or steps_per_batch > 1 can step over every
+        multiple of p, and then nothing would ever be published again."""
+        t_pub = time.monotonic()
+        if self.learner.version - self.last_published >= self.cfg.weights.publish_every:
+            self.last_published = self.learner.version
+            self.publish()
+        return time.monotonic() - t_pub
+
+    def report_step(self, metrics: dict, publish_s: float) -> None:
+        """Rank 0: the step's metrics, throughput over the interval since the last step, and a log line."""
+        import numpy as np
+
+        if self.rank == 0:
+            version = self.learner.version
+            interval = max(time.monotonic() - self.t_mark, 1e-9)
+            metrics.update({
+                "perf/learner_idle_frac": self.idle / interval,
+                "perf/trajectories_per_s": metrics["learner/trajectories"] / interval,
+                "perf/env_steps_per_s": metrics["learner/env_steps"] / interval,
+                "perf/tokens_per_s": metrics["learner/tokens"] / interval,
+                "perf/publish_s": publish_s,
+            })
+            self.monitor.scalars(metrics, version)
+            self.monitor.histogram("learner/lag", np.asarray(self.learner.last_lags, dtype=np.float64), version)
+            log.info("v%d loss %.4f clip %.3f/%.3f is_w %.3f lag %.2f step %.2fs idle %.0f%%", version,
+                     metrics["loss/policy"], metrics["loss/clip_frac_low"], metrics["loss/clip_frac_high"],
+                     metrics["offpolicy/is_weight_mean"], metrics["learner/lag_mean"],
+                     metrics["perf/learner_step_s"], 100 * metrics["perf/learner_idle_frac"])
+        self.t_mark, self.idle = time.monotonic(), 0.0
+
+    def record_lags(self, start_version: int) -> None:
+        """This rank's lags as trained, one line per batch: an audit's second witness beside the buffer's ledger."""
+        import collections
+
+        import numpy as np
+
+        lags = collections.Counter(int(x) for x in np.asarray(self.learner.last_lags).tolist())
+        self.lag_log.write(json.dumps({"version": start_version, "session": self.batches.session,
+                                       "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
+
+    def checkpoint(self) -> None:
+        from learner.core import checkpoint_tag
+
+        t0 = time.perf_counter()
+        extra = {"buffer_ledger": self.batches.buffer_stats() if self.rank == 0 else {}}
+        saved = self.digests()
+        self.learner.save_checkpoint(self.ckpt_dir, extra=extra)
+        if saved:  # for the resume check (a kill between save and this leaves a checkpoint without it: unchecked)
+            path = self.ckpt_dir / checkpoint_tag(self.learner.version) / f"digest_rank{self.rank:05d}.json"
+            path.write_text(json.dumps(saved))
+        if self.rank == 0:
+            self.monitor.scalar("learner/checkpoint_s", time.perf_counter() - t0, self.learner.version)
+
+    def checkpoint_if_due(self) -> None:
+        every, version = self.cfg.run.checkpoint_every, self.learner.version
+        if every and version // every > self.last_ckpt // every:
+            self.checkpoint()
+            self.last_ckpt = version
+
+    def finish(self) -> None:
+        """A final checkpoint (unless the last one is current), the exported policy, and the publisher closed."""
+        from async_vla.policy.interface import write_policy_version
+        from learner.publish import close_publisher
+
+        if self.learner.version != self.last_ckpt or not (self.ckpt_dir / "latest").is_file():
+            self.checkpoint()
+        self.learner.export_policy(self.run_dir / "policy")
+        if self.rank == 0:   # which version <run>/policy holds (bin/train evaluates it when weights.export is off)
+            write_policy_version(self.run_dir / "policy", self.learner.version)
+        close_publisher(self.publisher)
+        self.monitor.close()
+        log.info("stopped at version %d (%d skipped steps)", self.learner.version, self.learner.skipped_steps)
 
 
 def write_resume_report(run_dir: Path, ckpt: Path, rank: int, version: int, loaded: dict) -> None:

@@ -9,7 +9,7 @@ One ``train_step(groups)``:
    pi_prox stays these batch-start weights for every optimizer step of the batch.
 3. For each of ``learner.steps_per_batch`` optimizer steps: forward + ``grpo.policy_loss`` (with
    ``loss.correction``) + backward per micro-batch, each loss weighted by its share of the aggregation units
-   (``batching.micro_batch_weight``: the accumulated gradient is exactly the full-batch gradient, and across
+   (``grpo.micro_batch_weight``: the accumulated gradient is exactly the full-batch gradient, and across
    data-parallel ranks the global-batch gradient), then one optimizer step -> ``version += 1``.
    Steps after the first reuse the same batch one version later: each is counted as extra staleness.
 4. A non-finite loss or gradient skips the step (and the rest of the batch): no parameter or optimizer
@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from async_vla import grpo
-from async_vla.batching import (TrainBatch, aggregation_units, collate, loss_token_mask, micro_batch_weight,
-                                micro_batches)
+from async_vla.batching import TrainBatch, collate, micro_batches
+from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weight
 from async_vla.config import Config
 from async_vla.messages import Trajectory
 

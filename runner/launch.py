@@ -131,11 +131,12 @@ class Evaluator:
         import torch
 
         from async_vla.envs.base import make_env
-        from runner.serial import build_policy_for
+        from async_vla.policy import build_policy
 
         torch.set_num_threads(1)
         self.cfg, self.run_dir = cfg, run_dir
-        self.policy = build_policy_for(cfg)
+        torch.manual_seed(cfg.run.seed)
+        self.policy = build_policy(cfg)   # the architecture (and action statistics) the exported weights load into
         n = min(cfg.actor.group_size, 8)
         self.envs = [make_env(cfg, seed=10_000 + i) for i in range(n)]
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
@@ -287,111 +288,154 @@ def start_tensorboard(cfg: Config, run_dir: Path) -> Child:
 
 
 def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[str], resume: bool = False) -> Optional[dict]:
+    """Async / sync run on this host: buffer, learner and actors as child processes, evaluated from here."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = resolve_ports(cfg)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)  # the children will parse exactly this file: fail here, not in three places
     stop = {"flag": False}
-
-    def on_signal(signum, _frame):
-        stop["flag"] = True
-
     # SIGHUP too: a closed terminal or dropped ssh session stops the run cleanly instead of orphaning it.
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
-    recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
-    evaluator = Evaluator(cfg, run_dir)
-    children: dict[str, Child] = {}
-    control = endpoints(cfg.transport, run_dir, side="connect")["control"]
-    keys = client_keys(cfg)
-    stats: Optional[dict] = None
-    failed = False
-    hinted = False
-    buffer_restarts = 0
+    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    run = LaunchedRun(cfg, run_dir, resume)
     try:
-        if resume:
+        run.evaluate_start()
+        run.children = start_children(cfg, run_dir, cfg_path, resume, should_stop=lambda: stop["flag"])
+        run.last_status = run.next_eval_check = time.time()
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if not run.children_healthy():      # the learner stopped, or a child died (a buffer is restarted)
+                break
+            if run.evaluate_if_due():           # True: run.target_success reached
+                break
+            run.status_if_due()
+    finally:
+        run.stop_children()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return run.finish()
+
+
+class LaunchedRun:
+    """The launcher's side of an async / sync run: its children, the evaluator, the run record, and the buffer's
+    last stats."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool):
+        self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
+        self.monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
+        self.recorder = RunRecorder(cfg, run_dir, self.monitor, resume=resume)
+        self.evaluator = Evaluator(cfg, run_dir)
+        self.children: dict[str, Child] = {}
+        self.control = endpoints(cfg.transport, run_dir, side="connect")["control"]
+        self.keys = client_keys(cfg)
+        self.stats: Optional[dict] = None
+        self.failed = False
+        self.hinted = False
+        self.buffer_restarts = 0
+        self.last_status = self.next_eval_check = time.time()
+
+    def evaluate_start(self) -> None:
+        if self.resume:
             # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
             from learner.core import latest_tag
 
-            tag = latest_tag(run_dir / "checkpoints") or "v0"
+            tag = latest_tag(self.run_dir / "checkpoints") or "v0"
             start = int(tag[1:]) if tag[1:].isdigit() else 0
-            recorder.mark_resumed(start)
+            self.recorder.mark_resumed(start)
             # Its weights were evaluated when the last part ended there; otherwise the first eval of this part
             # is the next periodic one (the exports on disk may be of updates the checkpoint does not have).
-            evaluator.version = start
+            self.evaluator.version = start
         else:
-            _, res = evaluator.evaluate(use_latest=False)
-            recorder.eval_result(evaluator.version, res)
-        evaluator.ask_for_milestones()
-        if not cfg.weights.export:
+            _, res = self.evaluator.evaluate(use_latest=False)
+            self.recorder.eval_result(self.evaluator.version, res)
+        self.evaluator.ask_for_milestones()
+        if not self.cfg.weights.export:
             print("[train] weights.export=false: no evaluation during the run (it loads the exported versions); "
                   "the learner's final policy is evaluated when it stops", flush=True)
-        children = start_children(cfg, run_dir, cfg_path, resume, should_stop=lambda: stop["flag"])
-        last_status = next_eval_check = time.time()
-        while not stop["flag"]:
-            time.sleep(0.5)
-            if not children["learner"].alive():
-                code = children["learner"].proc.returncode
-                failed = code != 0
-                if failed:
-                    print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
-                break
-            if not children["buffer"].alive() and buffer_restarts < BUFFER_RESTARTS:
-                buffer_restarts += 1
-                children["buffer"] = restart_buffer(cfg, run_dir, children["buffer"], buffer_restarts)
-            for name in ("buffer", "actors"):
-                if not children[name].alive():
-                    print(f"[train] {name} exited unexpectedly:\n{children[name].tail()}", flush=True)
-                    failed = True
-            if failed:
-                break
-            now = time.time()
-            if cfg.run.eval_every and now >= next_eval_check:
-                next_eval_check = now + 1.0
-                milestone = evaluator.next_milestone()
-                if milestone is not None:
-                    v, res = evaluator.evaluate(path=milestone)
-                    recorder.eval_result(v, res)
-                    if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
-                        print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
-                        break
-            if now - last_status >= cfg.logging.status_every_s:
-                last_status = now
-                stats = buffer_stats(control, keys=keys) or stats
-                if stats:
-                    recorder.observe_service(stats)
-                    rate = stats.get("metrics", {}).get("rollout/success_rate")
-                    if rate is not None and rate == rate:  # the plot's train-rollout line (NaN = no stats yet)
-                        recorder.train_points.append({"version": int(stats.get("learner_version", 0)),
-                                                      "wall_s": recorder.wall(), "success_rate": rate})
-                        recorder.save_progress()
-                    print(status_line(recorder, stats), flush=True)
-                    if not hinted and (hint := stall_hint(cfg, stats)):
-                        hinted = True
-                        print(hint, flush=True)
-    finally:
+
+    def children_healthy(self) -> bool:
+        """False when the run is over: the learner exited (``failed`` unless with 0), or the buffer (past its
+        restarts) or the actors died. A dead buffer is restarted up to ``BUFFER_RESTARTS`` times."""
+        children = self.children
+        if not children["learner"].alive():
+            code = children["learner"].proc.returncode
+            self.failed = code != 0
+            if self.failed:
+                print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
+            return False
+        if not children["buffer"].alive() and self.buffer_restarts < BUFFER_RESTARTS:
+            self.buffer_restarts += 1
+            children["buffer"] = restart_buffer(self.cfg, self.run_dir, children["buffer"], self.buffer_restarts)
+        for name in ("buffer", "actors"):
+            if not children[name].alive():
+                print(f"[train] {name} exited unexpectedly:\n{children[name].tail()}", flush=True)
+                self.failed = True
+        return not self.failed
+
+    def evaluate_if_due(self) -> bool:
+        """Evaluate the newest milestone export, if any (checked once a second); True once ``run.target_success``
+        is reached."""
+        cfg, now = self.cfg, time.time()
+        if not cfg.run.eval_every or now < self.next_eval_check:
+            return False
+        self.next_eval_check = now + 1.0
+        milestone = self.evaluator.next_milestone()
+        if milestone is None:
+            return False
+        v, res = self.evaluator.evaluate(path=milestone)
+        self.recorder.eval_result(v, res)
+        if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
+            print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
+            return True
+        return False
+
+    def status_if_due(self) -> None:
+        """Every ``logging.status_every_s``: the buffer's stats into the run record, a status line, a stall hint."""
+        now = time.time()
+        if now - self.last_status < self.cfg.logging.status_every_s:
+            return
+        self.last_status = now
+        self.stats = buffer_stats(self.control, keys=self.keys) or self.stats
+        if not self.stats:
+            return
+        stats, recorder = self.stats, self.recorder
+        recorder.observe_service(stats)
+        rate = stats.get("metrics", {}).get("rollout/success_rate")
+        if rate is not None and rate == rate:  # the plot's train-rollout line (NaN = no stats yet)
+            recorder.train_points.append({"version": int(stats.get("learner_version", 0)),
+                                          "wall_s": recorder.wall(), "success_rate": rate})
+            recorder.save_progress()
+        print(status_line(recorder, stats), flush=True)
+        if not self.hinted and (hint := stall_hint(self.cfg, stats)):
+            self.hinted = True
+            print(hint, flush=True)
+
+    def stop_children(self) -> None:
+        children = self.children
         if "actors" in children:
             children["actors"].stop(timeout_s=30)   # first: their last ActorStats reach the buffer as they stop
         if children.get("buffer") and children["buffer"].alive():
-            stats = buffer_stats(control, keys=keys) or stats
-            if stats:
-                recorder.observe_service(stats)
+            self.stats = buffer_stats(self.control, keys=self.keys) or self.stats
+            if self.stats:
+                self.recorder.observe_service(self.stats)
         for name in ("learner", "tensorboard", "buffer"):
             if name in children:
                 children[name].stop(timeout_s=60 if name == "learner" else 30)
-        for s, h in old.items():
-            signal.signal(s, h)
-    v = evaluator.final_version()
-    if recorder.last_eval_version() != v:   # not when the last eval was of the final weights already
-        v, res = evaluator.evaluate()
-        recorder.eval_result(v, res)
-    evaluator.close_milestones()
-    evaluator.close()
-    ledger = _read_json(run_dir / "ledger.json") or (stats or {}).get("ledger", {})
-    summary = recorder.finish(v, ledger, extra={"mode": cfg.run.mode, "failed": failed,
-                                                "buffer_metrics": (stats or {}).get("metrics", {})})
-    monitor.close()
-    return None if failed else summary
+
+    def finish(self) -> Optional[dict]:
+        """Evaluate the final weights (unless the last evaluation was of them), write the summary; None if failed."""
+        evaluator, recorder, stats = self.evaluator, self.recorder, self.stats
+        v = evaluator.final_version()
+        if recorder.last_eval_version() != v:   # not when the last eval was of the final weights already
+            v, res = evaluator.evaluate()
+            recorder.eval_result(v, res)
+        evaluator.close_milestones()
+        evaluator.close()
+        ledger = _read_json(self.run_dir / "ledger.json") or (stats or {}).get("ledger", {})
+        summary = recorder.finish(v, ledger, extra={"mode": self.cfg.run.mode, "failed": self.failed,
+                                                    "buffer_metrics": (stats or {}).get("metrics", {})})
+        self.monitor.close()
+        return None if self.failed else summary
 
 
 STALL_GROUPS = 20   # groups filtered for one outcome, with none trained yet, before bin/train says why it waits

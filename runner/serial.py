@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from async_vla.config import Config, write_resolved
 from async_vla.metrics import Monitor
@@ -24,127 +24,169 @@ from runner.report import RunRecorder
 log = logging.getLogger("runner.serial")
 
 
-def build_policy_for(cfg: Config) -> Any:
-    """The starting policy: ``policy.path`` when given (e.g. the SFT checkpoint), else a fresh tiny model."""
-    import torch
-
-    from async_vla.policy import build_policy, load_policy
-
-    torch.manual_seed(cfg.run.seed)
-    if cfg.policy.path and cfg.policy.arch == "tiny":
-        return load_policy(cfg.policy.path)
-    return build_policy(cfg)
-
-
 def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     """Train until ``run.max_versions``, ``run.max_wall_s`` or ``run.target_success``; returns the summary."""
-    import torch
-
-    from actors.actor import SerialActor
-    from async_vla.buffer import GroupBuffer
-    from async_vla.envs.base import make_env
-    from async_vla.sft import evaluate_greedy
-    from learner.core import TorchLearner
-
-    torch.set_num_threads(max(1, cfg.actor.torch_threads))
-    write_resolved(cfg, run_dir)
-    policy = build_policy_for(cfg)
-    envs = [make_env(cfg, seed=cfg.run.seed * 1000 + i) for i in range(cfg.actor.group_size)]
-    task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else envs[0].task_ids)
-    learner = TorchLearner(cfg, policy)
-    ckpt_dir = run_dir / "checkpoints"
-    extra: dict = {}
-    if resume and ckpt_dir.exists():
-        extra = learner.load_checkpoint(ckpt_dir)
-        log.info("resumed at version %d", learner.version)
-    lag = cfg.run.serial_lag
-    # serial_lag > 0: the actor gets its own copy of the policy and the weights of `lag` versions ago.
-    actor_policy = copy.deepcopy(policy) if lag else policy
-    snapshots: collections.deque = collections.deque(maxlen=lag + 1)
-    if lag:
-        snapshots.append((learner.version, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
-    actor = SerialActor(cfg, 0, actor_policy, envs, version=learner.version)
-    buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=task_ids)
-    buffer.set_learner_version(learner.version)
-    pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
-    monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
-    recorder = RunRecorder(cfg, run_dir, monitor, resume=resume)
-    if resume:
-        recorder.mark_resumed(learner.version)
-    t_start = time.perf_counter()
-
-    def evaluate(version: int) -> float:
-        res = evaluate_greedy(policy, envs, task_ids, split="eval")
-        recorder.eval_result(version, res)
-        return res["success_rate"]
-
-    if recorder.last_eval_version() != learner.version:   # resumed: the previous part ended with this very eval
-        evaluate(learner.version)
-    rollout_s = train_s = 0.0
-    last_status = time.perf_counter()
+    run = SerialRun(cfg, run_dir, resume)
     try:
-        while learner.version < cfg.run.max_versions:
-            if time.perf_counter() - t_start > cfg.run.max_wall_s:
+        run.evaluate_start()
+        while run.learner.version < cfg.run.max_versions:
+            if run.out_of_time():
                 log.info("wall-time budget reached")
                 break
-            t0 = time.perf_counter()
-            groups = None
-            while groups is None:
-                buffer.expire()
-                got = buffer.take_batch(learner.version)
-                if got is not None:
-                    groups = got[1]
-                    break
-                ids = buffer.grant(0, want=1)
-                if not ids:
-                    raise RuntimeError("serial mode: buffer granted nothing and has no batch (check buffer.max_groups "
-                                       "and buffer.groups_per_batch)")
-                for traj in actor.run_one_group(ids[0]):
-                    pipe.send(traj)
-                    recorder.rollout(traj)
-                    while (msg := pipe.recv()) is not None:
-                        buffer.add(msg)
-            t1 = time.perf_counter()
-            rollout_s += t1 - t0
-            metrics = learner.train_step(groups)
-            train_s += time.perf_counter() - t1
-            buffer.set_learner_version(learner.version)
-            if lag:
-                snapshots.append((learner.version, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
-                version, state = snapshots[0]  # the oldest kept: `lag` versions ago once the deque is full
-                actor.set_weights(version, state)
-            else:
-                actor.set_weights(learner.version)  # shared policy object: already updated in place
-            wall = time.perf_counter() - t_start
-            metrics.update({
-                "perf/learner_idle_frac": rollout_s / max(wall, 1e-9),  # learner waits for rollouts here
-                "weights/sync_s": 0.0, "weights/bytes": 0.0, "weights/version": float(learner.version),
-                "perf/env_steps_per_s": actor.totals.env_steps / max(wall, 1e-9),
-                "perf/trajectories_per_s": buffer.received / max(wall, 1e-9),
-                "perf/tokens_per_s": metrics.get("perf/learner_tokens_per_s", 0.0),
-            })
-            recorder.learner_step(learner.version, metrics, buffer)
-            if cfg.run.eval_every and learner.version % cfg.run.eval_every == 0:
-                rate = evaluate(learner.version)
-                if cfg.run.target_success is not None and rate >= cfg.run.target_success:
-                    print(f"[train] target success {cfg.run.target_success} reached at version {learner.version}",
-                          flush=True)
-                    break
-            if cfg.run.checkpoint_every and learner.version % cfg.run.checkpoint_every == 0:
-                learner.save_checkpoint(ckpt_dir, extra={"ledger": buffer.ledger})
-            if time.perf_counter() - last_status > cfg.logging.status_every_s:
-                last_status = time.perf_counter()
-                print(recorder.status_line(learner.version, buffer), flush=True)
-        if not (cfg.run.eval_every and learner.version % cfg.run.eval_every == 0):
-            evaluate(learner.version)
-        learner.save_checkpoint(ckpt_dir, extra={"ledger": buffer.ledger, **extra})
-        learner.export_policy(run_dir / "policy")
-        buffer.write_ledger(run_dir)
-        return recorder.finish(learner.version, buffer.ledger_snapshot(),
-                               extra={"rollout_s": rollout_s, "train_s": train_s, "mode": "serial"})
+            groups = run.next_batch()        # roll out groups until the buffer forms a batch
+            metrics = run.train(groups)      # one learner step; the actor gets the weights it should sample with
+            run.recorder.learner_step(run.learner.version, metrics, run.buffer)
+            if run.evaluate_if_due():        # True: run.target_success reached
+                break
+            run.checkpoint_if_due()
+            run.status_if_due()
+        return run.finish()
     finally:
-        monitor.close()
-        actor.close()
+        run.close()
+
+
+class SerialRun:
+    """The pieces of a serial run and the loop's counters. Built in the order that fixes the random streams (the
+    seed, the policy, the envs, the learner, the actor), so a serial run of a seed repeats exactly."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool):
+        import torch
+
+        from actors.actor import SerialActor
+        from async_vla.buffer import GroupBuffer
+        from async_vla.envs.base import make_env
+        from async_vla.policy import build_policy
+        from learner.core import TorchLearner
+
+        self.cfg, self.run_dir = cfg, run_dir
+        torch.set_num_threads(max(1, cfg.actor.torch_threads))
+        write_resolved(cfg, run_dir)
+        torch.manual_seed(cfg.run.seed)   # the same start for every run of this seed (random init, then sampling)
+        self.policy = build_policy(cfg)
+        self.envs = [make_env(cfg, seed=cfg.run.seed * 1000 + i) for i in range(cfg.actor.group_size)]
+        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
+        self.learner = TorchLearner(cfg, self.policy)
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.extra: dict = {}
+        if resume and self.ckpt_dir.exists():
+            self.extra = self.learner.load_checkpoint(self.ckpt_dir)
+            log.info("resumed at version %d", self.learner.version)
+        self.lag = cfg.run.serial_lag
+        # serial_lag > 0: the actor gets its own copy of the policy and the weights of `lag` versions ago.
+        actor_policy = copy.deepcopy(self.policy) if self.lag else self.policy
+        self.snapshots: collections.deque = collections.deque(maxlen=self.lag + 1)
+        if self.lag:
+            self._snapshot()
+        self.actor = SerialActor(cfg, 0, actor_policy, self.envs, version=self.learner.version)
+        self.buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=self.task_ids)
+        self.buffer.set_learner_version(self.learner.version)
+        self.pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
+        self.monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
+        self.recorder = RunRecorder(cfg, run_dir, self.monitor, resume=resume)
+        if resume:
+            self.recorder.mark_resumed(self.learner.version)
+        self.t_start = time.perf_counter()
+        self.rollout_s = self.train_s = 0.0
+        self.last_status = time.perf_counter()
+
+    def _snapshot(self) -> None:
+        self.snapshots.append((self.learner.version,
+                               {k: v.detach().clone() for k, v in self.policy.state_dict().items()}))
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.t_start > self.cfg.run.max_wall_s
+
+    def evaluate(self, version: int) -> float:
+        from async_vla.sft import evaluate_greedy
+
+        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+        self.recorder.eval_result(version, res)
+        return res["success_rate"]
+
+    def evaluate_start(self) -> None:
+        if self.recorder.last_eval_version() != self.learner.version:   # resumed: the last part ended with this eval
+            self.evaluate(self.learner.version)
+        self.last_status = time.perf_counter()
+
+    def next_batch(self) -> list:
+        """Grant, roll out and feed groups to the buffer (through the wire encoding) until it forms a batch."""
+        t0 = time.perf_counter()
+        groups = None
+        while groups is None:
+            self.buffer.expire()
+            got = self.buffer.take_batch(self.learner.version)
+            if got is not None:
+                groups = got[1]
+                break
+            ids = self.buffer.grant(0, want=1)
+            if not ids:
+                raise RuntimeError("serial mode: buffer granted nothing and has no batch (check buffer.max_groups "
+                                   "and buffer.groups_per_batch)")
+            for traj in self.actor.run_one_group(ids[0]):
+                self.pipe.send(traj)
+                self.recorder.rollout(traj)
+                while (msg := self.pipe.recv()) is not None:
+                    self.buffer.add(msg)
+        self.rollout_s += time.perf_counter() - t0
+        return groups
+
+    def train(self, groups: list) -> dict:
+        """One learner step, then the actor's weights: the shared policy (already updated in place), or with
+        ``run.serial_lag`` = k the snapshot of k versions ago."""
+        t1 = time.perf_counter()
+        metrics = self.learner.train_step(groups)
+        self.train_s += time.perf_counter() - t1
+        self.buffer.set_learner_version(self.learner.version)
+        if self.lag:
+            self._snapshot()
+            version, state = self.snapshots[0]  # the oldest kept: `lag` versions ago once the deque is full
+            self.actor.set_weights(version, state)
+        else:
+            self.actor.set_weights(self.learner.version)
+        wall = time.perf_counter() - self.t_start
+        metrics.update({
+            "perf/learner_idle_frac": self.rollout_s / max(wall, 1e-9),  # the learner waits for rollouts here
+            "weights/sync_s": 0.0, "weights/bytes": 0.0, "weights/version": float(self.learner.version),
+            "perf/env_steps_per_s": self.actor.totals.env_steps / max(wall, 1e-9),
+            "perf/trajectories_per_s": self.buffer.received / max(wall, 1e-9),
+            "perf/tokens_per_s": metrics.get("perf/learner_tokens_per_s", 0.0),
+        })
+        return metrics
+
+    def evaluate_if_due(self) -> bool:
+        """Evaluate at every ``run.eval_every``-th version; True once ``run.target_success`` is reached."""
+        cfg, version = self.cfg, self.learner.version
+        if cfg.run.eval_every and version % cfg.run.eval_every == 0:
+            rate = self.evaluate(version)
+            if cfg.run.target_success is not None and rate >= cfg.run.target_success:
+                print(f"[train] target success {cfg.run.target_success} reached at version {version}", flush=True)
+                return True
+        return False
+
+    def checkpoint_if_due(self) -> None:
+        every = self.cfg.run.checkpoint_every
+        if every and self.learner.version % every == 0:
+            self.learner.save_checkpoint(self.ckpt_dir, extra={"ledger": self.buffer.ledger})
+
+    def status_if_due(self) -> None:
+        if time.perf_counter() - self.last_status > self.cfg.logging.status_every_s:
+            self.last_status = time.perf_counter()
+            print(self.recorder.status_line(self.learner.version, self.buffer), flush=True)
+
+    def finish(self) -> dict:
+        """A last evaluation (unless this version was just evaluated), checkpoint, policy, ledger, summary."""
+        cfg, version = self.cfg, self.learner.version
+        if not (cfg.run.eval_every and version % cfg.run.eval_every == 0):
+            self.evaluate(version)
+        self.learner.save_checkpoint(self.ckpt_dir, extra={"ledger": self.buffer.ledger, **self.extra})
+        self.learner.export_policy(self.run_dir / "policy")
+        self.buffer.write_ledger(self.run_dir)
+        return self.recorder.finish(version, self.buffer.ledger_snapshot(),
+                                    extra={"rollout_s": self.rollout_s, "train_s": self.train_s, "mode": "serial"})
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.actor.close()
 
 
 def main_serial(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]:

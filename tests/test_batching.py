@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from async_vla import grpo
-from async_vla.batching import (aggregation_units, collate, compute_advantages, loss_token_mask, micro_batch_weight,
-                                micro_batches)
+from async_vla.batching import collate, compute_advantages, micro_batches
+from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weight
 from tests.learner_helpers import IMG, PROPRIO, T, StandInPolicy, make_groups, make_traj, small_cfg
 
 

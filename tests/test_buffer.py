@@ -341,3 +341,29 @@ def test_recorder_rotation_bound_and_restart(tmp_path):
     assert decode(got[-1][1]).traj_id == "g-t0"
     Recorder(tmp_path / "recording", file_bytes=1024, max_files=3).close()          # a restart
     assert (tmp_path / "recording-1").is_dir() and not recording_info(tmp_path / "recording")["files"]
+
+
+def test_a_ledger_subclass_sees_every_trajectory_fate():
+    # The ledger is a collaborator told of each transition (what runner/audit.py's Tracer builds on): the fates it
+    # sees add up to the buffer's own counts, through filtering, staleness, training and a learner rollback.
+    from runner.audit import Tracer
+
+    tracer = Tracer(RUN)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN, ledger=tracer)
+    assert buf.books is tracer
+    add_group(buf, "uniform", (1, 1, 1, 1))
+    add_group(buf, "a", MIXED)
+    add_group(buf, "b", MIXED)
+    assert buf.next_batch(0) is not None                     # "a" trained at version 0
+    buf.set_learner_version(1)
+    assert buf.next_batch(1) is not None                     # "b" trained at version 1
+    buf.rollback(0)                                          # the learner resumed at 0: "b" is pending again
+    add_group(buf, "old", MIXED, bv=0)
+    buf.set_learner_version(2)                               # "old" and "b" (behaviour version 0) now lag 2 > 1
+    fates = {tid.rsplit("-t", 1)[0]: state for tid, (state, _) in tracer.fate.items()}
+    assert fates == {"uniform": "filtered_uniform", "a": "trained", "b": "stale", "old": "stale"}
+    assert tracer.fate["a-t0"] == ("trained", 0) and tracer.formed["b-t0"] == 1
+    assert tracer.admitted == [f"{g}-t{i}" for g in ("uniform", "a", "b", "old") for i in range(4)]
+    assert tracer.received_from == {0: 16} and tracer.counts() == buf.ledger
+    assert buf.ledger["stale"] == 8 and buf.ledger["trained"] == 4 and buf.ledger["filtered_uniform"] == 4
+    buf.check_invariants()

@@ -2,8 +2,8 @@
 
 Why: when every receiver of a group reads the publisher's shared-memory segments (``async_vla.weights.shm``) the
 bytes no longer cross a socket, but each version still took a mailbox push per member, a gloo header broadcast,
-the receivers' acknowledgements and a verdict broadcast: at 10M parameters ~6 ms of TCP hops and process
-wake-ups on two shared cores, against ~3 ms for the copy itself. Here the publisher and the members of an epoch
+the receivers' acknowledgements and a verdict broadcast: at small models those TCP hops and process wake-ups
+cost more than the copy itself (figures: docs/BENCHMARKS.md, docs/WEIGHTS.md). Here the publisher and the members of an epoch
 share a small file in ``weights.shm_dir`` (the *bell*) and exchange a version through words of it: atomics with
 release/acquire ordering and futexes on the shared mapping (``async_vla/weights/native/bell.c``), so waiting costs no CPU
 and a wake-up is a system call, not a TCP round trip.

@@ -206,7 +206,7 @@ class BucketPacker:
 
     def _copy_sum(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
         """The native copy; a large tensor is copied in two halves at once, the second on the helper thread (one
-        thread is memory-latency bound: two moved 390 MB in 31 ms instead of 45 here). Both halves are done
+        thread is memory-latency bound; two move a large tensor about a third faster). Both halves are done
         before this returns: the caller may free ``src`` (a ZeRO-3 gather) right after ``add``."""
         # (``native.can_copy`` with fewer steps: ``dst`` is ours - a contiguous CPU slice of src's dtype and size)
         if src.device.type != "cpu" or not src.is_contiguous() or src.is_neg() or src.dtype != dst.dtype:

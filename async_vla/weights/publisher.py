@@ -33,8 +33,9 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,23 @@ SETTLE_S = 1.0          # longest a publish waits for receivers to let go of wha
 SETTLE_POLL_S = 0.0005
 LIVE_RECHECK_S = 0.1    # a standing doorbell group's live set is re-read from the store at most this often
 BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors to read their goodbye
+
+
+@dataclass(eq=False)
+class _Packed:
+    """One version packed by ``WeightPublisher._pack``, and how its group was told of it before packing."""
+
+    packer: BucketPacker
+    layout: Layout
+    buckets: list
+    csum: Optional[float]              # the checksum, once computed (None: not yet, or nobody checks)
+    sums_of: Optional[Callable]        # per-tensor sums for split verification (weights.verify)
+    summing: bool                      # someone checks a checksum (receivers or learner ranks)
+    zero_copy: bool
+    early: bool                        # the gloo group was announced before packing
+    bell: Optional[BellGroup]          # the standing doorbell group packed for
+    post: Optional[EarlyPost]          # its early post (members checked shares while we packed)
+    packed_at: float                   # time.monotonic() when packing ended
 
 
 class WeightPublisher:
@@ -225,6 +243,29 @@ class WeightPublisher:
         export then runs synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
+        p = self._pack(version, named_tensors, zero_copy)
+        self._last_pack_s = p.packed_at - t0
+        stats = self._deliver(version, p, deadline=p.packed_at + self.timeout_s)
+        stats["epoch"] = self._epoch
+        stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
+        stats["pack_s"] = p.packed_at - t0
+        if p.csum is None and p.summing:
+            p.csum = stats["checksum"] = p.packer.checksum()
+        stats["sync_s"] = time.monotonic() - t0
+        stats["export_path"], stats["export_error"] = "", ""
+        self.last = stats
+        if self.cfg.export:
+            stats["export_path"] = str(self.weights_dir / f"v{version}.safetensors")
+            error = self._exporter.start(version, p.layout, p.buckets, p.csum,
+                                         p.zero_copy or not self.cfg.export_async)
+            if error is not None:
+                stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
+        return stats
+
+    def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], zero_copy: bool) -> "_Packed":
+        """Pack the tensors into buckets (into the shared-memory segment when there is one), telling a standing
+        group of the version first where that lets members start early: a gloo group is announced before packing
+        (``_announce_early``), a doorbell group gets an early post and checks its shares while we pack."""
         shm = self._shm is not None and self.cfg.shm
         bell = self._group if isinstance(self._group, BellGroup) and shm and self._standing() else None
         early = False if bell is not None else self._announce_early(version)
@@ -258,11 +299,17 @@ class WeightPublisher:
             if early:   # the members wait in the header broadcast: closing the group fails them at once
                 self._drop_group()
             raise
-        t_pack = time.monotonic()
-        self._last_pack_s = t_pack - t0
-        deadline = t_pack + self.timeout_s
+        return _Packed(packer, layout, buckets, csum, sums_of, summing, zero_copy, early, bell, post,
+                       time.monotonic())
+
+    def _deliver(self, version: int, p: "_Packed", deadline: float) -> dict[str, Any]:
+        """Send the packed version to the group - formed or re-formed first unless it was told early - through its
+        doorbell, or its shared-memory segment / the wire; one retry with a new epoch after a failure, and the
+        wire when shared memory has no room. Returns the stats ``publish`` reports."""
+        layout, buckets, packer = p.layout, p.buckets, p.packer
+        early, bell, post = p.early, p.bell, p.post
         stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
-                                 "checksum": csum, "receivers": 0, "confirmed": 0, "transport": "",
+                                 "checksum": p.csum, "receivers": 0, "confirmed": 0, "transport": "",
                                  "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
                                  "announced_early": early or post is not None, "verify_shares": 0,
                                  "doorbell": False}
@@ -281,15 +328,15 @@ class WeightPublisher:
                     break
                 stats["doorbell"] = isinstance(self._group, BellGroup)
                 if stats["doorbell"]:
-                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, sums_of,
+                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, p.sums_of,
                                                          post, self._split(self._group), packer.compact)
                     stats["transport"] = "shm"
                 else:
-                    if csum is None and summing:
-                        csum = stats["checksum"] = packer.checksum()
+                    if p.csum is None and p.summing:
+                        p.csum = stats["checksum"] = packer.checksum()
                     stats["confirmed"], stats["transport"] = self._broadcast(
-                        self._group, version, layout, buckets, csum, deadline, not early,
-                        sums_of() if sums_of is not None else None)
+                        self._group, version, layout, buckets, p.csum, deadline, not early,
+                        p.sums_of() if p.sums_of is not None else None)
                 stats["receivers"], stats["error"] = len(self._group.members), ""
                 stats["verify_shares"] = self._group.verify_shares
                 break
@@ -305,19 +352,6 @@ class WeightPublisher:
                             version, self._epoch, stats["error"])
                 self._drop_group()
                 early, bell, post = False, None, None
-        stats["epoch"] = self._epoch
-        stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
-        stats["pack_s"] = t_pack - t0
-        if csum is None and summing:
-            csum = stats["checksum"] = packer.checksum()
-        stats["sync_s"] = time.monotonic() - t0
-        stats["export_path"], stats["export_error"] = "", ""
-        self.last = stats
-        if self.cfg.export:
-            stats["export_path"] = str(self.weights_dir / f"v{version}.safetensors")
-            error = self._exporter.start(version, layout, buckets, csum, zero_copy or not self.cfg.export_async)
-            if error is not None:
-                stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
     # ------------------------------------------------------------------ doorbell epochs (async_vla.weights.bell)

@@ -1,7 +1,7 @@
 """Same-host shared-memory path for the bulk bytes of a weight broadcast.
 
-Why: gloo has no shared-memory transport, so on one host every byte of a broadcast crosses loopback TCP:
-~1 GB/s per receiver at 100M fp32 parameters (15% of memcpy), and bucketing cannot help once tensors are
+Why: gloo has no shared-memory transport, so on one host every byte of a broadcast crosses loopback TCP, at a
+small fraction of memcpy bandwidth (figures: docs/WEIGHTS.md), and bucketing cannot help once tensors are
 large. When every receiver of a group can read the publisher's segment, the publisher packs its buckets
 straight into a file in ``/dev/shm`` and the group carries only the header, the bucket offsets and the
 acknowledgements. Receivers do not copy: they map the segment read-only, *pin* it and hand out views into it;

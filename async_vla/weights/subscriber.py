@@ -208,53 +208,75 @@ class WeightSubscriber:
             self._bell = None
 
     def _session(self) -> None:
+        """One learner: connect, register, then serve the mailbox (invites, rosters, versions) until it ends."""
         port = self._resolve_port()
         if port is None or not port_open(self.host, port):
             return
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         session = store.get("w/session").decode()
-        wire = store.get("w/wire").decode() if store.check(["w/wire"]) else "1"
-        if wire != str(WIRE_VERSION):
-            # A learner from another release: its stream would fail mid-version (or worse, parse). Stay out, say
-            # so once, and keep asking (the learner may be restarted with a matching release).
-            self.stats["wire_mismatch"] += 1
-            if self.stats["wire_mismatch"] == 1:
-                log.error("weights: the learner at %s:%d speaks weight wire v%s, actor %d speaks v%d: not joining "
-                          "its broadcasts (run the same async_vla release on both sides; until then this actor "
-                          "only loads exports from %s)", self.host, port, wire, self.actor_id, WIRE_VERSION,
-                          self.weights_dir)
+        if not self._wire_matches(store, port):
             return
         if session != self._publisher_session:
-            # A new learner incarnation. After a resume from an older checkpoint its versions restart below the
-            # ones the dead learner sent: accept them (its lineage is the one being trained), and drop anything
-            # of the old lineage not yet handed out.
-            with self._lock:
-                # (also at the first connection, when what we handed out is a dead learner's export)
-                moved = bool(self._publisher_session) or (self._delivered >= 0 and bool(self._export_session)
-                                                          and self._export_session != session)
-                if moved:
-                    log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
-                             self._delivered)
-                    self._delivered, self._latest = -1, None
-                    self._lineage += 1
-                self._publisher_session = session
-                self._shm_refused, self._shm_reader = False, None
+            self._follow_session(session)
         # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
         probe = store.get("w/shm").decode() if store.check(["w/shm"]) else ""
         shm = (self.cfg.shm and not self._shm_refused and views_tracked()
                and probe_ok(probe, session, self.cfg.shm_dir))
+        token = self._register(store, hb_store, shm)
+        if token is None:
+            return
+        self._serve_mailbox(store, token, probe)
+
+    def _wire_matches(self, store, port: int) -> bool:
+        """The learner speaks our weight wire version. A learner from another release: its stream would fail
+        mid-version (or worse, parse). Stay out, say so once, and keep asking (it may be restarted with a matching
+        release)."""
+        wire = store.get("w/wire").decode() if store.check(["w/wire"]) else "1"
+        if wire == str(WIRE_VERSION):
+            return True
+        self.stats["wire_mismatch"] += 1
+        if self.stats["wire_mismatch"] == 1:
+            log.error("weights: the learner at %s:%d speaks weight wire v%s, actor %d speaks v%d: not joining "
+                      "its broadcasts (run the same async_vla release on both sides; until then this actor "
+                      "only loads exports from %s)", self.host, port, wire, self.actor_id, WIRE_VERSION,
+                      self.weights_dir)
+        return False
+
+    def _follow_session(self, session: str) -> None:
+        """A new learner incarnation. After a resume from an older checkpoint its versions restart below the ones
+        the dead learner sent: accept them (its lineage is the one being trained), and drop anything of the old
+        lineage not yet handed out."""
+        with self._lock:
+            # (also at the first connection, when what we handed out is a dead learner's export)
+            moved = bool(self._publisher_session) or (self._delivered >= 0 and bool(self._export_session)
+                                                      and self._export_session != session)
+            if moved:
+                log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
+                         self._delivered)
+                self._delivered, self._latest = -1, None
+                self._lineage += 1
+            self._publisher_session = session
+            self._shm_refused, self._shm_reader = False, None
+
+    def _register(self, store, hb_store, shm: bool) -> Optional[int]:
+        """A new token with this actor's member info, and the heartbeat on it; None when closing."""
         token = store.add("w/tokens", 1)
         store.add(f"w/hb/{token}", 1)      # before the member info: the publisher reads every member's at once
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
                                                    "host": socket.gethostname(), "shm": bool(shm),
                                                    "bell": bool(shm and weight_bell.available())}))
-        mbox = f"w/mbox/{token}"
         with self._hb_lock:
             if self._stop.is_set():
-                return
-            self._hb = (hb_store, f"w/hb/{token}", mbox)
+                return None
+            self._hb = (hb_store, f"w/hb/{token}", f"w/mbox/{token}")
         self.stats["connects"] += 1
+        return token
+
+    def _serve_mailbox(self, store, token: int, probe: str) -> None:
+        """Wait in the mailbox: an invite is acknowledged, its roster joins the epoch (a doorbell epoch is served
+        until it is dropped), a broadcast announcement of the current gloo / NCCL epoch is received."""
+        mbox = f"w/mbox/{token}"
         store.set_timeout(td(POP_TIMEOUT_S))
         pending = -1
         while True:
@@ -284,38 +306,46 @@ class WeightSubscriber:
                 self._bell_epoch(store, msg, epoch, probe, token)
             elif kind == "roster" and epoch == pending:
                 pending = -1
-                try:
-                    self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
-                                                 int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
-                    self._group.dropped = lambda e=epoch: self._dropped(store, e)
-                    # Split verification ends with this count instead of an acknowledgement (wire).
-                    self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
-                    prefix = str(msg.get("shm") or "")
-                    if prefix and valid_path(prefix, self.cfg.shm_dir):
-                        if self._shm_reader is None or self._shm_reader.prefix != prefix:
-                            self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
-                        self._group.shm_reader = self._shm_reader
-                    self.stats["epochs"] += 1
-                except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
-                    self.stats["failures"] += 1
-                    log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
+                self._join_group(store, msg, epoch)
             elif kind == "bcast" and self._group is not None and epoch == self._group.epoch:
-                try:
-                    self._receive(self._group)
-                except ShmUnreadable as exc:
-                    # Registered as able to read the learner's segments, but cannot: register again without
-                    # (a new token re-forms the group on the wire) and do not claim it again for this learner.
-                    self.stats["failures"] += 1
-                    self._shm_refused, self._shm_reader = True, None
-                    self._leave(store, token)   # so a retry does not invite this token again
-                    log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
-                                "for the wire", self.actor_id, exc)
-                    raise
-                except (RuntimeError, ValueError) as exc:
-                    self.stats["failures"] += 1
-                    log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
-                             str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
-                    self._leave_group()
+                self._take_broadcast(store, token, epoch)
+
+    def _join_group(self, store, msg: dict, epoch: int) -> None:
+        """Join a gloo / NCCL epoch (through the learner's shared-memory segment when the roster names one)."""
+        try:
+            self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
+                                         int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+            self._group.dropped = lambda e=epoch: self._dropped(store, e)
+            # Split verification ends with this count instead of an acknowledgement (wire).
+            self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
+            prefix = str(msg.get("shm") or "")
+            if prefix and valid_path(prefix, self.cfg.shm_dir):
+                if self._shm_reader is None or self._shm_reader.prefix != prefix:
+                    self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
+                self._group.shm_reader = self._shm_reader
+            self.stats["epochs"] += 1
+        except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
+            self.stats["failures"] += 1
+            log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
+
+    def _take_broadcast(self, store, token: int, epoch: int) -> None:
+        """Receive one announced version of the current gloo / NCCL epoch; a failure leaves the epoch."""
+        try:
+            self._receive(self._group)
+        except ShmUnreadable as exc:
+            # Registered as able to read the learner's segments, but cannot: register again without
+            # (a new token re-forms the group on the wire) and do not claim it again for this learner.
+            self.stats["failures"] += 1
+            self._shm_refused, self._shm_reader = True, None
+            self._leave(store, token)   # so a retry does not invite this token again
+            log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
+                        "for the wire", self.actor_id, exc)
+            raise
+        except (RuntimeError, ValueError) as exc:
+            self.stats["failures"] += 1
+            log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
+                     str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
+            self._leave_group()
 
     @staticmethod
     def _leave(store, token: int) -> None:

@@ -1,0 +1,98 @@
+"""The learner's client of the buffer: one rank's side of the control channel (``BatchRequest`` -> this rank's
+share of a batch), plus the buffer's stats for a checkpoint. Torch-free, like the rest of the package."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from async_vla.messages import BatchRequest, ControlCommand
+from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
+
+log = logging.getLogger("learner")
+SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one learner start
+
+
+class BatchClient:
+    """One learner rank's requests for batches: one outstanding ``BatchRequest`` at a time."""
+
+    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.endpoint = endpoints(cfg.transport, run_dir, side="connect")["control"]
+        self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
+        self.client = self._connect()
+        self.pending = False
+        self.sent_at = 0.0
+        self.reconnects = 0
+        # One id for this learner start, the same on every rank (bin/learner's launcher sets it): the buffer tells a
+        # resumed learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
+        self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
+
+    def _connect(self) -> ControlClient:
+        ident = f"learner-{self.rank}-{os.getpid()}-{time.monotonic_ns()}".encode()
+        return ControlClient(self.endpoint, identity=ident, keys=self.keys)
+
+    def poll(self, version: int) -> Optional[list[list[Any]]]:
+        """Ask for (or keep waiting on) this rank's share; a list of groups, or None if not ready yet."""
+        timeout = self.cfg.learner.batch_timeout_s
+        if not self.pending:
+            try:
+                self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
+                                                 timeout_s=timeout, session=self.session), timeout_s=timeout)
+            except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
+                log.warning("%s: reconnecting", exc)
+                self._reconnect()
+                return None
+            self.pending, self.sent_at = True, time.monotonic()
+        bad_before = self.client.malformed.total
+        got = self.client.recv_bundle(timeout_s=timeout + 0.5)
+        if got is None:
+            if self.client.malformed.total > bad_before:
+                self.pending = False  # a reply we could not read (e.g. a refused request): ask again
+            elif time.monotonic() - self.sent_at > timeout + self.cfg.learner.reply_grace_s:
+                # No reply at all: the buffer restarted (our request died with it) or is gone.
+                log.warning("no reply from the buffer at %s for %.0f s: reconnecting", self.endpoint,
+                            time.monotonic() - self.sent_at)
+                self._reconnect()
+            return None
+        self.pending = False
+        header, members = got
+        if not getattr(header, "ready", False):
+            return None
+        sizes = list(header.group_sizes)
+        if sum(sizes) != len(members) or not sizes:
+            log.warning("batch %s: %d members for group sizes %s: dropped", header.batch_id, len(members), sizes)
+            return None
+        groups, pos = [], 0
+        for s in sizes:
+            groups.append(members[pos:pos + s])
+            pos += s
+        return groups
+
+    def _reconnect(self) -> None:
+        """A fresh socket (new identity): any late reply to the old one is dropped, never mistaken for ours."""
+        self.client.close()
+        self.client = self._connect()
+        self.pending = False
+        self.reconnects += 1
+
+    def buffer_stats(self, timeout_s: float = 2.0) -> dict:
+        """The buffer's ledger and counters (for the checkpoint), {} if it does not answer."""
+        client = ControlClient(self.endpoint, identity=f"learner-stats-{os.getpid()}".encode(), keys=self.keys)
+        try:
+            reply = client.call(ControlCommand("stats"), timeout_s=timeout_s)
+            if getattr(reply, "command", "") == "stats" and isinstance(reply.value, str):
+                return json.loads(reply.value)
+        except (ValueError, json.JSONDecodeError, ControlTimeout):
+            pass
+        finally:
+            client.close()
+        return {}
+
+    def close(self) -> None:
+        self.client.close()
