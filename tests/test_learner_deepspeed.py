@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timing import slack
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -32,6 +33,7 @@ def _run_ranks(phase: str, ckpt: Path, out: Path, stage: int, world: int = 2, ti
         procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "learner_helpers.py"), phase, str(ckpt),
                                        str(out), str(stage)], env=env, cwd=str(REPO),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    timeout = min(slack(timeout), 270)   # a hang bound, scaled for a loaded machine (pytest's own limit is 300 s)
     deadline = time.monotonic() + timeout
     logs = []
     for p in procs:

@@ -15,7 +15,7 @@ from async_vla.messages import BatchRequest, ControlCommand
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
 log = logging.getLogger("learner")
-SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one start
+SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one learner start
 
 
 class BatchClient:
@@ -29,8 +29,8 @@ class BatchClient:
         self.pending = False
         self.sent_at = 0.0
         self.reconnects = 0
-        # One id for this learner start, the same on every rank (the launcher sets it): the buffer tells a resumed
-        # learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
+        # One id for this learner start, the same on every rank (bin/learner's launcher sets it): the buffer tells a
+        # resumed learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
         self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
 
     def _connect(self) -> ControlClient:
