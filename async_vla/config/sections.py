@@ -323,8 +323,10 @@ class LossConfig(Section):
     """Upper clip ("clip-higher"): ratios above 1 + eps_high are clipped."""
     dual_clip: Optional[float] = Field(None, gt=1)
     """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens at c*|A|. None = off."""
-    correction: Literal["none", "tis", "mis"] = "tis"
-    """Off-policy correction: none (PPO against the sampler), tis (truncated IS), mis (masked IS)."""
+    correction: Literal["none", "tis", "mis"] = "none"
+    """Off-policy correction: none (PPO against the sampler: the clip is a trust region around the behaviour
+    policy), tis (truncated IS), mis (masked IS); tis / mis clip against pi_prox (decoupled PPO). Default none:
+    the one that held under staleness in the measurements of docs/LEARNER.md "Choosing the defaults"."""
     tis_cap: float = Field(2.0, gt=0)
     """TIS truncation C of w = pi_prox / pi_behav."""
     mis_low: float = Field(0.5, gt=0)
