@@ -100,6 +100,7 @@ class Config(Section):
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
+        self._check_batch_fits()
         eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(
@@ -107,6 +108,55 @@ class Config(Section):
                 "actors would hold weights older than any grant allows while the learner waits for their data; "
                 f"set weights.publish_every <= {eta + 1} or raise buffer.max_staleness")
         return self
+
+    def _check_batch_fits(self) -> None:
+        """A batch must fit the buffer and a trajectory a message, at the longest episode this env and policy make:
+        otherwise the buffer fills with ready groups (or drops every trajectory as oversize) and nothing trains."""
+        traj = self.trajectory_bytes
+        G, B = self.actor.group_size, self.buffer.groups_per_batch
+        batch = B * G * traj
+        if self.transport.max_message_mb * 1024**2 < traj:
+            raise ValueError(
+                f"transport.max_message_mb ({self.transport.max_message_mb:g}) is below one trajectory "
+                f"({traj / 1024**2:.1f} MiB: {self.policy_calls_per_episode} policy calls of a {self.env.image_size} px "
+                f"image{' + wrist image' if self.env.wrist_camera else ''}): the buffer would drop every trajectory as "
+                f"oversize; set transport.max_message_mb >= {_ceil_mib(traj)}")
+        if self.buffer.max_bytes < batch:
+            raise ValueError(
+                f"buffer.max_bytes ({self.buffer.max_bytes / 1024**3:.2f} GiB) cannot hold one batch: "
+                f"buffer.groups_per_batch ({B}) x actor.group_size ({G}) x {traj / 1024**2:.2f} MiB per trajectory "
+                f"({self.policy_calls_per_episode} policy calls of a {self.env.image_size} px image at the episode limit "
+                f"{self.episode_step_limit}) = {batch / 1024**3:.2f} GiB, so the buffer would fill with ready groups "
+                f"and never form a batch; set buffer.max_bytes >= {_ceil_mib(batch) * 1024**2} (2-3 batches lets "
+                f"actors run ahead), or lower buffer.groups_per_batch, env.image_size or env.max_steps")
+
+    @property
+    def episode_step_limit(self) -> int:
+        """Env steps of the longest episode: ``env.max_steps``, else the env family's default."""
+        if self.env.max_steps is not None:
+            return self.env.max_steps
+        if self.env.kind == "libero":
+            from async_vla.envs.libero import SUITE_MAX_STEPS
+
+            return SUITE_MAX_STEPS[self.env.suite]
+        from async_vla.envs.builtin import DEFAULT_MAX_STEPS
+
+        return DEFAULT_MAX_STEPS
+
+    @property
+    def policy_calls_per_episode(self) -> int:
+        """Policy calls of the longest episode (each executes ``policy.chunk_size`` env steps)."""
+        return -(-self.episode_step_limit // self.policy.chunk_size)
+
+    @property
+    def trajectory_bytes(self) -> int:
+        """Array bytes of the longest trajectory this env and policy produce (``messages.Trajectory.nbytes``): per
+        policy call an image (two with the wrist camera), proprio, action tokens, their log-probs and mask, and
+        the call's version."""
+        image = self.env.image_size ** 2 * 3 * (2 if self.env.wrist_camera else 1)
+        T = self.tokens_per_call
+        per_call = image + 4 * self.policy.proprio_dim + T * (8 + 4 + 1) + 8
+        return self.policy_calls_per_episode * per_call
 
     @property
     def max_staleness(self) -> int:
@@ -118,6 +168,10 @@ class Config(Section):
     def tokens_per_call(self) -> int:
         """Action tokens produced by one policy call (chunk_size x action_dim; 56 for OpenVLA-OFT)."""
         return self.policy.chunk_size * self.policy.action_dim
+
+
+def _ceil_mib(n: int) -> int:
+    return -(-n // 1024**2)
 
 
 def _is_loopback(host: str) -> bool:

@@ -205,7 +205,9 @@ class BufferConfig(Section):
     max_groups: int = Field(256, ge=1)
     """Memory bound in complete groups held; above it the buffer stops reading its socket."""
     max_bytes: int = Field(2 * 1024**3, ge=1024)
-    """Memory bound in bytes of held trajectories."""
+    """Memory bound in bytes of held trajectories. Checked at load: it must hold one batch, groups_per_batch x
+    actor.group_size x the longest trajectory the env and policy make (image bytes per policy call x calls at the
+    episode limit); 2-3 batches let actors run ahead (the LIBERO configs set ~2.5)."""
     reuse: int = Field(1, ge=1)
     """Times a group may be trained on (1 = once)."""
     order: Literal["fifo", "lifo"] = "fifo"
