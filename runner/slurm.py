@@ -108,9 +108,11 @@ sleep 10   # the buffer binds its sockets; actors and learner ranks would retry 
 srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/learner" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
     --ranks {ranks} > "$RUN_DIR/learner.log" 2>&1 &
 LEARNER_PID=$!
-srun --het-group=1 --ntasks-per-node=1 "$REPO/bin/actors" "$ACTOR_DIR/config.yaml" \\
-    "transport.connect_host=$LEARNER_HOST" transport.curve=true "transport.curve_dir=$ACTOR_DIR/keys" \\
-    --num {per_node} --run-dir "$ACTOR_DIR/run" > "$RUN_DIR/actors.log" 2>&1 &
+# One fleet per node; node i's actors have ids i*{per_node} .. (SLURM_PROCID: the task's index in this step).
+# shellcheck disable=SC2016  # expanded by the bash on each actor node
+srun --het-group=1 --ntasks-per-node=1 bash -c 'exec "$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2" \\
+    transport.curve=true "transport.curve_dir=$1/keys" --num {per_node} --first-id $((SLURM_PROCID * {per_node})) \\
+    --run-dir "$1/run"' "$REPO" "$ACTOR_DIR" "$LEARNER_HOST" > "$RUN_DIR/actors.log" 2>&1 &
 ACTORS_PID=$!
 
 # The learner ends the run (run.max_versions / run.max_wall_s); then actors, then the buffer (final ledger).

@@ -52,8 +52,8 @@ def test_rendered_script_is_a_heterogeneous_job_of_the_configs_run(script):
     cfg = load_config(REPO / "configs" / "libero_spatial.yaml", ["learner.num_ranks=8"])
     assert inside == cfg.model_dump(mode="json")
     for command in ('"$REPO/bin/buffer" "$CONFIG"', '"$REPO/bin/learner" "$CONFIG"', "--ranks 8",
-                    '"$REPO/bin/actors" "$ACTOR_DIR/config.yaml"', "--num 6", "--het-group=1",
-                    "transport.connect_host=$LEARNER_HOST"):
+                    '"$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2"', "--num 6", "--het-group=1",
+                    "--first-id $((SLURM_PROCID * 6))", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):
         assert command in text, command
     # Only the actor side of the keys leaves the learner node.
     bundle = next(line for line in text.splitlines() if "actor-bundle.tar" in line and "tar -C" in line)
