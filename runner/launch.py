@@ -422,7 +422,7 @@ class LaunchedRun:
             if name in children:
                 children[name].stop(timeout_s=60 if name == "learner" else 30)
 
-    def finish(self) -> Optional[dict]:
+    def finish(self, extra: Optional[dict] = None) -> Optional[dict]:
         """Evaluate the final weights (unless the last evaluation was of them), write the summary; None if failed."""
         evaluator, recorder, stats = self.evaluator, self.recorder, self.stats
         v = evaluator.final_version()
@@ -433,7 +433,8 @@ class LaunchedRun:
         evaluator.close()
         ledger = _read_json(self.run_dir / "ledger.json") or (stats or {}).get("ledger", {})
         summary = recorder.finish(v, ledger, extra={"mode": self.cfg.run.mode, "failed": self.failed,
-                                                    "buffer_metrics": (stats or {}).get("metrics", {})})
+                                                    "buffer_metrics": (stats or {}).get("metrics", {}),
+                                                    **(extra or {})})
         self.monitor.close()
         return None if self.failed else summary
 

@@ -14,6 +14,7 @@ from async_vla.config.sections import (
     LoggingConfig,
     LossConfig,
     PolicyConfig,
+    RayConfig,
     RunConfig,
     Section,
     TransportConfig,
@@ -44,6 +45,8 @@ class Config(Section):
     """ZeroMQ sockets."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """TensorBoard and status output."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Placement on a Ray cluster (run.launcher=ray)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> "Config":
@@ -101,6 +104,9 @@ class Config(Section):
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
         self._check_batch_fits()
+        if self.run.launcher == "ray" and self.run.mode == "serial":
+            raise ValueError("run.launcher=ray places the processes of run.mode=async or sync on a Ray cluster: "
+                             "run.mode=serial has none (set run.mode=async or run.launcher=local)")
         eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(

@@ -7,7 +7,7 @@ Cross-field checks that span sections live in ``schema.py``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,6 +50,9 @@ class RunConfig(Section):
     what staleness does to learning from everything else the multi-process modes add. 0 = on-policy."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
     """Stop early once greedy eval success reaches this value (None = never stop early)."""
+    launcher: Literal["local", "ray"] = "local"
+    """async/sync: local = bin/train starts buffer, learner and actors as processes on this host; ray = as Ray
+    actors on an existing Ray cluster (section ``ray``; README "Multi-host"), restarted by Ray on failure."""
 
 
 class EnvConfig(Section):
@@ -408,13 +411,53 @@ class TransportConfig(Section):
     use_ipc: bool = False
     """Use ipc:// sockets in the run directory instead of tcp:// (single host only)."""
     hwm: int = Field(64, ge=1)
-    """ZeroMQ high-water mark in messages (back-pressure on actors)."""
+    """ZeroMQ high-water mark in messages (back-pressure on actors): what an actor's trajectory socket queues."""
+    trajectory_hwm: int = Field(4, ge=1)
+    """Trajectories the buffer's socket queues per actor connection before it stops reading that connection
+    (the kernel's TCP buffers, then the actor's own queue, take the rest). Bounds the buffer process: about
+    buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
     """Receiving sockets drop any message above this size before allocating it."""
     curve: bool = False
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
+
+
+class RayConfig(Section):
+    """Placement on a Ray cluster (run.launcher=ray). The buffer and the learner ranks run on the node of the
+    driver (bin/train), so the run directory, TensorBoard, evaluation and summary.json are where they are with
+    the local launcher; actor fleets go wherever their resources are, each with a node-local directory."""
+
+    address: str = "auto"
+    """Cluster to join (ray.init address): auto = RAY_ADDRESS or the cluster this host belongs to (ray start);
+    HOST:PORT = that cluster's head. bin/train never starts a cluster of its own."""
+    fleets: int = Field(1, ge=1)
+    """Actor fleets (one Ray actor each, running actor.num_actors actor processes; ids do not overlap)."""
+    fleet_cpus: Optional[float] = Field(None, gt=0)
+    """CPUs requested per fleet (None = actor.num_actors x actor.torch_threads)."""
+    fleet_gpus: float = Field(0.0, ge=0)
+    """GPUs requested per fleet."""
+    fleet_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested per fleet in GiB (None = no request; LIBERO: ~1.5 GiB per env worker)."""
+    fleet_resources: Dict[str, float] = Field(default_factory=dict)
+    """Custom resources per fleet, e.g. {actor_node: 1} to keep fleets on nodes started with
+    ``ray start --resources '{"actor_node": 4}'``."""
+    fleet_spread: bool = True
+    """Place fleets with Ray's SPREAD strategy (one node's loss costs the fewest fleets)."""
+    learner_cpus: float = Field(1.0, gt=0)
+    """CPUs requested for the learner (all its ranks: they run on the driver's node)."""
+    learner_gpus: float = Field(0.0, ge=0)
+    """GPUs requested for the learner (set learner.num_ranks on a GPU node)."""
+    learner_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested for the learner in GiB (None = no request)."""
+    buffer_cpus: float = Field(1.0, gt=0)
+    """CPUs requested for the buffer."""
+    buffer_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested for the buffer in GiB (None = buffer.max_bytes + 1 GiB for socket queues)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a dead buffer or fleet (its process exited with an error, or its node was lost) before
+    the run fails. The learner is not restarted: its exit ends the run, as with the local launcher."""
 
 
 class LoggingConfig(Section):
