@@ -10,7 +10,8 @@ bin/learner, bin/actors) as its child process, with the resources of the ``ray``
   buffer), and Ray Train's TorchTrainer would own the process group, the loop and checkpointing instead; it would
   also pull in ``ray[train]``. A Ray actor per rank (ranks on several nodes) is the next step, not done here.
 - actor fleets: anywhere their resources are (SPREAD by default), each with a node-local directory (config, CURVE
-  client keys, logs): nothing is read from a shared filesystem. Weights come over the learner's broadcast group.
+  client keys, logs): nothing is read from a shared filesystem. Weights come over the learner's broadcast group, and
+  at start or after missed broadcasts as the newest export from the buffer's weights file server (weights.fetch).
 
 Failures: a buffer or fleet whose process exits with an error, or whose node is lost, is restarted by Ray
 (``ray.max_restarts``; a fleet on another node if its own is gone). The learner is not restarted: its exit ends
@@ -51,6 +52,7 @@ class RayProcess:
         self.proc = _ReturnCode()
         self.dead = False
         self.nodes: list[str] = []   # the nodes it has run on, in order (a restart elsewhere adds one)
+        self.workdir = ""
 
     def state(self) -> str:
         """running | restarting | exited | dead."""
@@ -75,6 +77,7 @@ class RayProcess:
                 print(f"[train] {self.name} restarted by Ray on node {where['node_id'][:12]} ({where['host']})",
                       flush=True)
             self.nodes.append(where["node_id"])
+            self.workdir = where["workdir"]
         if code is not None:
             self.proc.returncode = code
             return "exited"
@@ -160,6 +163,13 @@ def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
     return fleet_cfg
 
 
+def with_fetch(cfg: Config) -> Config:
+    """The fleets' config: weights.fetch on (they have no access to the learner's run directory)."""
+    out = cfg.model_copy(deep=True)
+    out.weights.fetch = True
+    return out
+
+
 def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Any]:
     """Buffer and learner on the driver's node, fleets where their resources are; the buffer is waited for."""
     import ray
@@ -171,7 +181,7 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
     driver_node = ray.get_runtime_context().get_node_id()
     nodes = [n for n in ray.nodes() if n["Alive"]]
     driver_ip = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == driver_node)
-    fleet_cfg = fleet_transport(cfg, driver_ip, {n["NodeManagerAddress"] for n in nodes})
+    fleet_cfg = with_fetch(fleet_transport(cfg, driver_ip, {n["NodeManagerAddress"] for n in nodes}))
     here = NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False)
     host_cls = ray.remote(ProcessHost)
     gib = 1024**3
@@ -214,7 +224,7 @@ def placement(children: dict[str, Any]) -> dict:
     """The nodes each component has run on (``ray list nodes`` names them); pending ones have none yet."""
     fleets = children["actors"].fleets
     return {"buffer": children["buffer"].nodes, "learner": children["learner"].nodes,
-            "fleets": [f.nodes for f in fleets]}
+            "fleets": [f.nodes for f in fleets], "fleet_dirs": [f.workdir for f in fleets]}
 
 
 def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProcess]:
@@ -270,6 +280,8 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     """Async / sync run on a Ray cluster; evaluated and reported from this host as by runner.launch.main_launch."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ray = join_cluster(cfg)
+    if cfg.transport.weights_fetch_port is None:   # fleets elsewhere fetch exports from the buffer's node
+        cfg.transport.weights_fetch_port = 0
     cfg = resolve_ports(cfg)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)

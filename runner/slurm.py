@@ -5,7 +5,9 @@ shared filesystem:
 - the resolved config is written into the script (a quoted here-document), so what runs is what was rendered;
 - CURVE keys are made at job start on the learner node and streamed, with the config, to every actor node over
   ``srun``'s stdin (only the actor side of the keys: ``server.key_secret`` never leaves the learner node);
-- actors keep their run directory on node-local scratch and take weights from the learner's broadcast group;
+- actors keep their run directory on node-local scratch and take weights from the learner's broadcast group,
+  or - starting, or after missed broadcasts - the newest export from the buffer's weights file server
+  (``weights.fetch``, ``transport.weights_fetch_port``);
   the checkout (``REPO``, with its ``.venv``) and ``policy.path`` must exist at the same paths on every node
   (a shared install, a container image or a copy made beforehand).
 
@@ -53,6 +55,8 @@ def render_sbatch(cfg: Config, layout: SlurmLayout) -> str:
     ranks = layout.learner_gpus or cfg.learner.num_ranks
     if ranks != cfg.learner.num_ranks:
         cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": ranks})})
+    if not cfg.transport.weights_fetch_port:   # actor nodes fetch exports from the buffer: a port they know
+        cfg = cfg.model_copy(update={"transport": cfg.transport.model_copy(update={"weights_fetch_port": 5558})})
     per_node = layout.actors_per_node or cfg.actor.num_actors
     run_dir = layout.run_dir or str(Path(layout.repo) / cfg.run.out_dir / cfg.run.name)
     config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -111,7 +115,7 @@ LEARNER_PID=$!
 # One fleet per node; node i's actors have ids i*{per_node} .. (SLURM_PROCID: the task's index in this step).
 # shellcheck disable=SC2016  # expanded by the bash on each actor node
 srun --het-group=1 --ntasks-per-node=1 bash -c 'exec "$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2" \\
-    transport.curve=true "transport.curve_dir=$1/keys" --num {per_node} --first-id $((SLURM_PROCID * {per_node})) \\
+    transport.curve=true "transport.curve_dir=$1/keys" weights.fetch=true --num {per_node} --first-id $((SLURM_PROCID * {per_node})) \\
     --run-dir "$1/run"' "$REPO" "$ACTOR_DIR" "$LEARNER_HOST" > "$RUN_DIR/actors.log" 2>&1 &
 ACTORS_PID=$!
 

@@ -49,11 +49,12 @@ def test_rendered_script_is_a_heterogeneous_job_of_the_configs_run(script):
     # The config travels inside the script, as the resolved config with the learner ranks set.
     body = text.split("<<'ASYNC_VLA_CONFIG'\n", 1)[1].split("\nASYNC_VLA_CONFIG\n", 1)[0]
     inside = yaml.safe_load(body)
-    cfg = load_config(REPO / "configs" / "libero_spatial.yaml", ["learner.num_ranks=8"])
+    cfg = load_config(REPO / "configs" / "libero_spatial.yaml",
+                      ["learner.num_ranks=8", "transport.weights_fetch_port=5558"])   # the buffer serves exports
     assert inside == cfg.model_dump(mode="json")
     for command in ('"$REPO/bin/buffer" "$CONFIG"', '"$REPO/bin/learner" "$CONFIG"', "--ranks 8",
                     '"$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2"', "--num 6", "--het-group=1",
-                    "--first-id $((SLURM_PROCID * 6))", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):
+                    "--first-id $((SLURM_PROCID * 6))", "weights.fetch=true", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):
         assert command in text, command
     # Only the actor side of the keys leaves the learner node.
     bundle = next(line for line in text.splitlines() if "actor-bundle.tar" in line and "tar -C" in line)

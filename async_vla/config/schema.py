@@ -104,6 +104,9 @@ class Config(Section):
                 f"run.serial_lag ({self.run.serial_lag}) > buffer.max_staleness ({self.buffer.max_staleness}): every "
                 f"group would be dropped as stale; raise buffer.max_staleness or lower run.serial_lag")
         self._check_batch_fits()
+        if self.weights.fetch and self.transport.weights_fetch_port is None:
+            raise ValueError("weights.fetch=true needs transport.weights_fetch_port (the buffer's weights file "
+                             "server; 0 = a free port picked by the launcher)")
         if self.run.launcher == "ray" and self.run.mode == "serial":
             raise ValueError("run.launcher=ray places the processes of run.mode=async or sync on a Ray cluster: "
                              "run.mode=serial has none (set run.mode=async or run.launcher=local)")

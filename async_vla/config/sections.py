@@ -339,6 +339,11 @@ class LossConfig(Section):
 
 
 class WeightsConfig(Section):
+    fetch: bool = False
+    """Actors mirror the learner's newest export from the buffer's weights file server
+    (transport.weights_fetch_port) into their own <run>/weights at start and whenever they missed broadcasts:
+    for actors without the learner's run directory (other hosts, no shared filesystem; the Ray launcher and the
+    Slurm script turn it on)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Weight broadcast to actors over a torch.distributed group: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
     bucket_mb: float = Field(16.0, gt=0)
@@ -408,6 +413,9 @@ class TransportConfig(Section):
     weights_port: int = Field(5557, ge=0, le=65535)
     """Learner rank 0's TCPStore port: rendezvous of the weight-broadcast group (0 = a free port, which actors
     read from <run>/weights/endpoint.json)."""
+    weights_fetch_port: Optional[int] = Field(None, ge=0, le=65535)
+    """Port on which bin/buffer serves the learner's newest weights export in chunks to actors with
+    weights.fetch (None = not served; 0 = pick a free port)."""
     use_ipc: bool = False
     """Use ipc:// sockets in the run directory instead of tcp:// (single host only)."""
     hwm: int = Field(64, ge=1)
