@@ -139,7 +139,7 @@ def test_a_config_that_cannot_form_a_batch_fails_at_load_naming_the_fields_and_t
     need = int(msg.split("set buffer.max_bytes >= ")[1].split()[0])
     assert load_config(None, recipe + [f"buffer.max_bytes={need}"]).buffer.max_bytes == need
     with pytest.raises(ConfigError, match="buffer.max_bytes"):
-        load_config(None, recipe + [f"buffer.max_bytes={need - 1024**2}"])
+        load_config(None, recipe + [f"buffer.max_bytes={need - 1}"])
     with pytest.raises(ConfigError, match=r"transport.max_message_mb \(1\) is below one trajectory"):
         load_config(None, recipe + [f"buffer.max_bytes={need}", "transport.max_message_mb=1"])
 

@@ -132,11 +132,11 @@ class Config(Section):
                 f"oversize; set transport.max_message_mb >= {_ceil_mib(traj)}")
         if self.buffer.max_bytes < batch:
             raise ValueError(
-                f"buffer.max_bytes ({self.buffer.max_bytes / 1024**3:.2f} GiB) cannot hold one batch: "
-                f"buffer.groups_per_batch ({B}) x actor.group_size ({G}) x {traj / 1024**2:.2f} MiB per trajectory "
+                f"buffer.max_bytes ({_size(self.buffer.max_bytes)}) cannot hold one batch: "
+                f"buffer.groups_per_batch ({B}) x actor.group_size ({G}) x {_size(traj)} per trajectory "
                 f"({self.policy_calls_per_episode} policy calls of a {self.env.image_size} px image at the episode limit "
-                f"{self.episode_step_limit}) = {batch / 1024**3:.2f} GiB, so the buffer would fill with ready groups "
-                f"and never form a batch; set buffer.max_bytes >= {_ceil_mib(batch) * 1024**2} (2-3 batches lets "
+                f"{self.episode_step_limit}) = {_size(batch)}, so the buffer would fill with ready groups "
+                f"and never form a batch; set buffer.max_bytes >= {batch} (2-3 batches lets "
                 f"actors run ahead), or lower buffer.groups_per_batch, env.image_size or env.max_steps")
 
     @property
@@ -181,6 +181,14 @@ class Config(Section):
 
 def _ceil_mib(n: int) -> int:
     return -(-n // 1024**2)
+
+
+def _size(n: int) -> str:
+    """Bytes in the unit that reads best in an error message."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _is_loopback(host: str) -> bool:
