@@ -53,6 +53,7 @@ def wait_for(pred, timeout_s: float, proc: subprocess.Popen, what: str):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)   # ~5 min on this 2-core machine under a load average of 20-30 (3 raylets + a run)
 def test_ray_launcher_survives_losing_an_actor_node(tmp_path, cluster):
     c, actor_nodes = cluster
     argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
