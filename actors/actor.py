@@ -223,6 +223,7 @@ class Actor:
         self._quick_retries = 0
         self._next_fetch = 0.0
         self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
+        self.fetched_remote = 0   # exports mirrored from the buffer's weights file server (weights.fetch)
         self._next_hb = self._next_stats = 0.0
         self._stats_mark = RolloutStats()
         self._stats_t = time.monotonic()
@@ -278,6 +279,7 @@ class Actor:
         from async_vla.weights import WeightSubscriber
 
         self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
+        self._mirror_export(-1)
         latest = self._subscriber.fetch_latest()
         if latest is not None:
             load_weights(policy, latest[1], int(latest[0]), self._subscriber.lineage)
@@ -339,6 +341,22 @@ class Actor:
                     return got
         return self._catch_up_from_export()
 
+    def _mirror_export(self, newer_than: int) -> None:
+        """weights.fetch (no shared run directory): copy the learner's newest export, if newer, from the buffer's
+        weights file server into our own <run>/weights, where fetch_latest reads it."""
+        if not self.cfg.weights.fetch or self._subscriber is None:
+            return
+        from async_vla.buffer.weights_files import mirror_latest
+        from async_vla.transport import CurveKeys
+
+        t = self.cfg.transport
+        keys = CurveKeys.load(t.curve_dir, "client") if t.curve else None
+        got = mirror_latest(f"tcp://{t.connect_host}:{t.weights_fetch_port}", self._subscriber.weights_dir,
+                            newer_than, keys=keys, timeout_s=self.cfg.actor.grant_timeout_s)
+        if got is not None:
+            self.fetched_remote += 1
+            log.info("actor %d: fetched export v%d from the buffer's weights file server", self.actor_id, got)
+
     def _catch_up_from_export(self) -> Optional[tuple[int, dict]]:
         """Missed broadcasts (joined the group after a version went out, or a broadcast failed): once the
         learner is more than eta versions ahead for a while, read its newest export from <run>/weights. Without
@@ -353,6 +371,7 @@ class Actor:
         if now - self._behind_since < CATCH_UP_GRACE_S or now < self._next_fetch:
             return None  # the broadcast is probably on its way
         self._next_fetch = now + CATCH_UP_GRACE_S
+        self._mirror_export(self._version())
         got = self._subscriber.fetch_latest(newer_than=self._version())   # reads tensors only if newer
         if got is None:
             return None

@@ -69,10 +69,11 @@ class Fleet:
 
     def __init__(self, cfg: Any, config_file: Path, num: int, run_dir: Path, connect: Optional[str] = None,
                  python: str = sys.executable, out: TextIO = sys.stdout,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, first_id: int = 0):
         self.cfg, self.config_file, self.run_dir = cfg, Path(config_file), Path(run_dir)
         self.connect, self.python, self.out, self.clock = connect, python, out, clock
-        self.slots = [Slot(i) for i in range(num)]
+        # Actor ids first_id .. first_id + num - 1: fleets on several hosts (or Ray nodes) must not share ids.
+        self.slots = [Slot(first_id + i) for i in range(num)]
         self.stop_requested = False
         self.stop_reason = ""
         self.restarts = 0

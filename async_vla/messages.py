@@ -282,10 +282,42 @@ class Shutdown(Message):
     reason: str = ""
 
 
+@dataclass
+class WeightsFetch(Message):
+    """Actor -> weights file server: bytes from ``offset`` (at most ``max_bytes``) of the export ``name``
+    (``""`` = whatever ``latest`` points at now)."""
+
+    KIND: ClassVar[str] = "weights_fetch"
+    SCALARS: ClassVar[dict] = {"name": _STR, "offset": _INT, "max_bytes": _INT}
+    name: str = ""
+    offset: int = 0
+    max_bytes: int = 8 * 1024**2
+
+    def validate(self) -> None:
+        if self.offset < 0 or self.max_bytes < 1 or "/" in self.name or self.name.startswith("."):
+            raise MalformedMessage("value", "weights_fetch: offset >= 0, max_bytes >= 1, a plain file name")
+
+
+@dataclass
+class WeightsChunk(Message):
+    """Weights file server -> actor: ``data`` = bytes [offset, offset + len) of export ``name`` (``total`` bytes,
+    version ``version``); ``name`` "" = no export yet; ``error`` says why a request was refused."""
+
+    KIND: ClassVar[str] = "weights_chunk"
+    SCALARS: ClassVar[dict] = {"name": _STR, "version": _INT, "offset": _INT, "total": _INT, "error": _STR}
+    ARRAYS: ClassVar[ArraySpec] = {"data": ("uint8", 1, False)}
+    name: str
+    version: int
+    offset: int
+    total: int
+    data: np.ndarray
+    error: str = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (Trajectory, WeightVersion, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
-                BatchHeader, ControlCommand, Shutdown)
+                BatchHeader, ControlCommand, Shutdown, WeightsFetch, WeightsChunk)
 }
 
 Frame = Union[bytes, memoryview, Any]  # bytes, memoryview or zmq.Frame (has .buffer)

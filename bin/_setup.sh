@@ -58,6 +58,18 @@ setup_venv() {
   _stamp_set core "$key"
 }
 
+setup_test_tools() {
+  # shellcheck lints the Slurm script bin/slurm renders (tests/test_slurm.py): a Debian package.
+  if command -v shellcheck >/dev/null 2>&1; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] apt-get install shellcheck"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
+  else
+    echo "[setup] WARNING: shellcheck missing (not root or no apt-get): tests/test_slurm.py skips its lint" >&2
+  fi
+}
+
 setup_libero() {
   # Real LIBERO for the libero tests and configs (bin/install-libero is idempotent itself).
   if [ -x "$REPO/bin/install-libero" ]; then

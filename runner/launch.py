@@ -45,7 +45,7 @@ def resolve_ports(cfg: Config) -> Config:
     """Port 0 in the config means "pick a free one now", so several runs can share a host (tests do)."""
     t = cfg.transport
     overrides = {}
-    for name in ("trajectory_port", "control_port", "weights_port"):
+    for name in ("trajectory_port", "control_port", "weights_port", "weights_fetch_port"):
         if getattr(t, name) == 0:
             overrides[name] = free_port(t.host if t.host != "0.0.0.0" else "127.0.0.1")
     if cfg.logging.serve_tensorboard and cfg.logging.tensorboard_port == 0:
@@ -430,7 +430,7 @@ class LaunchedRun:
             if name in children:
                 children[name].stop(timeout_s=60 if name == "learner" else 30)
 
-    def finish(self) -> Optional[dict]:
+    def finish(self, extra: Optional[dict] = None) -> Optional[dict]:
         """Evaluate the final weights (unless the last evaluation was of them), write the summary; None if failed."""
         evaluator, recorder, stats = self.evaluator, self.recorder, self.stats
         v = evaluator.final_version()
@@ -441,7 +441,8 @@ class LaunchedRun:
         evaluator.close()
         ledger = _read_json(self.run_dir / "ledger.json") or (stats or {}).get("ledger", {})
         summary = recorder.finish(v, ledger, extra={"mode": self.cfg.run.mode, "failed": self.failed,
-                                                    "buffer_metrics": (stats or {}).get("metrics", {})})
+                                                    "buffer_metrics": (stats or {}).get("metrics", {}),
+                                                    **(extra or {})})
         self.monitor.close()
         return None if self.failed else summary
 

@@ -49,7 +49,8 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
         t = cfg.transport
         errors += busy_ports(t.host, [("transport.trajectory_port", 0 if t.use_ipc else t.trajectory_port),
                                       ("transport.control_port", 0 if t.use_ipc else t.control_port),
-                                      ("transport.weights_port", t.weights_port)])
+                                      ("transport.weights_port", t.weights_port),
+                                      ("transport.weights_fetch_port", t.weights_fetch_port or 0)])
     if cfg.logging.serve_tensorboard:
         errors += busy_ports(cfg.logging.tensorboard_host, [("logging.tensorboard_port", cfg.logging.tensorboard_port)])
     return errors, warnings

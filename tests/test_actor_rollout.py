@@ -318,3 +318,17 @@ def test_spread_shares_assemble_in_group_buffer(cfg, policy):
     assert sorted(members) == [f"{gid}/m{i}" for i in range(4)]
     assert buf.ready_groups == 1 and buf.ledger["pending"] == 4
     buf.check_invariants()
+
+
+def test_config_trajectory_bytes_is_what_a_full_length_episode_sends():
+    # The start-up check (buffer.max_bytes >= groups_per_batch x G x cfg.trajectory_bytes) rests on this size.
+    small = load_config(None, ["actor.group_size=4", "env.max_steps=20", "env.image_size=16", "run.name=tb"])
+    envs = builtin_envs(small, 4)
+    ro, _ = make_rollout(envs)
+    sizes = {}
+    for g in range(6):
+        for t in ro.run(GroupSpec(f"tb-g{g}", g % 2, 0, group_size=4)):
+            sizes[t.num_calls] = roundtrip(t).nbytes   # what the buffer holds after decoding
+    assert small.policy_calls_per_episode == 3 and max(sizes) == 3, sizes   # 20 steps of 8-step chunks
+    assert sizes[3] == small.trajectory_bytes
+    assert all(n < small.trajectory_bytes for calls, n in sizes.items() if calls < 3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from async_vla.buffer import STATES, GroupBuffer
-from async_vla.config import BufferConfig, Config
+from async_vla.config import ActorConfig, BufferConfig, Config, EnvConfig
 from async_vla.messages import Trajectory, decode, encode
 
 RUN = "run"
@@ -230,7 +230,11 @@ def test_grant_stops_when_full():
 
 def test_byte_bound():
     size = make_traj("x", 0, True, image=32).nbytes
-    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_bytes=10 * size), RUN)
+    # Groups of 4 one-call trajectories: the config says so, or its start-up check (one batch must fit) would
+    # size the batch for its own default episodes and refuse a bound of 10 trajectories.
+    cfg = Config(buffer=BufferConfig(groups_per_batch=1, max_bytes=10 * size),
+                 env=EnvConfig(max_steps=8, image_size=32), actor=ActorConfig(group_size=4))
+    buf = GroupBuffer.from_config(cfg, RUN)
     n = 0
     while buf.has_room():
         buf.add(make_traj(f"g{n // 4}", n % 4, n % 2 == 0, image=32))

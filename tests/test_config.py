@@ -134,3 +134,26 @@ def test_vllm_with_openvla_oft_is_refused_naming_the_torch_backend():
     with pytest.raises(ConfigError, match="set actor.backend=torch"):
         load_config(None, ["actor.backend=vllm", "policy.arch=openvla_oft", "policy.path=ckpt",
                            "policy.decoding=autoregressive"])
+
+
+def test_a_config_that_cannot_form_a_batch_fails_at_load_naming_the_fields_and_the_fix():
+    # SimpleVLA-RL's batch (64 x 8) of LIBERO-spatial trajectories (224 px, 220 steps: 28 calls, ~4 MiB) is
+    # ~2.0 GiB, above the 2 GiB default: the buffer would fill with ready groups and never hand out a batch.
+    recipe = ["env.kind=libero", "env.suite=spatial", "env.image_size=224", "buffer.groups_per_batch=64"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, recipe)
+    msg = str(err.value)
+    assert "buffer.max_bytes" in msg and "buffer.groups_per_batch (64)" in msg and "actor.group_size (8)" in msg
+    need = int(msg.split("set buffer.max_bytes >= ")[1].split()[0])
+    assert load_config(None, recipe + [f"buffer.max_bytes={need}"]).buffer.max_bytes == need
+    with pytest.raises(ConfigError, match="buffer.max_bytes"):
+        load_config(None, recipe + [f"buffer.max_bytes={need - 1}"])
+    with pytest.raises(ConfigError, match=r"transport.max_message_mb \(1\) is below one trajectory"):
+        load_config(None, recipe + [f"buffer.max_bytes={need}", "transport.max_message_mb=1"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("libero_*.yaml")), ids=lambda p: p.name)
+def test_shipped_libero_configs_hold_at_least_two_batches(path):
+    cfg = load_config(path)
+    batch = cfg.buffer.groups_per_batch * cfg.actor.group_size * cfg.trajectory_bytes
+    assert cfg.buffer.max_bytes >= 2 * batch

@@ -117,6 +117,15 @@ def test_fleet_does_not_restart_clean_exit(tmp_path):
     assert fleet.slots[0].starts == 1 and fleet.slots[0].done and "not restarting" in out.getvalue()
 
 
+def test_fleet_actor_ids_start_at_first_id(tmp_path):
+    # Fleets on several hosts (Slurm nodes, Ray fleets) each take their own range of actor ids.
+    cfg, cfile = fleet_cfg(tmp_path)
+    script = "import sys, pathlib; pathlib.Path(sys.argv[1], f'ran_{sys.argv[2]}').touch()"
+    fleet = ScriptFleet(cfg, cfile, 2, tmp_path, out=io.StringIO(), script=script, first_id=6)
+    assert fleet.run(install_signals=False) == 0
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_6", "ran_7"]
+
+
 def test_status_line_sums_counters_across_restarts(tmp_path):
     cfg, cfile = fleet_cfg(tmp_path)
     fleet = Fleet(cfg, cfile, 2, tmp_path, out=io.StringIO())

@@ -48,6 +48,8 @@ EXAMPLES = [
     M.BatchHeader(batch_id=3, group_sizes=[8, 8], version=7, ready=True),
     M.ControlCommand(command="set_max_staleness", value=4),
     M.Shutdown(reason="done"),
+    M.WeightsFetch(name="v3.safetensors", offset=8, max_bytes=1024),
+    M.WeightsChunk(name="v3.safetensors", version=3, offset=8, total=100, data=np.arange(16, dtype=np.uint8)),
 ]
 
 

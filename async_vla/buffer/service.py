@@ -69,10 +69,13 @@ class BufferService:
         self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
                                               gid_start=time.time_ns() // 1_000_000)
         ctx = zmq.Context.instance()
-        self._auth = Authenticator(ctx, keys) if keys is not None else None
+        # Ingest has a ZeroMQ context, so an I/O thread, of its own: reading megabytes of trajectories never delays
+        # grants, heartbeats and batch replies on the control socket (one I/O thread did all of them).
+        self._ingest_ctx = zmq.Context(io_threads=1)
+        self._auths = [Authenticator(c, keys) for c in (ctx, self._ingest_ctx)] if keys is not None else []
         max_bytes = int(cfg.transport.max_message_mb * 1024**2)
-        self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.hwm, max_bytes=max_bytes,
-                                           ctx=ctx, keys=keys)
+        self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.trajectory_hwm,
+                                           max_bytes=max_bytes, ctx=self._ingest_ctx, keys=keys)
         self.control = ControlServer(control_endpoint, ctx=ctx, keys=keys)
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
@@ -454,8 +457,9 @@ class BufferService:
             self.recorder.close()
         self.receiver.close()
         self.control.close()
-        if self._auth is not None:
-            self._auth.stop()
+        for auth in self._auths:
+            auth.stop()
+        self._ingest_ctx.term()
 
     def _drain(self, seconds: float) -> int:
         """Take in what is already queued on the trajectory socket (closing it would silently drop it)."""

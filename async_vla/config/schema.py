@@ -15,6 +15,7 @@ from async_vla.config.sections import (
     LossConfig,
     PlacementConfig,
     PolicyConfig,
+    RayConfig,
     RunConfig,
     Section,
     TransportConfig,
@@ -47,6 +48,8 @@ class Config(Section):
     """TensorBoard and status output."""
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     """Which GPU each learner rank, actor and the evaluator use (bin/train)."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Placement on a Ray cluster (run.launcher=ray)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> "Config":
@@ -141,6 +144,13 @@ class Config(Section):
                 f"buffer.reclaim_after_s ({self.buffer.reclaim_after_s}) < 3 x actor.heartbeat_s "
                 f"({self.actor.heartbeat_s}): a live actor would lose its grants between two heartbeats; raise "
                 "buffer.reclaim_after_s or lower actor.heartbeat_s")
+        self._check_batch_fits()
+        if self.weights.fetch and self.transport.weights_fetch_port is None:
+            raise ValueError("weights.fetch=true needs transport.weights_fetch_port (the buffer's weights file "
+                             "server; 0 = a free port picked by the launcher)")
+        if self.run.launcher == "ray" and self.run.mode == "serial":
+            raise ValueError("run.launcher=ray places the processes of run.mode=async or sync on a Ray cluster: "
+                             "run.mode=serial has none (set run.mode=async or run.launcher=local)")
         eta = self.max_staleness
         if self.weights.publish_every > eta + 1:
             raise ValueError(
@@ -148,6 +158,55 @@ class Config(Section):
                 "actors would hold weights older than any grant allows while the learner waits for their data; "
                 f"set weights.publish_every <= {eta + 1} or raise buffer.max_staleness")
         return self
+
+    def _check_batch_fits(self) -> None:
+        """A batch must fit the buffer and a trajectory a message, at the longest episode this env and policy make:
+        otherwise the buffer fills with ready groups (or drops every trajectory as oversize) and nothing trains."""
+        traj = self.trajectory_bytes
+        G, B = self.actor.group_size, self.buffer.groups_per_batch
+        batch = B * G * traj
+        if self.transport.max_message_mb * 1024**2 < traj:
+            raise ValueError(
+                f"transport.max_message_mb ({self.transport.max_message_mb:g}) is below one trajectory "
+                f"({traj / 1024**2:.1f} MiB: {self.policy_calls_per_episode} policy calls of a {self.env.image_size} px "
+                f"image{' + wrist image' if self.env.wrist_camera else ''}): the buffer would drop every trajectory as "
+                f"oversize; set transport.max_message_mb >= {_ceil_mib(traj)}")
+        if self.buffer.max_bytes < batch:
+            raise ValueError(
+                f"buffer.max_bytes ({_size(self.buffer.max_bytes)}) cannot hold one batch: "
+                f"buffer.groups_per_batch ({B}) x actor.group_size ({G}) x {_size(traj)} per trajectory "
+                f"({self.policy_calls_per_episode} policy calls of a {self.env.image_size} px image at the episode limit "
+                f"{self.episode_step_limit}) = {_size(batch)}, so the buffer would fill with ready groups "
+                f"and never form a batch; set buffer.max_bytes >= {batch} (2-3 batches lets "
+                f"actors run ahead), or lower buffer.groups_per_batch, env.image_size or env.max_steps")
+
+    @property
+    def episode_step_limit(self) -> int:
+        """Env steps of the longest episode: ``env.max_steps``, else the env family's default."""
+        if self.env.max_steps is not None:
+            return self.env.max_steps
+        if self.env.kind == "libero":
+            from async_vla.envs.libero import SUITE_MAX_STEPS
+
+            return SUITE_MAX_STEPS[self.env.suite]
+        from async_vla.envs.builtin import DEFAULT_MAX_STEPS
+
+        return DEFAULT_MAX_STEPS
+
+    @property
+    def policy_calls_per_episode(self) -> int:
+        """Policy calls of the longest episode (each executes ``policy.chunk_size`` env steps)."""
+        return -(-self.episode_step_limit // self.policy.chunk_size)
+
+    @property
+    def trajectory_bytes(self) -> int:
+        """Array bytes of the longest trajectory this env and policy produce (``messages.Trajectory.nbytes``): per
+        policy call an image (two with the wrist camera), proprio, action tokens, their log-probs and mask, and
+        the call's version."""
+        image = self.env.image_size ** 2 * 3 * (2 if self.env.wrist_camera else 1)
+        T = self.tokens_per_call
+        per_call = image + 4 * self.policy.proprio_dim + T * (8 + 4 + 1) + 8
+        return self.policy_calls_per_episode * per_call
 
     @property
     def max_staleness(self) -> int:
@@ -159,6 +218,18 @@ class Config(Section):
     def tokens_per_call(self) -> int:
         """Action tokens produced by one policy call (chunk_size x action_dim; 56 for OpenVLA-OFT)."""
         return self.policy.chunk_size * self.policy.action_dim
+
+
+def _ceil_mib(n: int) -> int:
+    return -(-n // 1024**2)
+
+
+def _size(n: int) -> str:
+    """Bytes in the unit that reads best in an error message."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _is_loopback(host: str) -> bool:

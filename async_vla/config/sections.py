@@ -7,7 +7,7 @@ Cross-field checks that span sections live in ``schema.py``.
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Tuple
+from typing import Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,6 +50,9 @@ class RunConfig(Section):
     what staleness does to learning from everything else the multi-process modes add. 0 = on-policy."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
     """Stop early once greedy eval success reaches this value (None = never stop early)."""
+    launcher: Literal["local", "ray"] = "local"
+    """async/sync: local = bin/train starts buffer, learner and actors as processes on this host; ray = as Ray
+    actors on an existing Ray cluster (section ``ray``; README "Multi-host"), restarted by Ray on failure."""
 
 
 class EnvConfig(Section):
@@ -217,7 +220,9 @@ class BufferConfig(Section):
     max_groups: int = Field(256, ge=1)
     """Memory bound in complete groups held; above it the buffer stops reading its socket."""
     max_bytes: int = Field(2 * 1024**3, ge=1024)
-    """Memory bound in bytes of held trajectories."""
+    """Memory bound in bytes of held trajectories. Checked at load: it must hold one batch, groups_per_batch x
+    actor.group_size x the longest trajectory the env and policy make (image bytes per policy call x calls at the
+    episode limit); 2-3 batches let actors run ahead (the LIBERO configs set ~2.5)."""
     reuse: int = Field(1, ge=1)
     """Times a group may be trained on (1 = once)."""
     order: Literal["fifo", "lifo"] = "fifo"
@@ -370,6 +375,11 @@ class LossConfig(Section):
 
 
 class WeightsConfig(Section):
+    fetch: bool = False
+    """Actors mirror the learner's newest export from the buffer's weights file server
+    (transport.weights_fetch_port) into their own <run>/weights at start and whenever they missed broadcasts:
+    for actors without the learner's run directory (other hosts, no shared filesystem; the Ray launcher and the
+    Slurm script turn it on)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Weight broadcast to actors over a torch.distributed group: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
     bucket_mb: float = Field(16.0, gt=0)
@@ -439,10 +449,17 @@ class TransportConfig(Section):
     weights_port: int = Field(5557, ge=0, le=65535)
     """Learner rank 0's TCPStore port: rendezvous of the weight-broadcast group (0 = a free port, which actors
     read from <run>/weights/endpoint.json)."""
+    weights_fetch_port: Optional[int] = Field(None, ge=0, le=65535)
+    """Port on which bin/buffer serves the learner's newest weights export in chunks to actors with
+    weights.fetch (None = not served; 0 = pick a free port)."""
     use_ipc: bool = False
     """Use ipc:// sockets in the run directory instead of tcp:// (single host only)."""
     hwm: int = Field(64, ge=1)
-    """ZeroMQ high-water mark in messages (back-pressure on actors)."""
+    """ZeroMQ high-water mark in messages (back-pressure on actors): what an actor's trajectory socket queues."""
+    trajectory_hwm: int = Field(4, ge=1)
+    """Trajectories the buffer's socket queues per actor connection before it stops reading that connection
+    (the kernel's TCP buffers, then the actor's own queue, take the rest). Bounds the buffer process: about
+    buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
     """Receiving sockets drop any message above this size before allocating it."""
     curve: bool = False
@@ -477,6 +494,42 @@ class PlacementConfig(Section):
             raise ValueError(f"placement.gpus_learner {self.gpus_learner} names a GPU twice: NCCL cannot run two ranks "
                              "on one device; give each rank its own GPU")
         return self
+
+
+class RayConfig(Section):
+    """Placement on a Ray cluster (run.launcher=ray). The buffer and the learner ranks run on the node of the
+    driver (bin/train), so the run directory, TensorBoard, evaluation and summary.json are where they are with
+    the local launcher; actor fleets go wherever their resources are, each with a node-local directory."""
+
+    address: str = "auto"
+    """Cluster to join (ray.init address): auto = RAY_ADDRESS or the cluster this host belongs to (ray start);
+    HOST:PORT = that cluster's head. bin/train never starts a cluster of its own."""
+    fleets: int = Field(1, ge=1)
+    """Actor fleets (one Ray actor each, running actor.num_actors actor processes; ids do not overlap)."""
+    fleet_cpus: Optional[float] = Field(None, gt=0)
+    """CPUs requested per fleet (None = actor.num_actors x actor.torch_threads)."""
+    fleet_gpus: float = Field(0.0, ge=0)
+    """GPUs requested per fleet."""
+    fleet_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested per fleet in GiB (None = no request; LIBERO: ~1.5 GiB per env worker)."""
+    fleet_resources: Dict[str, float] = Field(default_factory=dict)
+    """Custom resources per fleet, e.g. {actor_node: 1} to keep fleets on nodes started with
+    ``ray start --resources '{"actor_node": 4}'``."""
+    fleet_spread: bool = True
+    """Place fleets with Ray's SPREAD strategy (one node's loss costs the fewest fleets)."""
+    learner_cpus: float = Field(1.0, gt=0)
+    """CPUs requested for the learner (all its ranks: they run on the driver's node)."""
+    learner_gpus: float = Field(0.0, ge=0)
+    """GPUs requested for the learner (set learner.num_ranks on a GPU node)."""
+    learner_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested for the learner in GiB (None = no request)."""
+    buffer_cpus: float = Field(1.0, gt=0)
+    """CPUs requested for the buffer."""
+    buffer_memory_gb: Optional[float] = Field(None, gt=0)
+    """Memory requested for the buffer in GiB (None = buffer.max_bytes + 1 GiB for socket queues)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a dead buffer or fleet (its process exited with an error, or its node was lost) before
+    the run fails. The learner is not restarted: its exit ends the run, as with the local launcher."""
 
 
 class LoggingConfig(Section):

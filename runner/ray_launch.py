@@ -1,0 +1,319 @@
+"""Ray launcher (``run.launcher=ray``): the async / sync run of runner/launch.py placed on an existing Ray cluster.
+
+Each component is a Ray actor (``ProcessHost``) that runs the same command as the local launcher (bin/buffer,
+bin/learner, bin/actors) as its child process, with the resources of the ``ray`` config section:
+
+- buffer and learner: pinned to the driver's node (bin/train's), so the run directory, TensorBoard, evaluation,
+  ``summary.json`` and the buffer's ports are where they are with the local launcher. The learner runs its ranks
+  itself (``bin/learner --ranks N``: torchrun-style variables, DeepSpeed inside), not under Ray Train: the rank
+  already is a torchrun/DeepSpeed program (process group, ZeRO, checkpoints, its own batch fetching from the
+  buffer), and Ray Train's TorchTrainer would own the process group, the loop and checkpointing instead; it would
+  also pull in ``ray[train]``. A Ray actor per rank (ranks on several nodes) is the next step, not done here.
+- actor fleets: anywhere their resources are (SPREAD by default), each with a node-local directory (config, CURVE
+  client keys, logs): nothing is read from a shared filesystem. Weights come over the learner's broadcast group, and
+  at start or after missed broadcasts as the newest export from the buffer's weights file server (weights.fetch).
+
+Failures: a buffer or fleet whose process exits with an error, or whose node is lost, is restarted by Ray
+(``ray.max_restarts``; a fleet on another node if its own is gone). The learner is not restarted: its exit ends
+the run, as with the local launcher. The cluster is joined by address (``ray.address``), never started here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from async_vla.config import Config, dump_config, load_config, write_resolved
+from async_vla.transport import endpoints
+from runner.launch import LaunchedRun, resolve_ports, start_tensorboard
+from runner.ray_host import ProcessHost
+
+log = logging.getLogger("runner.ray_launch")
+REPO = Path(__file__).resolve().parent.parent
+CALL_TIMEOUT_S = 10.0   # a ProcessHost that does not answer a poll within this is being restarted (or gone)
+
+
+class _ReturnCode:
+    def __init__(self) -> None:
+        self.returncode: Optional[int] = None
+
+
+class RayProcess:
+    """The launcher's handle on a ProcessHost, with the interface of runner.launch.Child (alive, stop, tail,
+    proc.returncode). ``alive()`` is True while Ray restarts it; False once it exited (learner) or Ray gave up."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name, self.handle = name, handle
+        self.proc = _ReturnCode()
+        self.dead = False
+        self.nodes: list[str] = []   # the nodes it has run on, in order (a restart elsewhere adds one)
+        self.workdir = ""
+
+    def state(self) -> str:
+        """running | restarting | exited | dead."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if self.dead:
+            return "dead"
+        if self.proc.returncode is not None:
+            return "exited"
+        try:
+            code, where = ray.get([self.handle.poll.remote(), self.handle.where.remote()], timeout=CALL_TIMEOUT_S)
+        except GetTimeoutError:
+            return "restarting"
+        except RayActorError as exc:
+            if type(exc).__name__ == "ActorUnavailableError":
+                return "restarting"
+            self.dead = True
+            return "dead"
+        if not self.nodes or self.nodes[-1] != where["node_id"]:
+            if self.nodes:
+                print(f"[train] {self.name} restarted by Ray on node {where['node_id'][:12]} ({where['host']})",
+                      flush=True)
+            self.nodes.append(where["node_id"])
+            self.workdir = where["workdir"]
+        if code is not None:
+            self.proc.returncode = code
+            return "exited"
+        return "running"
+
+    def alive(self) -> bool:
+        return self.state() in ("running", "restarting")
+
+    def tail(self, n: int = 20) -> str:
+        import ray
+
+        try:
+            return ray.get(self.handle.tail.remote(n), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:   # noqa: BLE001 - a lost actor's log is gone with it: say so, do not raise
+            return f"(no log: {type(exc).__name__})"
+
+    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
+        import ray
+
+        try:
+            code = ray.get(self.handle.stop.remote(timeout_s), timeout=timeout_s + CALL_TIMEOUT_S)
+            self.proc.returncode = code if self.proc.returncode is None else self.proc.returncode
+        except Exception as exc:   # noqa: BLE001 - stopping what is already gone is not an error
+            log.info("%s: stop found it gone (%s)", self.name, type(exc).__name__)
+        ray.kill(self.handle, no_restart=True)
+        return self.proc.returncode
+
+
+class Fleets:
+    """All actor fleets as one child: alive while any is; stop() stops them all."""
+
+    def __init__(self, fleets: list[RayProcess]):
+        self.fleets = fleets
+        self.name = "actors"
+        self.proc = _ReturnCode()
+
+    def alive(self) -> bool:
+        return any([f.alive() for f in self.fleets])   # a list: poll every fleet (restart notices)
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(f"--- {f.name}\n{f.tail(n)}" for f in self.fleets)
+
+    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
+        for f in self.fleets:
+            f.stop(timeout_s)
+        return 0
+
+    def restarts(self) -> int:
+        return sum(max(0, len(f.nodes) - 1) for f in self.fleets)
+
+
+def join_cluster(cfg: Config) -> Any:
+    import ray
+
+    try:
+        ray.init(address=cfg.ray.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+                 log_to_driver=False, logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        raise RuntimeError(f"ray.address={cfg.ray.address}: no Ray cluster to join ({exc}); start one with "
+                           "`ray start --head` (and `ray start --address HEAD:6379` on the other nodes) or set "
+                           "ray.address=HOST:PORT") from exc
+    return ray
+
+
+def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
+    """The config the fleets run: connect to the driver's node. A loopback buffer is reachable only from nodes on
+    the driver's host: with nodes elsewhere that is an error naming the fix."""
+    from async_vla.config.schema import _is_loopback
+
+    t = cfg.transport
+    if _is_loopback(t.host):
+        elsewhere = sorted(ip for ip in node_ips if ip != driver_ip)
+        if elsewhere:
+            raise RuntimeError(
+                f"transport.host={t.host} is reachable from this host only, but the Ray cluster has nodes on "
+                f"{', '.join(elsewhere)}: set transport.host=0.0.0.0 transport.curve=true transport.curve_dir=DIR "
+                "(bin/keys DIR)")
+        return cfg
+    if t.use_ipc:
+        raise RuntimeError("transport.use_ipc=true works on one host only: set transport.use_ipc=false")
+    fleet_cfg = cfg.model_copy(deep=True)
+    fleet_cfg.transport.connect_host = driver_ip
+    return fleet_cfg
+
+
+def with_fetch(cfg: Config) -> Config:
+    """The fleets' config: weights.fetch on (they have no access to the learner's run directory)."""
+    out = cfg.model_copy(deep=True)
+    out.weights.fetch = True
+    return out
+
+
+def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Any]:
+    """Buffer and learner on the driver's node, fleets where their resources are; the buffer is waited for."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from runner.launch import buffer_stats, client_keys
+
+    rc = cfg.ray
+    driver_node = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    driver_ip = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == driver_node)
+    fleet_cfg = with_fetch(fleet_transport(cfg, driver_ip, {n["NodeManagerAddress"] for n in nodes}))
+    here = NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False)
+    host_cls = ray.remote(ProcessHost)
+    gib = 1024**3
+
+    def on_driver(name: str, argv: list[str], cpus: float, gpus: float, memory_gb: Optional[float],
+                  restarts: int) -> RayProcess:
+        opts: dict = dict(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=here, max_restarts=restarts,
+                          max_task_retries=-1)
+        if memory_gb:
+            opts["memory"] = int(memory_gb * gib)
+        handle = host_cls.options(**opts).remote(name, argv, str(run_dir), {}, {}, restarts > 0)
+        return RayProcess(name, handle)
+
+    children: dict[str, Any] = {}
+    try:
+        buffer_mem = rc.buffer_memory_gb or (cfg.buffer.max_bytes + gib) / gib
+        children["buffer"] = on_driver("buffer", ["{python}", str(REPO / "bin" / "buffer"), str(cfg_path),
+                                                  "--run-dir", str(run_dir)],
+                                       rc.buffer_cpus, 0, buffer_mem, rc.max_restarts)
+        control = endpoints(cfg.transport, run_dir, side="connect")["control"]
+        deadline, keys = time.time() + 120, client_keys(cfg)
+        while buffer_stats(control, 0.5, keys) is None:
+            if children["buffer"].state() in ("dead", "exited") or time.time() > deadline:
+                raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
+        learner_argv = ["{python}", str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir),
+                        "--ranks", str(cfg.learner.num_ranks)] + (["--resume"] if resume else [])
+        children["learner"] = on_driver("learner", learner_argv, rc.learner_cpus, rc.learner_gpus,
+                                        rc.learner_memory_gb, 0)
+        children["actors"] = Fleets(start_fleets(cfg, fleet_cfg, host_cls))
+        if cfg.logging.serve_tensorboard:
+            children["tensorboard"] = start_tensorboard(cfg, run_dir)
+    except BaseException:
+        for child in reversed(list(children.values())):
+            child.stop(timeout_s=10)
+        raise
+    return children
+
+
+def placement(children: dict[str, Any]) -> dict:
+    """The nodes each component has run on (``ray list nodes`` names them); pending ones have none yet."""
+    fleets = children["actors"].fleets
+    return {"buffer": children["buffer"].nodes, "learner": children["learner"].nodes,
+            "fleets": [f.nodes for f in fleets], "fleet_dirs": [f.workdir for f in fleets]}
+
+
+def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProcess]:
+    """``ray.fleets`` fleets of ``actor.num_actors`` actors (ids i*n ..), each in a node-local directory holding
+    the config and the client side of the CURVE keys."""
+    rc, n = cfg.ray, cfg.actor.num_actors
+    files = {"config.yaml": dump_config(fleet_cfg).encode()}
+    if cfg.transport.curve:
+        keys = Path(cfg.transport.curve_dir)
+        for name in ("server.key", "client.key", "client.key_secret"):
+            files[f"keys/{name}"] = (keys / name).read_bytes()   # never server.key_secret
+    eps = endpoints(fleet_cfg.transport, None, side="connect")
+    fleets, token = [], uuid.uuid4().hex[:8]   # this launch's fleets never reuse an earlier one's directory
+    for i in range(rc.fleets):
+        workdir = f"/tmp/async_vla-{cfg.run.name}-{token}-fleet{i}"   # node-local
+        argv = ["{python}", str(REPO / "bin" / "actors"), f"{workdir}/config.yaml", "--num", str(n),
+                "--first-id", str(i * n), "--connect", f"{eps['trajectory']},{eps['control']}",
+                "--run-dir", f"{workdir}/run"]
+        if cfg.transport.curve:
+            argv.append(f"transport.curve_dir={workdir}/keys")
+        opts: dict = dict(num_cpus=rc.fleet_cpus or n * cfg.actor.torch_threads, num_gpus=rc.fleet_gpus,
+                          resources=dict(rc.fleet_resources), max_restarts=rc.max_restarts, max_task_retries=-1)
+        if rc.fleet_memory_gb:
+            opts["memory"] = int(rc.fleet_memory_gb * 1024**3)
+        if rc.fleet_spread:
+            opts["scheduling_strategy"] = "SPREAD"
+        handle = host_cls.options(**opts).remote(f"fleet{i}", argv, workdir, files, {}, True)
+        fleets.append(RayProcess(f"fleet{i}", handle))
+    return fleets
+
+
+class RayRun(LaunchedRun):
+    """LaunchedRun whose buffer and fleets Ray restarts: the run fails only when the learner fails, or Ray gave
+    up on the buffer or on every fleet."""
+
+    def children_healthy(self) -> bool:
+        children = self.children
+        if not children["learner"].alive():
+            code = children["learner"].proc.returncode
+            self.failed = code != 0
+            if self.failed:
+                print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
+            return False
+        for name in ("buffer", "actors"):
+            if not children[name].alive():
+                print(f"[train] {name}: Ray gave up after ray.max_restarts={self.cfg.ray.max_restarts}:\n"
+                      f"{children[name].tail()}", flush=True)
+                self.failed = True
+        return not self.failed
+
+
+def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]:
+    """Async / sync run on a Ray cluster; evaluated and reported from this host as by runner.launch.main_launch."""
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ray = join_cluster(cfg)
+    if cfg.transport.weights_fetch_port is None:   # fleets elsewhere fetch exports from the buffer's node
+        cfg.transport.weights_fetch_port = 0
+    cfg = resolve_ports(cfg)
+    cfg_path = write_resolved(cfg, run_dir)
+    load_config(cfg_path)
+    stop = {"flag": False}
+    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    run = RayRun(cfg, run_dir, resume)
+    try:
+        run.evaluate_start()
+        resources = ray.cluster_resources()
+        print(f"[train] Ray cluster {cfg.ray.address}: {len([n for n in ray.nodes() if n['Alive']])} nodes, "
+              f"{resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs", flush=True)
+        run.children = start_ray_children(cfg, run_dir, cfg_path, resume)
+        run.last_status = run.next_eval_check = time.time()
+        driver_node, placed = ray.get_runtime_context().get_node_id(), None
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if not run.children_healthy():   # also notes where each component runs now
+                break
+            if (now := placement(run.children)) != placed:
+                placed = json.loads(json.dumps(now))
+                (run_dir / "ray.json").write_text(json.dumps({"driver_node": driver_node, **now}, indent=1))
+            if run.evaluate_if_due():
+                break
+            run.status_if_due()
+    finally:
+        run.stop_children()
+        for s, h in old.items():
+            signal.signal(s, h)
+    fleets = run.children.get("actors")
+    where = {"fleet_nodes": [f.nodes for f in fleets.fleets], "fleet_restarts": fleets.restarts()} \
+        if isinstance(fleets, Fleets) else {}
+    summary = run.finish(extra={"launcher": "ray", "ray": where})
+    ray.shutdown()
+    return summary

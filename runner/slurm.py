@@ -1,0 +1,137 @@
+"""A Slurm heterogeneous-job script for a config: component 0 runs the buffer and the learner ranks on one node,
+component 1 one actor fleet per node. The same commands as by hand (README "Multi-host"); nothing in it needs a
+shared filesystem:
+
+- the resolved config is written into the script (a quoted here-document), so what runs is what was rendered;
+- CURVE keys are made at job start on the learner node and streamed, with the config, to every actor node over
+  ``srun``'s stdin (only the actor side of the keys: ``server.key_secret`` never leaves the learner node);
+- actors keep their run directory on node-local scratch and take weights from the learner's broadcast group,
+  or - starting, or after missed broadcasts - the newest export from the buffer's weights file server
+  (``weights.fetch``, ``transport.weights_fetch_port``);
+  the checkout (``REPO``, with its ``.venv``) and ``policy.path`` must exist at the same paths on every node
+  (a shared install, a container image or a copy made beforehand).
+
+``render_sbatch`` is pure (config in, text out); ``bin/slurm`` writes it to a file.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from async_vla.config import Config
+
+MARGIN_S = 3600   # the wall-time limit leaves this much past run.max_wall_s for checkpoint, export and final eval
+
+
+@dataclass
+class SlurmLayout:
+    """Where things run. ``learner_gpus`` = learner ranks on the learner node (learner.num_ranks)."""
+
+    actor_nodes: int = 1
+    actors_per_node: Optional[int] = None      # None: actor.num_actors
+    learner_gpus: Optional[int] = None         # None: learner.num_ranks
+    actor_gpus_per_node: int = 1
+    learner_cpus: int = 16
+    actor_cpus_per_node: int = 32
+    partition: Optional[str] = None
+    repo: str = str(Path(__file__).resolve().parent.parent)
+    run_dir: Optional[str] = None              # on the learner node; None: <run.out_dir>/<run.name> in REPO
+
+
+def slurm_time(seconds: float) -> str:
+    """Slurm's D-HH:MM:SS for a wall-time limit, rounded up to the minute."""
+    minutes = -(-int(seconds) // 60)
+    days, minutes = divmod(minutes, 24 * 60)
+    return f"{days}-{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def render_sbatch(cfg: Config, layout: SlurmLayout) -> str:
+    """The sbatch script (bash) that runs ``cfg`` with ``layout``."""
+    ranks = layout.learner_gpus or cfg.learner.num_ranks
+    if ranks != cfg.learner.num_ranks:
+        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": ranks})})
+    if not cfg.transport.weights_fetch_port:   # actor nodes fetch exports from the buffer: a port they know
+        cfg = cfg.model_copy(update={"transport": cfg.transport.model_copy(update={"weights_fetch_port": 5558})})
+    per_node = layout.actors_per_node or cfg.actor.num_actors
+    run_dir = layout.run_dir or str(Path(layout.repo) / cfg.run.out_dir / cfg.run.name)
+    config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    marker = "ASYNC_VLA_CONFIG"
+    if marker in config_text:
+        raise ValueError(f"the config contains the here-document marker {marker!r}: rename what contains it")
+    q = shlex.quote
+
+    def sbatch(lines: list[str], gpus: int) -> list[str]:
+        out = [f"#SBATCH {line}" for line in lines]
+        if gpus:
+            out.append(f"#SBATCH --gpus-per-node={gpus}")
+        if layout.partition:
+            out.append(f"#SBATCH --partition={layout.partition}")
+        return out
+
+    head = [
+        "#!/bin/bash",
+        f"# async_vla run {cfg.run.name}: buffer + {ranks} learner rank(s) on one node (component 0),",
+        f"# {per_node} actor(s) on each of {layout.actor_nodes} node(s) (component 1). Rendered by bin/slurm.",
+        f"#SBATCH --job-name={cfg.run.name}",
+        f"#SBATCH --time={slurm_time(cfg.run.max_wall_s + MARGIN_S)}",
+        "#SBATCH --output=slurm-%j.out",
+        *sbatch(["--nodes=1", "--ntasks=1", f"--cpus-per-task={layout.learner_cpus}"], ranks),
+        "#SBATCH hetjob",
+        *sbatch([f"--nodes={layout.actor_nodes}", "--ntasks-per-node=1",
+                 f"--cpus-per-task={layout.actor_cpus_per_node}"], layout.actor_gpus_per_node),
+    ]
+    body = f"""
+set -euo pipefail
+
+REPO={q(layout.repo)}   # the same checkout (and .venv) on every node
+RUN_DIR={q(run_dir)}   # on the learner node
+ACTOR_DIR="/tmp/async_vla-$SLURM_JOB_ID"   # node-local scratch on each actor node
+CONFIG="$RUN_DIR/config.yaml"
+mkdir -p "$RUN_DIR"
+cat > "$CONFIG" <<'{marker}'
+{config_text}{marker}
+
+LEARNER_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)"
+"$REPO/bin/keys" "$RUN_DIR/keys" --force
+# The config and the actor side of the keys to every actor node, over srun's stdin: no shared filesystem.
+tar -C "$RUN_DIR" -cf "$RUN_DIR/actor-bundle.tar" config.yaml keys/server.key keys/client.key keys/client.key_secret
+# shellcheck disable=SC2016  # $1 is expanded by the bash on each actor node
+srun --het-group=1 --ntasks-per-node=1 --input=all \\
+    bash -c 'mkdir -p "$1" && tar -xf - -C "$1"' _ "$ACTOR_DIR" < "$RUN_DIR/actor-bundle.tar"
+
+SERVER=(transport.host=0.0.0.0 transport.curve=true "transport.curve_dir=$RUN_DIR/keys")
+srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/buffer" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
+    > "$RUN_DIR/buffer.log" 2>&1 &
+BUFFER_PID=$!
+sleep 10   # the buffer binds its sockets; actors and learner ranks would retry anyway
+srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/learner" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
+    --ranks {ranks} > "$RUN_DIR/learner.log" 2>&1 &
+LEARNER_PID=$!
+# One fleet per node; node i's actors have ids i*{per_node} .. (SLURM_PROCID: the task's index in this step).
+# shellcheck disable=SC2016  # expanded by the bash on each actor node
+srun --het-group=1 --ntasks-per-node=1 bash -c 'exec "$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2" \\
+    transport.curve=true "transport.curve_dir=$1/keys" weights.fetch=true --num {per_node} --first-id $((SLURM_PROCID * {per_node})) \\
+    --run-dir "$1/run"' "$REPO" "$ACTOR_DIR" "$LEARNER_HOST" > "$RUN_DIR/actors.log" 2>&1 &
+ACTORS_PID=$!
+
+# The learner ends the run (run.max_versions / run.max_wall_s); then actors, then the buffer (final ledger).
+set +e
+wait "$LEARNER_PID"
+LEARNER_RC=$?
+kill -TERM "$ACTORS_PID" 2>/dev/null
+wait "$ACTORS_PID"
+kill -TERM "$BUFFER_PID" 2>/dev/null
+wait "$BUFFER_PID"
+set -e
+if [ "$LEARNER_RC" -eq 0 ]; then
+  # greedy held-out success of the final policy
+  "$REPO/bin/eval" "$RUN_DIR/policy" "$CONFIG" --json > "$RUN_DIR/final_eval.json" 2> "$RUN_DIR/eval.log"
+fi
+exit "$LEARNER_RC"
+"""
+    return "\n".join(head) + "\n" + body

@@ -1,0 +1,126 @@
+"""run.launcher=ray on a local multi-node Ray cluster (several raylets with distinct resources on this machine):
+buffer and learner on the driver's node, two actor fleets spread over two actor nodes; one actor node is removed
+mid-run, Ray restarts its fleet on the other, whose actor fetches the current weights export from the buffer's
+node (no shared run directory), training goes on, and a Ctrl-C ends the run with summary and ledger intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray.cluster_utils import Cluster
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = [
+    "env.num_train_init_states=8", "env.num_eval_init_states=2", "buffer.groups_per_batch=2",
+    "actor.group_size=4", "env.envs_per_actor=4", "learner.lr=1e-4", "transport.trajectory_port=0",
+    "transport.control_port=0", "transport.weights_port=0", "logging.status_every_s=2", "run.eval_every=0",
+    "buffer.dynamic_sampling=false", "learner.micro_batch_trajectories=8", "run.max_wall_s=400",
+]
+GIB = 1024**3
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "memory": 3 * GIB,
+                                                      "resources": {"learner_node": 1}})
+    actor_nodes = [c.add_node(num_cpus=2, memory=2 * GIB, resources={"actor_node": 2}) for _ in range(2)]
+    c.wait_for_nodes()
+    try:
+        yield c, actor_nodes
+    finally:
+        c.shutdown()
+
+
+def wait_for(pred, timeout_s: float, proc: subprocess.Popen, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        if proc.poll() is not None:
+            break
+        time.sleep(1)
+    proc.kill()
+    out, _ = proc.communicate()
+    raise AssertionError(f"{what} did not happen:\n{out[-4000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)   # ~5 min on this 2-core machine under a load average of 20-30 (3 raylets + a run)
+def test_ray_launcher_survives_losing_an_actor_node(tmp_path, cluster):
+    c, actor_nodes = cluster
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+            f"run.out_dir={tmp_path}", "run.name=ray", "run.mode=async", "run.max_versions=1000", *SMALL,
+            "run.launcher=ray", f"ray.address={c.address}", "ray.fleets=2", "actor.num_actors=1",
+            "ray.fleet_resources={actor_node: 1}", "ray.buffer_memory_gb=0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    try:
+        run_and_lose_a_node(c, actor_nodes, proc, tmp_path / "ray")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def placed(rd: Path):
+    """<run>/ray.json once every component runs somewhere."""
+    try:
+        p = json.loads((rd / "ray.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return p if p["buffer"] and p["learner"] and all(p["fleets"]) else None
+
+
+def restarted_actor_fetch(rd: Path) -> list[int]:
+    """Versions fleet0's actor fetched from the buffer's node since its last start (its log is node-local)."""
+    log = Path(json.loads((rd / "ray.json").read_text())["fleet_dirs"][0]) / "run" / "logs" / "actor_0.log"
+    try:
+        since_restart = log.read_text().split("==== fleet: starting actor 0")[2:]
+    except OSError:
+        return []
+    return [int(line.split("fetched export v")[1].split()[0]) for part in since_restart
+            for line in part.splitlines() if "fetched export v" in line]
+
+
+def run_and_lose_a_node(c, actor_nodes, proc, rd: Path):
+    placement = wait_for(lambda: placed(rd), 400, proc, "placement")
+    fleet_nodes = [nodes[-1] for nodes in placement["fleets"]]
+    ids = {n.node_id for n in actor_nodes}
+    assert set(fleet_nodes) == ids, (fleet_nodes, ids)              # one fleet on each actor node (SPREAD)
+    assert placement["buffer"] == placement["learner"] == [placement["driver_node"]]
+
+    def version() -> int:
+        try:
+            return int((rd / "weights" / "latest").read_text().strip()[1:].split(".")[0])
+        except (OSError, ValueError):
+            return 0
+
+    wait_for(lambda: version() >= 2, 400, proc, "version 2")
+    lost = next(n for n in actor_nodes if n.node_id == fleet_nodes[0])
+    c.remove_node(lost)                                            # fleet0's node goes away mid-run
+    # Ray restarts fleet0 on the node left; with no access to the run directory its actor fetches the current
+    # export from the buffer's node instead of starting from the initial weights; training goes on.
+    fetched = wait_for(lambda: restarted_actor_fetch(rd), 400, proc, "the restarted actor's weights fetch")
+    assert fetched[0] >= 2
+    at_fetch = version()
+    wait_for(lambda: version() >= at_fetch + 2, 400, proc, "two more versions")
+    proc.send_signal(signal.SIGINT)                                # stop the run as Ctrl-C does
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["final_version"] >= at_fetch + 2 and summary["launcher"] == "ray"
+    survivor = next(n.node_id for n in actor_nodes if n is not lost)
+    assert summary["ray"]["fleet_restarts"] >= 1, summary["ray"]
+    assert summary["ray"]["fleet_nodes"][0][-1] == survivor        # restarted on the node that is left
+    assert "fleet0 restarted by Ray" in out
+    ledger = json.loads((rd / "ledger.json").read_text())
+    assert ledger["received"] == sum(ledger["ledger"].values())
+    assert ledger["ledger"]["trained"] >= summary["final_version"] * 2 * 4
