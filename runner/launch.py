@@ -200,7 +200,13 @@ class Evaluator:
             self._load(final, v)
         else:
             self.version = max(self.version, 0)
-        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval")
+        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split=self.cfg.run.eval_split)
+
+    def confirm(self) -> dict:
+        """The weights evaluated last, on the second, disjoint held-out set (an independent check of a target)."""
+        from async_vla.sft import evaluate_greedy
+
+        return evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm")
 
     def _load(self, path: Path, version: Optional[int] = None) -> None:
         from actors.weight_loading import load_weights, load_weights_path
@@ -352,7 +358,8 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                 if milestone is not None:
                     v, res = evaluator.evaluate(path=milestone)
                     recorder.eval_result(v, res)
-                    if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
+                    if (cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success
+                            and recorder.confirm_result(v, evaluator.confirm())):
                         print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
                         break
             if now - last_status >= cfg.logging.status_every_s:
@@ -369,6 +376,10 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
                     if not hinted and (hint := stall_hint(cfg, stats)):
                         hinted = True
                         print(hint, flush=True)
+        if stop["flag"]:
+            recorder.stopped_on = "signal"
+        if failed:
+            recorder.stopped_on = "failed"
     finally:
         if "actors" in children:
             children["actors"].stop(timeout_s=30)   # first: their last ActorStats reach the buffer as they stop

@@ -74,9 +74,13 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
     t_start = time.perf_counter()
 
     def evaluate(version: int) -> float:
-        res = evaluate_greedy(policy, envs, task_ids, split="eval")
+        res = evaluate_greedy(policy, envs, task_ids, split=cfg.run.eval_split)
         recorder.eval_result(version, res)
         return res["success_rate"]
+
+    def confirmed(version: int) -> bool:
+        """The target reached on the eval split holds on the second, disjoint held-out set too."""
+        return recorder.confirm_result(version, evaluate_greedy(policy, envs, task_ids, split="confirm"))
 
     if recorder.last_eval_version() != learner.version:   # resumed: the previous part ended with this very eval
         evaluate(learner.version)
@@ -126,7 +130,7 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
             recorder.learner_step(learner.version, metrics, buffer)
             if cfg.run.eval_every and learner.version % cfg.run.eval_every == 0:
                 rate = evaluate(learner.version)
-                if cfg.run.target_success is not None and rate >= cfg.run.target_success:
+                if cfg.run.target_success is not None and rate >= cfg.run.target_success and confirmed(learner.version):
                     print(f"[train] target success {cfg.run.target_success} reached at version {learner.version}",
                           flush=True)
                     break
