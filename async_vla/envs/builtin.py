@@ -45,8 +45,8 @@ import numpy as np
 from async_vla.envs.base import Env, Observation, Split
 
 MAX_DELTA = 2.0  # gripper travel per step at |action| = 1: one step can cross the whole (2-wide) table
-GRASP_R = 0.15  # closing within this distance of a block's centre grasps it (blocks are drawn 0.2 wide)
-PAD_R = 0.2  # a released block / a touch counts as on a pad within this distance of its centre
+GRASP_R = 0.2  # closing within this distance of a block's centre grasps it (blocks are drawn 0.2 wide)
+PAD_R = 0.25  # a released block / a touch counts as on a pad within this distance of its centre
 GRIP_CLOSE, GRIP_OPEN = 0.5, -0.5  # hysteresis: commands in between keep the gripper as it is
 START = (0.0, -0.3)  # between the block region (above) and the pad region (below)
 BLOCK_REGION = ((-0.75, 0.75), (-0.25, 0.75))  # x range, y range: 6 x 4 cells of CELL
@@ -55,7 +55,7 @@ CELL = 0.25
 NUM_CLASSES = 5  # cell class (i + 2 j) mod 5: 0 held out, 1 val, 2-4 train
 HELD_OUT_CLASS, VAL_CLASS = 0, 1
 MARGIN = 0.04  # a block sits at least this far inside its cell: held-out blocks are >= 2 * MARGIN from train ones
-MIN_BLOCK_GAP = 0.4  # blocks are at least this far apart (grasping is never ambiguous)
+MIN_BLOCK_GAP = 0.45  # blocks are at least this far apart (grasping is never ambiguous)
 MIN_PAD_GAP = 0.5
 VAL_ID_OFFSET = 100_000
 EVAL_ID_OFFSET = 200_000
