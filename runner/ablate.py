@@ -171,7 +171,7 @@ def _pct_interval(iv: Optional[tuple[float, float]]) -> str:
     return "—" if iv is None else f"{100 * iv[0]:.0f}–{100 * iv[1]:.0f}%"
 
 
-def table(results: Sequence[RunResult], threshold: float, budget_s: float, notes: Sequence[str] = ()) -> str:
+def table(results: Sequence[RunResult], threshold: float, budget: str, notes: Sequence[str] = ()) -> str:
     """Markdown: one row per variant, a cell over its seeds (final values; see the module docstring)."""
     by_variant: dict[str, list[RunResult]] = {}
     for r in results:
@@ -196,7 +196,7 @@ def table(results: Sequence[RunResult], threshold: float, budget_s: float, notes
             _fmt(max((r.lag_max for r in ok if r.lag_max is not None), default=None)),
             f"{len(reached)}/{len(runs)}"]) + " |")
     errors = [r for r in results if r.error]
-    out = [f"Budget {budget_s:.0f} s of wall time per run; final held-out greedy success (the last evaluation, "
+    out = [f"Budget {budget} per run; final held-out greedy success (the last evaluation, "
            f"at the budget); 'reached' counts runs whose evaluations ever reached {threshold:.0%} (a first "
            f"crossing, not a result)."]
     out += [f"- {n}" for n in notes]

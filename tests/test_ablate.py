@@ -80,10 +80,10 @@ def test_rows_and_table_from_summaries(tmp_path):
     assert rb.time_to_threshold_s is None and rb.admitted_frac == 0.25
     missing = result_from_summary("nsr_on", 0, tmp_path / "none", 0.8)
     assert missing.error and "no summary" in missing.error
-    md = table([ra, rb, missing], 0.8, 120, notes=["k2 left out"])
+    md = table([ra, rb, missing], 0.8, "120 s of wall time", notes=["k2 left out"])
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
     cells = [c.strip() for c in rows["default"].split("|")[1:-1]]
     # seeds, per-seed finals, mean (t interval over the 2 seeds: 75 +- 12.706 * 0.212 / sqrt 2, clipped),
     # pooled 300/400 with its Wilson interval, start, versions, admitted, max lag, reached
     assert cells[2:] == ["2", "90 60", "75% (0–100%)", "300/400 (71–79%)", "50%", "90", "50%", "2", "1/2"]
-    assert "| 1 | — |" in rows["nsr_on"] and "nsr_on seed 0: no summary" in md and "- k2 left out" in md
+    assert "Budget 120 s of wall time per run" in md and "| 1 | — |" in rows["nsr_on"] and "nsr_on seed 0: no summary" in md and "- k2 left out" in md
