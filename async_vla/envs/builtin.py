@@ -62,7 +62,7 @@ EVAL_ID_OFFSET = 200_000
 CONFIRM_ID_OFFSET = 300_000
 SPLIT_OFFSETS = {"train": 0, "val": VAL_ID_OFFSET, "eval": EVAL_ID_OFFSET, "confirm": CONFIRM_ID_OFFSET}
 LAYOUT_SEED = 20261125  # fixed: layouts must not depend on the run seed (stable held-out set)
-DEFAULT_MAX_STEPS = 8  # the expert needs <= 3 steps; room for one retry at 2-step chunks
+DEFAULT_MAX_STEPS = 16  # two calls at the default 8-step chunks (the expert needs <= 3 steps); the quickstart sets 8
 PROPRIO_DIM = 8  # LIBERO-like: eef xyz, eef axis-angle (3), gripper (2)
 BLOCKS = ("red", "blue")
 PADS = ("green", "yellow")
