@@ -207,17 +207,18 @@ def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int
 
 
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
-                    split: str = "eval", batch_size: int = 8, videos: int = 0) -> dict:
-    """Greedy (T = 0) success over every init state of ``split`` for each task.
+                    split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
+                    videos: int = 0) -> dict:
+    """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``).
 
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
-    Returns ``{"success_rate", "by_task": {task_id: rate}, "episodes", "env_steps", "wall_s"}``, plus with
-    ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with task_id, init_state_id,
-    success and frames (uint8 [steps + 1, H, W, 3]).
+    Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
+    "wall_s"}``, plus with ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with
+    task_id, init_state_id, success and frames (uint8 [steps + 1, H, W, 3]).
     """
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)
-    episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)]
+    episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)[:max_per_task]]
     film = video_episodes(episodes, videos) if videos > 0 else set()
     t0 = time.perf_counter()
     was_training = policy.training
@@ -230,8 +231,8 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     policy.train(was_training)
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
     out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
-           "episodes": len(results), "env_steps": int(sum(r.env_steps for r in results)),
-           "wall_s": time.perf_counter() - t0}
+           "successes": int(sum(r.success for r in results)), "episodes": len(results), "split": split,
+           "env_steps": int(sum(r.env_steps for r in results)), "wall_s": time.perf_counter() - t0}
     if film:
         out["videos"] = [{"task_id": r.task_id, "init_state_id": r.init_state_id, "success": r.success,
                           "frames": np.stack(r.frames)} for r in results if r.frames]

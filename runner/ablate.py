@@ -1,19 +1,30 @@
 """The seeds' ablations on the built-in task (``bin/ablate``): variants, and the table from the runs' summaries.
 
 Every variant is the same config (seeds, budget, task set) plus a few dotted overrides; each run is a normal
-``bin/train`` run directory, so its TensorBoard logs, ledger and plot are there to inspect afterwards. The
-table reports what the run's ``summary.json`` says: final and best held-out greedy success, the wall time at
-which held-out success first reached the threshold (``None`` = never within the budget), versions trained and
-the share of groups the buffer admitted. Nothing here starts processes; ``bin/ablate`` does.
+``bin/train`` run directory, so its TensorBoard logs, ledger and plot are there to inspect afterwards. A cell of
+the table is a variant over its seeds: the *final* held-out greedy success of each seed (the last evaluation, at
+the fixed budget: never the best one), their mean with a 95% Student-t interval over seeds (what a skeptic
+compares: it carries the seed-to-seed spread, and is wide with 3 seeds), and the pooled Wilson interval of all
+seeds' final episodes (the evaluation noise alone). Nothing here starts processes; ``bin/ablate`` does.
+
+Variants are config overrides only, so one that names a knob this config schema does not have yet (the
+mini-batch count ``learner.minibatches``) is *unavailable*: left out of a default selection with a note, an
+error when asked for by name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from async_vla.evalstats import wilson_interval
+
+# Two-sided 95% Student-t quantiles by degrees of freedom (n - 1 seeds); normal beyond the table.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 @dataclass(frozen=True)
@@ -23,27 +34,62 @@ class Variant:
     what: str  # one line for the table: what differs from the default
 
 
+def _correction_variants() -> list[Variant]:
+    out = []
+    for eta in (0, 2, 4):
+        for corr in ("none", "tis", "mis"):
+            out.append(Variant(f"eta{eta}_{corr}", (f"buffer.max_staleness={eta}", f"loss.correction={corr}"),
+                               f"staleness up to {eta}, correction {corr}"))
+    return out
+
+
 VARIANTS: tuple[Variant, ...] = (
-    Variant("default", (), "the config as given (quickstart: dynamic sampling, clip 0.2/0.28, eta 2, none)"),
+    Variant("default", (), "the config as given (quickstart: dynamic sampling, clip 0.2/0.28, no NSR, eta 2, none)"),
     Variant("no_dynamic_sampling", ("buffer.dynamic_sampling=false",),
             "uniform groups are trained on too (advantage 0)"),
     Variant("symmetric_clip", ("loss.eps_high=0.2",), "clip 0.2/0.2 instead of clip-higher 0.2/0.28"),
-    Variant("eta4_none", ("buffer.max_staleness=4", "loss.correction=none"), "staleness up to 4, no correction"),
-    Variant("eta4_tis", ("buffer.max_staleness=4", "loss.correction=tis"), "staleness up to 4, truncated IS"),
-    Variant("eta4_mis", ("buffer.max_staleness=4", "loss.correction=mis"), "staleness up to 4, masked IS"),
     Variant("nsr_on", ("loss.nsr=band",), "near-boundary stochastic rescue on"),
+    *_correction_variants(),
+    # PPO mini-batches per batch (issue 24 item 3, another branch): available once the schema has the knob.
+    *(Variant(f"k{k}", (f"learner.minibatches={k}",), f"{k} optimizer steps per batch (mini-batches)")
+      for k in (1, 2, 4)),
 )
 
 
-def select(names: Optional[Sequence[str]]) -> list[Variant]:
-    """The variants named (all when none); an unknown name is an error that lists the known ones."""
-    if not names:
-        return list(VARIANTS)
+def available(variant: Variant, validate: Callable[[list[str]], object]) -> Optional[str]:
+    """None when ``validate(overrides)`` accepts the variant's overrides, else why not (the config error)."""
+    try:
+        validate(list(variant.overrides))
+    except ValueError as exc:
+        return str(exc).strip().splitlines()[-1]
+    return None
+
+
+def select(names: Optional[Sequence[str]], validate: Optional[Callable[[list[str]], object]] = None
+           ) -> tuple[list[Variant], list[str]]:
+    """(variants to run, notes). Named ones must exist and be valid; with no names, every valid one runs and
+    the unavailable ones are listed in the notes."""
     known = {v.name: v for v in VARIANTS}
-    bad = [n for n in names if n not in known]
-    if bad:
-        raise ValueError(f"unknown variant(s) {bad}; choose from {sorted(known)}")
-    return [known[n] for n in names]
+    if names:
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise ValueError(f"unknown variant(s) {bad}; choose from {sorted(known)}")
+        chosen = [known[n] for n in names]
+        if validate is not None:
+            for v in chosen:
+                if (why := available(v, validate)) is not None:
+                    raise ValueError(f"variant {v.name} is not available with this config: {why}")
+        return chosen, []
+    if validate is None:
+        return list(VARIANTS), []
+    chosen, notes = [], []
+    for v in VARIANTS:
+        why = available(v, validate)
+        if why is None:
+            chosen.append(v)
+        else:
+            notes.append(f"{v.name} left out (not available with this config: {why})")
+    return chosen, notes
 
 
 def time_to(evals: Sequence[dict], threshold: float) -> Optional[float]:
@@ -60,7 +106,9 @@ class RunResult:
     seed: int
     run_dir: str
     final: Optional[float] = None
-    best: Optional[float] = None
+    successes: Optional[int] = None  # of the final evaluation
+    episodes: Optional[int] = None
+    initial: Optional[float] = None
     time_to_threshold_s: Optional[float] = None
     versions: Optional[int] = None
     admitted_frac: Optional[float] = None
@@ -83,13 +131,27 @@ def result_from_summary(variant: str, seed: int, run_dir: Path, threshold: float
     # The outcome filters' verdicts only: a group accepted and later purged as stale is counted in both
     # "accepted" and "stale", and "expired_empty" (grants never started) and "trained" are not verdicts at all.
     decided = sum(v for k, v in groups.items() if k == "accepted" or k.startswith("filtered_"))
-    res.final, res.best = s.get("final_eval_success"), s.get("best_eval_success")
+    final = s.get("final_eval") or {}
+    res.final = final.get("success", s.get("final_eval_success"))
+    res.successes, res.episodes = final.get("successes"), final.get("episodes")
+    res.initial = s.get("initial_eval_success")
     res.time_to_threshold_s = time_to(s.get("eval") or [], threshold)
     res.versions = s.get("final_version")
     res.admitted_frac = groups.get("accepted", 0) / decided if decided else None
     res.lag_max = ledger.get("lag_max")
     res.extra["group_counts"] = dict(groups)
     return res
+
+
+def mean_interval(values: Sequence[float]) -> tuple[Optional[float], Optional[tuple[float, float]]]:
+    """Mean and 95% Student-t interval over seeds (None for the interval with fewer than 2 values)."""
+    if not values:
+        return None, None
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, None
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, (max(0.0, m - half), min(1.0, m + half))
 
 
 def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -105,24 +167,38 @@ def _fmt(v, pct: bool = False) -> str:
     return f"{v:.0f}" if isinstance(v, float) else str(v)
 
 
-def table(results: Sequence[RunResult], threshold: float, budget_s: float) -> str:
-    """Markdown: one row per variant (means over seeds; time to threshold counts runs that got there)."""
+def _pct_interval(iv: Optional[tuple[float, float]]) -> str:
+    return "—" if iv is None else f"{100 * iv[0]:.0f}–{100 * iv[1]:.0f}%"
+
+
+def table(results: Sequence[RunResult], threshold: float, budget: str, notes: Sequence[str] = ()) -> str:
+    """Markdown: one row per variant, a cell over its seeds (final values; see the module docstring)."""
     by_variant: dict[str, list[RunResult]] = {}
     for r in results:
         by_variant.setdefault(r.variant, []).append(r)
     what = {v.name: v.what for v in VARIANTS}
-    lines = [f"| variant | what differs | seeds | final | best | reached {threshold:.0%} | time to {threshold:.0%} (s) "
-             f"| versions | groups admitted | max lag trained |", "|" + "---|" * 10]
+    lines = ["| variant | what differs | seeds | final per seed | final mean (95% t over seeds) | pooled episodes "
+             "(95% Wilson) | start | versions | groups admitted | max lag trained | "
+             f"reached {threshold:.0%} |", "|" + "---|" * 11]
     for name, runs in by_variant.items():
-        ok = [r for r in runs if r.error is None]
-        reached = [r.time_to_threshold_s for r in ok if r.time_to_threshold_s is not None]
+        ok = [r for r in runs if r.error is None and r.final is not None]
+        finals = [r.final for r in ok]
+        m, iv = mean_interval(finals)
+        succ = sum(r.successes for r in ok if r.successes is not None)
+        eps = sum(r.episodes for r in ok if r.episodes is not None)
+        pooled = f"{succ}/{eps} ({_pct_interval(wilson_interval(succ, eps))})" if eps else "—"
+        reached = [r for r in ok if r.time_to_threshold_s is not None]
         lines.append("| " + " | ".join([
-            name, what.get(name, ""), str(len(runs)), _fmt(_mean([r.final for r in ok]), True),
-            _fmt(_mean([r.best for r in ok]), True), f"{len(reached)}/{len(runs)}",
-            _fmt(_mean(reached)), _fmt(_mean([r.versions for r in ok])),
-            _fmt(_mean([r.admitted_frac for r in ok]), True),
-            _fmt(max((r.lag_max for r in ok if r.lag_max is not None), default=None))]) + " |")
+            name, what.get(name, ""), str(len(runs)),
+            " ".join(f"{100 * f:.0f}" for f in finals) or "—",
+            f"{_fmt(m, True)} ({_pct_interval(iv)})", pooled, _fmt(_mean([r.initial for r in ok]), True),
+            _fmt(_mean([r.versions for r in ok])), _fmt(_mean([r.admitted_frac for r in ok]), True),
+            _fmt(max((r.lag_max for r in ok if r.lag_max is not None), default=None)),
+            f"{len(reached)}/{len(runs)}"]) + " |")
     errors = [r for r in results if r.error]
-    notes = [f"Budget {budget_s:.0f} s of wall time per run; held-out greedy success; means over seeds."]
-    notes += [f"- {r.variant} seed {r.seed}: {r.error}" for r in errors]
-    return "\n".join(lines + [""] + notes)
+    out = [f"Budget {budget} per run; final held-out greedy success (the last evaluation, "
+           f"at the budget); 'reached' counts runs whose evaluations ever reached {threshold:.0%} (a first "
+           f"crossing, not a result)."]
+    out += [f"- {n}" for n in notes]
+    out += [f"- {r.variant} seed {r.seed}: {r.error}" for r in errors]
+    return "\n".join(lines + [""] + out)

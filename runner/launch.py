@@ -208,8 +208,14 @@ class Evaluator:
             self.version = max(self.version, 0)
         from runner.report import eval_videos
 
-        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval",
+        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split=self.cfg.run.eval_split,
                                              videos=eval_videos(self.cfg))
+
+    def confirm(self) -> dict:
+        """The weights evaluated last, on the second, disjoint held-out set (an independent check of a target)."""
+        from async_vla.sft import evaluate_greedy
+
+        return evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm")
 
     def _load(self, path: Path, version: Optional[int] = None) -> None:
         from actors.weight_loading import load_weights, load_weights_path
@@ -317,6 +323,7 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
             if run.evaluate_if_due():           # True: run.target_success reached
                 break
             run.status_if_due()
+        run.note_stop(signalled=stop["flag"])
     finally:
         run.stop_children()
         for s, h in old.items():
@@ -380,6 +387,13 @@ class LaunchedRun:
                 self.failed = True
         return not self.failed
 
+    def note_stop(self, signalled: bool) -> None:
+        """Why the loop ended, for the summary's ``stopped_on`` (budget and target are noted where they happen)."""
+        if signalled:
+            self.recorder.stopped_on = "signal"
+        if self.failed:
+            self.recorder.stopped_on = "failed"
+
     def evaluate_if_due(self) -> bool:
         """Evaluate the newest milestone export, if any (checked once a second); True once ``run.target_success``
         is reached."""
@@ -392,7 +406,8 @@ class LaunchedRun:
             return False
         v, res = self.evaluator.evaluate(path=milestone)
         self.recorder.eval_result(v, res)
-        if cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success:
+        if (cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success
+                and self.recorder.confirm_result(v, self.evaluator.confirm())):
             print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
             return True
         return False

@@ -307,6 +307,7 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
             if run.evaluate_if_due():
                 break
             run.status_if_due()
+        run.note_stop(signalled=stop["flag"])
     finally:
         run.stop_children()
         for s, h in old.items():

@@ -26,7 +26,9 @@ class RunRecorder:
     def __init__(self, cfg: Any, run_dir: Path, monitor: Monitor, resume: bool = False):
         self.cfg, self.run_dir, self.monitor = cfg, Path(run_dir), monitor
         self.t0 = time.time()
-        self.eval_points: list[dict] = []      # {"version", "wall_s", "success_rate", "by_task"}
+        self.eval_points: list[dict] = []      # {"version", "wall_s", "success_rate", "successes", "episodes", ...}
+        self.confirm_points: list[dict] = []   # the same, of the independent confirmations of a target (confirm split)
+        self.stopped_on = "budget"             # run.max_wall_s / run.max_versions; "target" (confirmed), "signal", "failed"
         self.train_points: list[dict] = []     # {"version", "wall_s", "success_rate"}
         self.wall_offset = 0.0                 # wall time of the earlier parts of a resumed run
         self.resumed_at: list[int] = []        # versions a part started from
@@ -51,6 +53,7 @@ class RunRecorder:
         continues from the checkpoint, not from them), so they leave the record."""
         self.resumed_at.append(int(version))
         self.eval_points = [p for p in self.eval_points if p["version"] <= version]
+        self.confirm_points = [p for p in self.confirm_points if p["version"] <= version]
         self.train_points = [p for p in self.train_points if p["version"] <= version]
 
     def _load_progress(self) -> None:
@@ -59,6 +62,7 @@ class RunRecorder:
         except (OSError, ValueError):
             return
         self.eval_points = list(saved.get("eval", []))
+        self.confirm_points = list(saved.get("confirm", []))
         self.train_points = list(saved.get("train", []))
         self.resumed_at = list(saved.get("resumed_at", []))
         self.wall_offset = float(saved.get("wall_s", 0.0))
@@ -68,7 +72,8 @@ class RunRecorder:
         if not force and now - self._saved_at < SAVE_EVERY_S:
             return
         self._saved_at = now
-        out = {"wall_s": self.wall(), "eval": self.eval_points, "train": self.train_points,
+        out = {"wall_s": self.wall(), "eval": self.eval_points, "confirm": self.confirm_points,
+               "train": self.train_points,
                "resumed_at": self.resumed_at}
         tmp = self.run_dir / (PROGRESS_FILE + ".tmp")
         tmp.write_text(json.dumps(out, default=float))
@@ -94,8 +99,7 @@ class RunRecorder:
 
     def eval_result(self, version: int, res: dict) -> None:
         wall = self.wall()
-        self.eval_points.append({"version": version, "wall_s": wall, "success_rate": res["success_rate"],
-                                 "by_task": {str(k): v for k, v in res.get("by_task", {}).items()}})
+        self.eval_points.append(eval_point(version, wall, res))
         self.monitor.scalar("eval/success_rate", res["success_rate"], version)
         for task, rate in res.get("by_task", {}).items():
             self.monitor.scalar(f"eval/success_rate_by_task/{task}", rate, version)
@@ -103,9 +107,20 @@ class RunRecorder:
             self.monitor.video(f"eval/video/task{video['task_id']}_init{video['init_state_id']}", video["frames"],
                                version, self.cfg.logging.eval_video_fps)
         self.monitor.flush()
-        print(f"[eval] version {version}: greedy held-out success {res['success_rate']:.3f} "
+        print(f"[eval] version {version}: greedy {res.get('split', 'eval')} success {res['success_rate']:.3f} "
               f"({res.get('episodes', '?')} episodes, {wall:.0f}s)", flush=True)
         self.save_progress(force=True)
+
+    def confirm_result(self, version: int, res: dict) -> bool:
+        """Record the independent confirmation of a target reached at ``version``; True when it holds too."""
+        self.confirm_points.append(eval_point(version, self.wall(), res))
+        self.monitor.scalar("eval/confirm_success_rate", res["success_rate"], version)
+        ok = res["success_rate"] >= self.cfg.run.target_success
+        if ok:
+            self.stopped_on = "target"
+        print(f"[eval] version {version}: confirmation on {res['episodes']} other held-out episodes "
+              f"{res['success_rate']:.3f} -> {'stop' if ok else 'not confirmed, training on'}", flush=True)
+        return ok
 
     def learner_step(self, version: int, metrics: dict, buffer: Any = None) -> None:
         """Log one learner step's metrics plus the buffer's and the rollout success rates."""
@@ -137,8 +152,8 @@ class RunRecorder:
         """Write summary.json and success.png (and progress.json); returns the summary."""
         wall, part_s = self.wall(), time.time() - self.t0
         evals = [p["success_rate"] for p in self.eval_points]
-        reached = next((p for p in self.eval_points if self.cfg.run.target_success is not None
-                        and p["success_rate"] >= self.cfg.run.target_success), None)
+        reached = next((p for p in self.confirm_points if p["success_rate"] >= (self.cfg.run.target_success or 2)),
+                       None)
         summary = {
             "run": self.cfg.run.name, "mode": self.cfg.run.mode, "final_version": version,
             "final_eval_success": evals[-1] if evals else None, "best_eval_success": max(evals) if evals else None,
@@ -147,6 +162,15 @@ class RunRecorder:
             "time_to_target_s": reached["wall_s"] if reached else None,
             "version_at_target": reached["version"] if reached else None,
             "resumed_at": self.resumed_at,
+            # The figure to report: the last evaluation (of the final policy), with its episodes and 95% interval,
+            # plus what produced it (seed, budget, why the run stopped).
+            "final_eval": final_eval(self.eval_points[-1]) if self.eval_points else None,
+            "seed": self.cfg.run.seed,
+            "budget": {"max_wall_s": self.cfg.run.max_wall_s, "max_versions": self.cfg.run.max_versions,
+                       "target_success": self.cfg.run.target_success},
+            "eval_split": self.cfg.run.eval_split,
+            "stopped_on": self.stopped_on,
+            "confirm_evals": self.confirm_points,
             "eval": self.eval_points, "ledger": ledger,
             # this part of the run (a resumed run's earlier parts had their own processes and counts)
             "throughput": {"trajectories_per_s": self.trajectories / max(part_s, 1e-9),
@@ -162,6 +186,24 @@ class RunRecorder:
 def eval_videos(cfg: Any) -> int:
     """Episodes to film per evaluation: ``logging.eval_videos``, 0 when TensorBoard is off (nowhere to put them)."""
     return cfg.logging.eval_videos if cfg.logging.tensorboard else 0
+
+
+def eval_point(version: int, wall: float, res: dict) -> dict:
+    return {"version": version, "wall_s": wall, "success_rate": res["success_rate"],
+            "successes": res.get("successes"), "episodes": res.get("episodes"), "split": res.get("split"),
+            "by_task": {str(k): v for k, v in res.get("by_task", {}).items()}}
+
+
+def final_eval(point: dict) -> dict:
+    """The summary's ``final_eval``: version, split, success, successes, episodes and a Wilson 95% interval."""
+    from async_vla.evalstats import rate_summary
+
+    out = {"version": point["version"], "split": point.get("split"), "wall_s": point["wall_s"]}
+    if point.get("episodes"):
+        out.update(rate_summary(int(point["successes"]), int(point["episodes"])))
+    else:  # a progress file from before episodes were recorded
+        out["success"] = point["success_rate"]
+    return out
 
 
 def fmt_rate(x: Optional[float]) -> str:

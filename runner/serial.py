@@ -99,9 +99,17 @@ class SerialRun:
     def evaluate(self, version: int) -> float:
         from async_vla.sft import evaluate_greedy
 
-        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split="eval", videos=eval_videos(self.cfg))
+        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split=self.cfg.run.eval_split,
+                              videos=eval_videos(self.cfg))
         self.recorder.eval_result(version, res)
         return res["success_rate"]
+
+    def confirmed(self, version: int) -> bool:
+        """The target reached on the eval split holds on the second, disjoint held-out set too."""
+        from async_vla.sft import evaluate_greedy
+
+        return self.recorder.confirm_result(
+            version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm"))
 
     def evaluate_start(self) -> None:
         if self.recorder.last_eval_version() != self.learner.version:   # resumed: the last part ended with this eval
@@ -158,7 +166,7 @@ class SerialRun:
         cfg, version = self.cfg, self.learner.version
         if cfg.run.eval_every and version % cfg.run.eval_every == 0:
             rate = self.evaluate(version)
-            if cfg.run.target_success is not None and rate >= cfg.run.target_success:
+            if cfg.run.target_success is not None and rate >= cfg.run.target_success and self.confirmed(version):
                 print(f"[train] target success {cfg.run.target_success} reached at version {version}", flush=True)
                 return True
         return False

@@ -127,6 +127,15 @@ class Config(Section):
                 "actor.temperature=0 samples all G rollouts of a group identically, so no group is ever of mixed "
                 "outcome and buffer.dynamic_sampling drops every one (nothing would train; GRPO's advantages would "
                 "be 0 anyway): set actor.temperature > 0 (SimpleVLA-RL: 1.6)")
+        if self.run.eval_split == "val" and self.env.kind != "builtin":
+            raise ValueError(
+                f"run.eval_split=val needs the built-in env's validation split (env.kind={self.env.kind} has none): "
+                "set run.eval_split=eval")
+        if self.run.target_success is not None and (self.env.kind != "builtin" or self.run.eval_split != "eval"):
+            raise ValueError(
+                f"run.target_success ({self.run.target_success}) stops a run only once a second, independent held-out "
+                "set confirms it, which only the built-in env has (its confirm split) and only for "
+                "run.eval_split=eval: set run.target_success=null (use the whole budget)")
         if self.run.serial_lag and self.run.mode != "serial":
             raise ValueError(
                 f"run.serial_lag ({self.run.serial_lag}) only applies to run.mode=serial (got {self.run.mode!r}): "

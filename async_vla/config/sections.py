@@ -49,7 +49,12 @@ class RunConfig(Section):
     refreshed from snapshots), so the learner trains on data exactly this stale, deterministically: isolates
     what staleness does to learning from everything else the multi-process modes add. 0 = on-policy."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
-    """Stop early once greedy eval success reaches this value (None = never stop early)."""
+    """Stop early once greedy eval success reaches this value *and* an independent evaluation of the same version
+    on a second, disjoint held-out set (the built-in env's ``confirm`` split) reaches it too (None = never stop
+    early: the run uses its whole budget). Needs env.kind=builtin and run.eval_split=eval."""
+    eval_split: Literal["eval", "val"] = "eval"
+    """Which init states the run's greedy evaluations use: eval = the held-out set (what is reported); val = the
+    built-in env's validation set (for tuning, so nothing is tuned on the held-out set)."""
     launcher: Literal["local", "ray"] = "local"
     """async/sync: local = bin/train starts buffer, learner and actors as processes on this host; ray = as Ray
     actors on an existing Ray cluster (section ``ray``; README "Multi-host"), restarted by Ray on failure."""
@@ -65,7 +70,11 @@ class EnvConfig(Section):
     num_train_init_states: int = Field(40, ge=1)
     """Init states per task used for RL rollouts (the train split; LIBERO: the first n of its 50 fixed states)."""
     num_eval_init_states: int = Field(10, ge=1)
-    """Held-out init states per task used only for greedy evaluation (never trained on; LIBERO: the last n)."""
+    """Held-out init states per task used only for greedy evaluation (never trained on; LIBERO: the last n).
+    Built-in: layouts whose blocks lie in held-out cells of the layout space (async_vla/envs/builtin.py)."""
+    num_val_init_states: int = Field(10, ge=1)
+    """Built-in only: validation init states per task (val cells of the layout space, disjoint from train and
+    held-out); evaluated instead of the held-out set with run.eval_split=val, for tuning."""
     max_steps: Optional[int] = Field(None, ge=1)
     """Episode step limit (None = the suite's default)."""
     image_size: int = Field(32, ge=8, le=512)

@@ -11,7 +11,9 @@ import numpy as np
 if TYPE_CHECKING:
     from async_vla.config import Config
 
-Split = Literal["train", "eval"]
+Split = Literal["train", "val", "eval", "confirm"]
+"""train: rollouts and demos; val: tuning; eval: the held-out set reported; confirm: a second, disjoint held-out
+set (an independent check before a run stops on a target). Families without val / confirm raise ValueError."""
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Env(abc.ABC):
 
     @abc.abstractmethod
     def init_state_ids(self, task_id: int, split: Split) -> list[int]:
-        """Init states of a task; the train and eval splits are disjoint."""
+        """Init states of a task; the splits are disjoint."""
 
     @abc.abstractmethod
     def max_steps(self, task_id: int) -> int:

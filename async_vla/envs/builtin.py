@@ -1,36 +1,43 @@
-"""Built-in tabletop task family: a top-down 2-D table rendered with numpy, no assets, >10k steps/s.
+"""Built-in tabletop task family (v2): a top-down 2-D table rendered with numpy, no assets, fast.
 
 World: the table is the square [-1, 1]^2 (x right, y up), seen from above (image row 0 = far edge, y = +1).
-A gripper moves over it; blocks, pads and buttons lie on it. Action (the LIBERO / OpenVLA 7-DoF layout):
-``[dx, dy, dz, droll, dpitch, dyaw, gripper]`` in [-1, 1]; dx, dy move the gripper by up to ``MAX_DELTA`` = 2
-per step (one step can cross the table: every decision is one coarse jump), dz and the rotations are accepted
-and ignored (the policy still emits them); gripper > 0.5 closes, < -0.5 opens, anything in between keeps the
-current state (hysteresis: a stray sampled token rarely drops a block).
+Every scene holds the same four things at continuous positions: a red and a blue block (anywhere in the block
+region, ``BLOCK_REGION``) and a green and a yellow pad (anywhere in the pad region, ``PAD_REGION``); the gripper
+starts at ``START``. Action (the LIBERO / OpenVLA 7-DoF layout): ``[dx, dy, dz, droll, dpitch, dyaw, gripper]``
+in [-1, 1]. A step first applies the gripper command where the gripper is (> 0.5 closes, < -0.5 opens, in
+between keeps the state: a stray sampled token rarely drops a block), then moves it by ``MAX_DELTA * (dx, dy)``
+(one step can cross the table); dz and the rotations are accepted and ignored. Closing within ``GRASP_R`` of a
+block grasps the nearest one, which then follows the gripper until it opens.
 Proprio (8, LIBERO-like): ``[x, y, 0, 0, 0, 0, closed (+1 / -1), holding (1 / 0)]``.
 
-Mechanics: closing within ``GRASP_R`` of a block grasps the nearest one, which follows the gripper until it
-opens; a closed, empty gripper is a square paddle that shoves blocks ahead of it (an open one passes over
-them); closing within ``PRESS_R`` of a button presses it.
+Tasks (8; the instruction names the colours, so the other block and pad are distractors that matter: grasping
+the wrong block or releasing on the wrong pad fails):
 
-Task types (8 tasks, two of each): pick ("pick up the red block", distractor block of another colour), place
-("put the blue block on the green pad"), push ("push the yellow block to the left") and press ("press the
-green button", distractor button). The target (and distractor) of an init state sits at one of two spots,
-``OFFSETS`` = -0.15 / +0.15 from its nominal spot along the task's axis, plus a small jitter: the spot is the
-coarse decision the image shows (about 5 pixels apart at 32x32). The target's spot alternates with the init
-id, so each split holds both spots in equal shares. Expert episodes take 2-4 steps (one policy
-call of 8); replaying one demo blindly succeeds on about half of the layouts, which is where one-demo SFT
-lands (a little lower), and a policy that reads the spot from the image solves them all. Pads are big (``PAD_R``), so for
-place only the grasp is a decision. The default step limit is 16 (2 calls: one retry).
+- 0-3 place: "put the {red|blue} block on the {green|yellow} pad". Success: the named block released with its
+  centre within ``PAD_R`` of the named pad's centre. The expert needs 3 steps (reach with the gripper open;
+  close and carry; open), so with the quickstart's 2-step chunks it takes two policy calls, the second one seeing
+  the block in the gripper.
+- 4-5 pick: "pick up the {red|blue} block" (2 steps: reach, close). Success: holding the named block.
+- 6-7 touch: "touch the {green|yellow} pad" (2 steps): closing the empty gripper within ``PAD_R`` of the pad.
 
-Init states are numbered per task: train ids ``0 .. num_train - 1``, eval ids ``EVAL_ID_OFFSET + i``; the
-layout of an id depends only on (task, id), never on the run seed, so the held-out set is the same in every
-run and disjoint from the train set by construction (the same two spots recur with other jitter and
-distractor placements, as LIBERO's init states perturb one scene).
+Splits (the generalisation contract; tests/test_builtin_env.py checks it). Layouts are continuous; which split a
+layout belongs to is decided by where its two blocks lie. The block region is cut into square cells of side
+``CELL``; cell (i, j) has class ``(i + 2 j) mod 5``: class 0 cells are held out (``eval`` and ``confirm``),
+class 1 cells are validation (``val``), classes 2-4 are train. A layout of a split has *both* blocks in cells of
+that split's class, each at least ``MARGIN`` inside its cell. So no block of a held-out layout is ever within
+``2 * MARGIN`` of any position a train (or val) layout puts any block at, the neighbours of every held-out cell are
+train or val cells (mostly interpolation, not extrapolation), and a policy can only succeed on held-out layouts by
+reading positions from the image. Pads are uniform in their region in every split. Layout ``i`` of a split is a
+pure function of (task, split, i) (rejection sampling from a fixed seed), never of the run seed: the held-out
+set is the same in every run and does not move when another split grows. Init state ids encode the split:
+train ``i``, val ``VAL_ID_OFFSET + i``, eval ``EVAL_ID_OFFSET + i``, confirm ``CONFIRM_ID_OFFSET + i`` (a second,
+disjoint held-out set, for confirming a stop on a target with an independent evaluation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -38,23 +45,27 @@ import numpy as np
 from async_vla.envs.base import Env, Observation, Split
 
 MAX_DELTA = 2.0  # gripper travel per step at |action| = 1: one step can cross the whole (2-wide) table
-GRASP_R = 0.2
-PUSH_R = 0.2  # half-width of the closed gripper's paddle
-PRESS_R = 0.2
-PAD_R = 0.4  # a block counts as on a pad within this distance of its centre (big pads: only the grasp is a
-# decision, carrying it along the demo's path from either block spot still lands on the pad)
-PUSH_DIST = 0.35  # push tasks succeed once the block has moved this far in the instructed direction
+GRASP_R = 0.2  # closing within this distance of a block's centre grasps it (blocks are drawn 0.2 wide)
+PAD_R = 0.25  # a released block / a touch counts as on a pad within this distance of its centre
 GRIP_CLOSE, GRIP_OPEN = 0.5, -0.5  # hysteresis: commands in between keep the gripper as it is
-OFFSETS = (-0.15, 0.15)  # an object sits this far from its nominal spot along its task's axis: the coarse
-# decision (one demo covers one of the two spots; T=1.6 rollouts reach the other one in ~1/4 of the samples,
-# while a third spot 0.6 away was almost never explored and stalled GRPO, measured)
-JITTER = 0.04  # plus a small visual jitter, well inside every tolerance
-SUBSTEP = 0.1  # motion is swept in sub-steps this long so a closed gripper cannot jump over a block
-START = (0.0, -0.75)
-EVAL_ID_OFFSET = 100_000
-LAYOUT_SEED = 20240517  # fixed: layouts must not depend on the run seed (stable held-out set)
-DEFAULT_MAX_STEPS = 16  # 2 policy calls of 8-step chunks; every expert episode needs <= 4 steps
+START = (0.0, -0.3)  # between the block region (above) and the pad region (below)
+BLOCK_REGION = ((-0.75, 0.75), (-0.25, 0.75))  # x range, y range: 6 x 4 cells of CELL
+PAD_REGION = ((-0.75, 0.75), (-0.85, -0.5))
+CELL = 0.25
+NUM_CLASSES = 5  # cell class (i + 2 j) mod 5: 0 held out, 1 val, 2-4 train
+HELD_OUT_CLASS, VAL_CLASS = 0, 1
+MARGIN = 0.04  # a block sits at least this far inside its cell: held-out blocks are >= 2 * MARGIN from train ones
+MIN_BLOCK_GAP = 0.45  # blocks are at least this far apart (grasping is never ambiguous)
+MIN_PAD_GAP = 0.5
+VAL_ID_OFFSET = 100_000
+EVAL_ID_OFFSET = 200_000
+CONFIRM_ID_OFFSET = 300_000
+SPLIT_OFFSETS = {"train": 0, "val": VAL_ID_OFFSET, "eval": EVAL_ID_OFFSET, "confirm": CONFIRM_ID_OFFSET}
+LAYOUT_SEED = 20261125  # fixed: layouts must not depend on the run seed (stable held-out set)
+DEFAULT_MAX_STEPS = 16  # two calls at the default 8-step chunks (the expert needs <= 3 steps); the quickstart sets 8
 PROPRIO_DIM = 8  # LIBERO-like: eef xyz, eef axis-angle (3), gripper (2)
+BLOCKS = ("red", "blue")
+PADS = ("green", "yellow")
 
 COLOURS = {
     "red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (235, 210, 40),
@@ -64,63 +75,90 @@ TABLE = (120, 100, 80)
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One task: its type, the colours involved and the nominal spots of its objects."""
+    """One task: its kind and the colours it names."""
 
-    kind: str  # pick | place | push | press
-    target: str  # colour of the manipulated block / pressed button
-    other: str  # pick/press: distractor colour; place: pad colour; push: direction (left/right)
-    target_at: tuple  # nominal (x, y) of the target
-    other_at: tuple = ()  # nominal (x, y) of the distractor / pad (none for push)
-    axis: int = 0  # the target and distractor shift by OFFSETS along x (0) or y (1); the pad does not shift
+    kind: str  # place | pick | touch
+    block: str = ""  # the block to grasp (place, pick)
+    pad: str = ""  # the pad to place on / touch (place, touch)
 
     @property
     def instruction(self) -> str:
-        if self.kind == "pick":
-            return f"pick up the {self.target} block"
         if self.kind == "place":
-            return f"put the {self.target} block on the {self.other} pad"
-        if self.kind == "push":
-            return f"push the {self.target} block to the {self.other}"
-        return f"press the {self.target} button"
+            return f"put the {self.block} block on the {self.pad} pad"
+        if self.kind == "pick":
+            return f"pick up the {self.block} block"
+        return f"touch the {self.pad} pad"
 
 
 TASKS: tuple[TaskSpec, ...] = (
-    TaskSpec("pick", "red", "blue", (-0.5, 0.5), (0.5, 0.5)),
-    TaskSpec("place", "blue", "green", (-0.5, 0.5), (0.5, -0.25)),
-    TaskSpec("push", "yellow", "left", (0.25, 0.2), axis=1),
-    TaskSpec("press", "green", "red", (0.5, 0.5), (-0.5, 0.5)),
-    TaskSpec("pick", "green", "yellow", (0.5, 0.0), (-0.5, 0.0)),
-    TaskSpec("place", "red", "yellow", (0.5, 0.5), (-0.5, -0.25)),
-    TaskSpec("push", "blue", "right", (-0.25, 0.2), axis=1),
-    TaskSpec("press", "blue", "yellow", (-0.5, 0.0), (0.5, 0.0)),
+    TaskSpec("place", "red", "green"), TaskSpec("place", "red", "yellow"),
+    TaskSpec("place", "blue", "green"), TaskSpec("place", "blue", "yellow"),
+    TaskSpec("pick", "red"), TaskSpec("pick", "blue"),
+    TaskSpec("touch", pad="green"), TaskSpec("touch", pad="yellow"),
 )
 
 
 @dataclass
 class Thing:
-    kind: str  # block | pad | button
+    kind: str  # block | pad
     colour: str
     pos: np.ndarray
 
 
-def layout(task_id: int, init_state_id: int) -> tuple[list[Thing], np.ndarray]:
-    """Objects and gripper start of one numbered init state (pure function of its arguments)."""
-    spec = TASKS[task_id]
+def split_of(init_state_id: int) -> str:
+    """The split an init state id belongs to (ids encode it: see the module docstring)."""
+    for name in ("confirm", "eval", "val"):
+        if init_state_id >= SPLIT_OFFSETS[name]:
+            return name
+    if init_state_id < 0:
+        raise ValueError(f"init state ids are >= 0, got {init_state_id}")
+    return "train"
+
+
+def cell_class(pos: np.ndarray) -> np.ndarray:
+    """Class of the block-region cell each position ``[..., 2]`` lies in; -1 within MARGIN of a cell edge."""
+    pos = np.asarray(pos, dtype=np.float64)
+    f = (pos - np.array([BLOCK_REGION[0][0], BLOCK_REGION[1][0]])) / CELL
+    ij = np.floor(f)
+    frac = f - ij
+    inside = (np.minimum(frac, 1.0 - frac) >= MARGIN / CELL).all(-1)
+    cls = (ij[..., 0] + 2 * ij[..., 1]).astype(np.int64) % NUM_CLASSES
+    return np.where(inside, cls, -1)
+
+
+def split_accepts(split: str, cls: np.ndarray) -> np.ndarray:
+    """Whether blocks of cell class ``cls`` may appear in a layout of ``split``."""
+    if split in ("eval", "confirm"):
+        return cls == HELD_OUT_CLASS
+    if split == "val":
+        return cls == VAL_CLASS
+    return (cls != HELD_OUT_CLASS) & (cls != VAL_CLASS) & (cls >= 0)
+
+
+@lru_cache(maxsize=65536)
+def layout_positions(task_id: int, init_state_id: int) -> tuple[tuple[float, float], ...]:
+    """(red, blue, green pad, yellow pad) positions of one numbered init state (pure; rejection-sampled)."""
+    split = split_of(init_state_id)
     rng = np.random.default_rng((LAYOUT_SEED, task_id, init_state_id))
+    (bx0, bx1), (by0, by1) = BLOCK_REGION
+    (px0, px1), (py0, py1) = PAD_REGION
+    for _ in range(100):  # batches of candidates; a held-out layout is accepted ~1 in 50
+        blocks = rng.uniform((bx0, by0), (bx1, by1), size=(256, 2, 2))
+        pads = rng.uniform((px0, py0), (px1, py1), size=(256, 2, 2))
+        ok = (split_accepts(split, cell_class(blocks)).all(-1)
+              & (np.hypot(*(blocks[:, 0] - blocks[:, 1]).T) >= MIN_BLOCK_GAP)
+              & (np.hypot(*(pads[:, 0] - pads[:, 1]).T) >= MIN_PAD_GAP))
+        if ok.any():
+            k = int(np.argmax(ok))
+            return tuple((float(p[0]), float(p[1])) for p in (*blocks[k], *pads[k]))
+    raise RuntimeError(f"no layout found for task {task_id} init state {init_state_id}")  # pragma: no cover
 
-    def spot(nominal, offset: float) -> np.ndarray:
-        pos = np.array(nominal, dtype=np.float64) + rng.uniform(-JITTER, JITTER, size=2)
-        pos[spec.axis] += offset
-        return pos
 
-    # The target's spot alternates with the id, so every split holds both spots in equal shares (a demo's spot
-    # is then always half of the held-out set); the distractor's spot is random.
-    kind = "button" if spec.kind == "press" else "block"
-    things = [Thing(kind, spec.target, spot(spec.target_at, OFFSETS[init_state_id % len(OFFSETS)]))]
-    if spec.kind in ("pick", "press"):
-        things.append(Thing(kind, spec.other, spot(spec.other_at, OFFSETS[rng.integers(len(OFFSETS))])))
-    elif spec.kind == "place":
-        things.append(Thing("pad", spec.other, spot(spec.other_at, 0.0)))
+def layout(task_id: int, init_state_id: int) -> tuple[list[Thing], np.ndarray]:
+    """Objects (red block, blue block, green pad, yellow pad) and the gripper start of one init state."""
+    pos = layout_positions(task_id, init_state_id)
+    things = [Thing("block", c, np.array(p)) for c, p in zip(BLOCKS, pos[:2])]
+    things += [Thing("pad", c, np.array(p)) for c, p in zip(PADS, pos[2:])]
     return things, np.array(START, dtype=np.float64)
 
 
@@ -128,17 +166,18 @@ class TabletopEnv(Env):
     """The built-in task family (see the module docstring)."""
 
     def __init__(self, task_ids: Optional[list[int]] = None, image_size: int = 32, num_train_init_states: int = 40,
-                 num_eval_init_states: int = 10, max_steps: Optional[int] = None, seed: int = 0):
+                 num_eval_init_states: int = 10, max_steps: Optional[int] = None, seed: int = 0,
+                 num_val_init_states: int = 10):
         self.task_ids = list(range(len(TASKS))) if task_ids is None else list(task_ids)
         for t in self.task_ids:
             if not 0 <= t < len(TASKS):
                 raise ValueError(f"builtin env has tasks 0..{len(TASKS) - 1}, got task id {t}")
         self.obs_image_size = image_size
         self.proprio_dim = PROPRIO_DIM
-        self.num_train = num_train_init_states
-        self.num_eval = num_eval_init_states
-        if max(num_train_init_states, num_eval_init_states) > EVAL_ID_OFFSET:
-            raise ValueError(f"at most {EVAL_ID_OFFSET} init states per split")
+        self.split_sizes = {"train": num_train_init_states, "val": num_val_init_states,
+                            "eval": num_eval_init_states, "confirm": num_eval_init_states}
+        if max(self.split_sizes.values()) > VAL_ID_OFFSET:
+            raise ValueError(f"at most {VAL_ID_OFFSET} init states per split")
         self._max_steps = max_steps or DEFAULT_MAX_STEPS
         self.seed = seed  # the dynamics are deterministic; kept for the interface
         self._scale = image_size / 2.0
@@ -150,18 +189,17 @@ class TabletopEnv(Env):
     def from_config(cls, env_cfg, seed: int = 0) -> "TabletopEnv":
         return cls(task_ids=env_cfg.task_ids, image_size=env_cfg.image_size,
                    num_train_init_states=env_cfg.num_train_init_states,
-                   num_eval_init_states=env_cfg.num_eval_init_states, max_steps=env_cfg.max_steps, seed=seed)
+                   num_eval_init_states=env_cfg.num_eval_init_states, max_steps=env_cfg.max_steps, seed=seed,
+                   num_val_init_states=env_cfg.num_val_init_states)
 
     # ---- interface --------------------------------------------------------------------------------
     def instruction(self, task_id: int) -> str:
         return TASKS[task_id].instruction
 
     def init_state_ids(self, task_id: int, split: Split) -> list[int]:
-        if split == "train":
-            return list(range(self.num_train))
-        if split == "eval":
-            return [EVAL_ID_OFFSET + i for i in range(self.num_eval)]
-        raise ValueError(f"split must be train or eval, got {split!r}")
+        if split not in SPLIT_OFFSETS:
+            raise ValueError(f"split must be one of {sorted(SPLIT_OFFSETS)}, got {split!r}")
+        return [SPLIT_OFFSETS[split] + i for i in range(self.split_sizes[split])]
 
     def max_steps(self, task_id: int) -> int:
         return self._max_steps
@@ -174,7 +212,6 @@ class TabletopEnv(Env):
         self.held: Optional[int] = None
         self.steps = 0
         self.done = False
-        self._start_pos = self.things[0].pos.copy()
         return self._observe()
 
     def step(self, action: np.ndarray) -> tuple[Observation, bool, bool]:
@@ -183,101 +220,74 @@ class TabletopEnv(Env):
         a = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
         if a.shape[0] < 7:
             raise ValueError(f"action must have 7 entries, got {a.shape[0]}")
-        close = self.closed
-        if a[6] > GRIP_CLOSE:
-            close = True
-        elif a[6] < GRIP_OPEN:
-            close = False
-        pressed = self._move_and_grip(a[:2] * MAX_DELTA, close)
+        touched = self._grip(a[6])
+        self.grip = np.clip(self.grip + a[:2] * MAX_DELTA, -1.0, 1.0)
+        if self.held is not None:
+            self.things[self.held].pos = self.grip.copy()
         self.steps += 1
-        success = self._success(pressed)
+        success = self._success(touched)
         self.done = success or self.steps >= self._max_steps
         return self._observe(), self.done, success
 
     # ---- dynamics ---------------------------------------------------------------------------------
-    def _move_and_grip(self, delta: np.ndarray, close: bool) -> Optional[int]:
-        n = max(1, int(np.ceil(float(np.max(np.abs(delta))) / SUBSTEP)))
-        for _ in range(n):
-            self.grip = np.clip(self.grip + delta / n, -1.0, 1.0)
-            if self.held is not None:
-                self.things[self.held].pos = self.grip.copy()
-            elif self.closed and delta.any():
-                self._push(delta)
-        pressed = None
-        if close and not self.closed:
+    def _grip(self, command: float) -> Optional[int]:
+        """Apply a gripper command where the gripper is; returns the pad an empty close touched, if any."""
+        if command > GRIP_CLOSE and not self.closed:
             self.closed = True
-            best, best_d = None, np.inf
-            for i, th in enumerate(self.things):
+            best, best_d = None, GRASP_R
+            for i, th in enumerate(self.things[:2]):
                 d = float(np.hypot(*(th.pos - self.grip)))
-                if th.kind == "block" and d < GRASP_R and d < best_d:
+                if d < best_d:
                     best, best_d = i, d
-                if th.kind == "button" and d < PRESS_R:
-                    pressed = i
             self.held = best
-        elif not close and self.closed:
+            if best is None:
+                for i, th in enumerate(self.things[2:], start=2):
+                    if float(np.hypot(*(th.pos - self.grip))) < PAD_R:
+                        return i
+        elif command < GRIP_OPEN and self.closed:
             self.closed = False
             self.held = None  # the held block stays where it is (put down)
-        return pressed
+        return None
 
-    def _push(self, delta: np.ndarray) -> None:
-        # A closed gripper is a square paddle of half-width PUSH_R: a block in contact ahead of it along the
-        # main axis of motion is shoved to the paddle's edge (no sliding off, so pushes tolerate offsets).
-        axis = 0 if abs(delta[0]) >= abs(delta[1]) else 1
-        sign = 1.0 if delta[axis] > 0 else -1.0
-        for th in self.things:
-            if th.kind != "block":
-                continue
-            d = th.pos - self.grip
-            if abs(d[0]) < PUSH_R and abs(d[1]) < PUSH_R and d[axis] * sign > 0:
-                th.pos[axis] = float(np.clip(self.grip[axis] + sign * PUSH_R, -1.0, 1.0))
+    def _index(self, colour: str) -> int:
+        return next(i for i, th in enumerate(self.things) if th.colour == colour)
 
-    def _success(self, pressed: Optional[int]) -> bool:
+    def _success(self, touched: Optional[int]) -> bool:
         spec = self._task
         if spec.kind == "pick":
-            return self.held == 0
-        if spec.kind == "press":
-            return pressed == 0
-        block = self.things[0]
-        if spec.kind == "place":
-            return self.held is None and float(np.hypot(*(block.pos - self.things[1].pos))) < PAD_R
-        sign = -1.0 if spec.other == "left" else 1.0
-        return self.held is None and sign * (block.pos[0] - self._start_pos[0]) >= PUSH_DIST
+            return self.held == self._index(spec.block)
+        if spec.kind == "touch":
+            return touched == self._index(spec.pad)
+        block, pad = self.things[self._index(spec.block)], self.things[self._index(spec.pad)]
+        return self.held is None and float(np.hypot(*(block.pos - pad.pos))) < PAD_R
 
     # ---- observation ------------------------------------------------------------------------------
     def _px(self, pos: np.ndarray) -> tuple[int, int]:
         """World (x, y) -> pixel (row, col); row 0 is the far edge of the table (y = +1)."""
         n = self.obs_image_size
-        col = int(np.clip((pos[0] + 1.0) * self._scale, 0, n - 1))
-        row = int(np.clip((1.0 - pos[1]) * self._scale, 0, n - 1))
+        col = int(min(max((pos[0] + 1.0) * self._scale, 0), n - 1))
+        row = int(min(max((1.0 - pos[1]) * self._scale, 0), n - 1))
         return row, col
 
     def _square(self, img: np.ndarray, pos: np.ndarray, half: float, colour, hollow: bool = False) -> None:
         r, c = self._px(pos)
         h = max(1, int(round(half * self._scale)))
-        r0, r1, c0, c1 = max(r - h, 0), r + h, max(c - h, 0), c + h
+        r0, r1, c0, c1 = max(r - h, 0), min(r + h, img.shape[0]), max(c - h, 0), min(c + h, img.shape[1])
         if not hollow:
             img[r0:r1, c0:c1] = colour
             return
         # Outline only: what lies under a pad or the open gripper stays visible.
         img[r0, c0:c1] = colour
-        img[r1 - 1 if r1 <= img.shape[0] else img.shape[0] - 1, c0:c1] = colour
+        img[r1 - 1, c0:c1] = colour
         img[r0:r1, c0] = colour
-        img[r0:r1, min(c1, img.shape[1]) - 1] = colour
+        img[r0:r1, c1 - 1] = colour
 
     def _observe(self) -> Observation:
         img = self._background.copy()
-        for th in self.things:  # pads under buttons under blocks
-            if th.kind == "pad":
-                self._square(img, th.pos, 0.3, COLOURS[th.colour], hollow=True)
-        for th in self.things:
-            if th.kind == "button":
-                r, c = self._px(th.pos)
-                h = max(1, int(round(0.12 * self._scale)))
-                img[max(r - h, 0):r + h, c] = COLOURS[th.colour]  # a plus sign
-                img[r, max(c - h, 0):c + h] = COLOURS[th.colour]
-        for th in self.things:
-            if th.kind == "block":
-                self._square(img, th.pos, 0.12, COLOURS[th.colour])
+        for th in self.things[2:]:  # pads under blocks
+            self._square(img, th.pos, PAD_R, COLOURS[th.colour], hollow=True)
+        for th in self.things[:2]:
+            self._square(img, th.pos, 0.1, COLOURS[th.colour])
         # Gripper: open = white hollow square, closed = black filled one.
         if self.closed:
             self._square(img, self.grip, 0.07, (0, 0, 0))

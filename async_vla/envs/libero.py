@@ -258,7 +258,9 @@ class LiberoEnv(Env):
             return list(range(n_train))
         if split == "eval":
             return list(range(n - n_eval, n))
-        raise ValueError(f"split must be train or eval, got {split!r}")
+        raise ValueError(f"LIBERO has splits train and eval only (50 fixed init states per task), got {split!r}; "
+                         f"run.eval_split=val and run.target_success (confirmed on a second held-out set) need "
+                         f"env.kind=builtin")
 
     def max_steps(self, task_id: int) -> int:
         return self._max_steps

@@ -1,0 +1,58 @@
+"""The run's evaluation record: the final evaluation with its episodes and interval, and a stop on
+run.target_success only once a second, disjoint held-out set confirms it (serial mode, scripted evaluations)."""
+
+import pytest
+
+import async_vla.sft
+from async_vla.config import ConfigError, load_config
+from runner.serial import run_serial
+
+SMALL = ["run.mode=serial", "env.num_train_init_states=4", "env.num_eval_init_states=3", "env.task_ids=[0,3]",
+         "buffer.groups_per_batch=1", "actor.group_size=2", "buffer.dynamic_sampling=false",
+         "learner.micro_batch_trajectories=8", "policy.hidden_size=32", "policy.num_heads=2", "policy.num_layers=1",
+         "policy.intermediate_size=64", "run.eval_every=1", "logging.tensorboard=false", "run.max_versions=6"]
+
+
+def scripted(eval_rates, confirm_rates, calls):
+    """An evaluate_greedy that returns the next scripted rate of its split (6 episodes each) and logs the call."""
+    rates = {"eval": list(eval_rates), "confirm": list(confirm_rates)}
+
+    def evaluate_greedy(policy, envs, task_ids=None, split="eval", **_):
+        calls.append(split)
+        rate = rates[split].pop(0)
+        return {"success_rate": rate, "successes": round(6 * rate), "episodes": 6, "split": split,
+                "by_task": {0: rate, 3: rate}, "env_steps": 0, "wall_s": 0.0}
+    return evaluate_greedy
+
+
+def test_target_stops_only_when_the_confirmation_holds(tmp_path, monkeypatch):
+    calls = []
+    # v0 .. v3 on the eval split; v1 and v3 reach the target; the confirmation of v1 fails, that of v3 holds
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy",
+                        scripted([0.0, 1.0, 0.5, 1.0], [0.5, 5 / 6], calls))
+    cfg = load_config(None, SMALL + ["run.target_success=0.8", "run.seed=7", f"run.out_dir={tmp_path}"])
+    s = run_serial(cfg, tmp_path / "run")
+    assert calls == ["eval", "eval", "confirm", "eval", "eval", "confirm"]
+    assert s["final_version"] == 3 and s["stopped_on"] == "target"
+    assert [p["version"] for p in s["confirm_evals"]] == [1, 3] and s["version_at_target"] == 3
+    fe = s["final_eval"]
+    assert (fe["version"], fe["split"], fe["successes"], fe["episodes"]) == (3, "eval", 6, 6)
+    assert fe["interval95"][0] == pytest.approx(0.6097, abs=1e-3) and fe["interval95"][1] == 1.0
+    assert s["seed"] == 7 and s["budget"] == {"max_wall_s": 600.0, "max_versions": 6, "target_success": 0.8}
+
+
+def test_without_a_target_the_run_uses_its_budget_and_reports_the_last_eval(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy", scripted([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5], [], calls))
+    cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}"])
+    s = run_serial(cfg, tmp_path / "run")
+    assert calls == ["eval"] * 7 and s["stopped_on"] == "budget" and s["final_version"] == 6
+    assert s["final_eval"]["success"] == 0.5 and s["best_eval_success"] == 1.0  # final, not best
+
+
+def test_eval_split_val_and_target_rules():
+    assert load_config(None, ["run.eval_split=val"]).run.eval_split == "val"
+    with pytest.raises(ConfigError, match="run.target_success"):
+        load_config(None, ["run.eval_split=val", "run.target_success=0.9"])
+    with pytest.raises(ConfigError, match="run.eval_split=val needs"):
+        load_config(None, ["env.kind=libero", "run.eval_split=val"])

@@ -1,0 +1,48 @@
+"""Success-count statistics against slow references and published values."""
+
+import itertools
+import math
+
+import pytest
+
+from async_vla.evalstats import fisher_one_sided_p, rate_summary, wilson_interval
+
+
+def test_wilson_known_values():
+    # Wilson (1927) / Newcombe (1998) table values at 95%
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(9, 10) == pytest.approx((0.5958, 0.9821), abs=1e-4)
+    assert wilson_interval(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+    lo, hi = wilson_interval(190, 200)
+    assert lo < 0.95 < hi and hi < 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(5, 4)
+
+
+def test_wilson_is_the_score_test_inversion():
+    """Slow reference: the interval is the set of p the score test does not reject (z^2 >= (p_hat-p)^2 n/(p(1-p)))."""
+    z = 1.959963984540054
+    for k, n in ((3, 20), (17, 20), (100, 200)):
+        grid = [i / 20000 for i in range(1, 20000)]
+        inside = [p for p in grid if (k / n - p) ** 2 * n / (p * (1 - p)) <= z * z]
+        lo, hi = wilson_interval(k, n)
+        assert lo == pytest.approx(min(inside), abs=1e-4) and hi == pytest.approx(max(inside), abs=1e-4)
+
+
+def test_fisher_against_enumeration():
+    """Slow reference: enumerate every way to deal the successes over the pooled episodes."""
+    for k_a, n_a, k_b, n_b in ((5, 6, 1, 6), (3, 5, 3, 5), (0, 4, 2, 4), (4, 7, 1, 5)):
+        pooled = [1] * (k_a + k_b) + [0] * (n_a + n_b - k_a - k_b)
+        hits = total = 0
+        for chosen in itertools.combinations(range(len(pooled)), n_a):
+            total += 1
+            hits += sum(pooled[i] for i in chosen) >= k_a
+        assert fisher_one_sided_p(k_a, n_a, k_b, n_b) == pytest.approx(hits / total, rel=1e-12)
+    assert fisher_one_sided_p(10, 10, 0, 10) == pytest.approx(1 / math.comb(20, 10))
+
+
+def test_rate_summary():
+    s = rate_summary(180, 200)
+    assert s["success"] == 0.9 and s["episodes"] == 200 and s["successes"] == 180
+    assert s["interval95"][0] < 0.9 < s["interval95"][1]
