@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from async_vla.config import Config, dump_config, load_config, write_resolved
 from async_vla.transport import endpoints
+from async_vla.placement import placed
 from runner.launch import LaunchedRun, resolve_ports, start_tensorboard
 from runner.ray_host import ProcessHost
 
@@ -154,7 +155,7 @@ def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
             raise RuntimeError(
                 f"transport.host={t.host} is reachable from this host only, but the Ray cluster has nodes on "
                 f"{', '.join(elsewhere)}: set transport.host=0.0.0.0 transport.curve=true transport.curve_dir=DIR "
-                "(bin/keys DIR)")
+                "(bin/keys DIR) and transport.weights_allowed_peers=[the actor nodes' addresses or network]")
         return cfg
     if t.use_ipc:
         raise RuntimeError("transport.use_ipc=true works on one host only: set transport.use_ipc=false")
@@ -282,6 +283,9 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     ray = join_cluster(cfg)
     if cfg.transport.weights_fetch_port is None:   # fleets elsewhere fetch exports from the buffer's node
         cfg.transport.weights_fetch_port = 0
+    if placed(cfg):   # Ray hands each learner and fleet its GPUs (ray.learner_gpus, ray.fleet_gpus)
+        print("[train] run.launcher=ray: the placement section is ignored (Ray assigns the devices)", flush=True)
+        cfg = cfg.model_copy(update={"placement": type(cfg.placement)()})
     cfg = resolve_ports(cfg)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)

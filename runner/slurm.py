@@ -104,7 +104,11 @@ tar -C "$RUN_DIR" -cf "$RUN_DIR/actor-bundle.tar" config.yaml keys/server.key ke
 srun --het-group=1 --ntasks-per-node=1 --input=all \\
     bash -c 'mkdir -p "$1" && tar -xf - -C "$1"' _ "$ACTOR_DIR" < "$RUN_DIR/actor-bundle.tar"
 
-SERVER=(transport.host=0.0.0.0 transport.curve=true "transport.curve_dir=$RUN_DIR/keys")
+# The weight-rendezvous store has no authentication of its own: only the actor nodes may reach it.
+ACTOR_PEERS="$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | xargs -n 1 getent ahostsv4 \\
+    | awk '{{print $1}}' | sort -u | paste -sd, -)"
+SERVER=(transport.host=0.0.0.0 transport.curve=true "transport.curve_dir=$RUN_DIR/keys"
+        "transport.weights_allowed_peers=[$ACTOR_PEERS]")
 srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/buffer" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
     > "$RUN_DIR/buffer.log" 2>&1 &
 BUFFER_PID=$!

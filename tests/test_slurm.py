@@ -49,9 +49,15 @@ def test_rendered_script_is_a_heterogeneous_job_of_the_configs_run(script):
     # The config travels inside the script, as the resolved config with the learner ranks set.
     body = text.split("<<'ASYNC_VLA_CONFIG'\n", 1)[1].split("\nASYNC_VLA_CONFIG\n", 1)[0]
     inside = yaml.safe_load(body)
+    # Slurm hands out the devices: the one-host placement section is cleared.
     cfg = load_config(REPO / "configs" / "libero_spatial.yaml",
-                      ["learner.num_ranks=8", "transport.weights_fetch_port=5558"])   # the buffer serves exports
+                      ["placement.gpus_learner=null", "placement.gpus_actors=null", "placement.gpu_evaluator=null",
+                       "learner.num_ranks=8", "transport.weights_fetch_port=5558"])   # the buffer serves exports
     assert inside == cfg.model_dump(mode="json")
+    assert inside["placement"] == {"gpus_learner": None, "gpus_actors": None, "gpu_evaluator": None}
+    # The weight store's allow-list comes from the actor nodes of this job (required beyond loopback).
+    assert '"transport.weights_allowed_peers=[$ACTOR_PEERS]"' in text
+    assert '"$SLURM_JOB_NODELIST_HET_GROUP_1"' in text.split("ACTOR_PEERS=", 1)[1].split("\n", 1)[0]
     for command in ('"$REPO/bin/buffer" "$CONFIG"', '"$REPO/bin/learner" "$CONFIG"', "--ranks 8",
                     '"$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2"', "--num 6", "--het-group=1",
                     "--first-id $((SLURM_PROCID * 6))", "weights.fetch=true", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):

@@ -103,7 +103,8 @@ class Config(Section):
             # action head: not a plain causal LM that vLLM could serve (docs/ARCHITECTURE.md).
             raise ValueError("actor.backend=vllm needs policy.arch=openvla (an autoregressive OpenVLA checkpoint)")
         gl = self.placement.gpus_learner
-        if gl is not None and len(gl) != self.learner.num_ranks:
+        # placement is bin/train's on one host; on Ray (and under Slurm) the engine hands out the devices.
+        if gl is not None and self.run.launcher == "local" and len(gl) != self.learner.num_ranks:
             raise ValueError(f"placement.gpus_learner {gl} has {len(gl)} GPUs for learner.num_ranks="
                              f"{self.learner.num_ranks}: give one GPU per rank")
         if self.policy.arch != "tiny" and self.policy.path is None:
