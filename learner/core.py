@@ -150,7 +150,9 @@ class Learner(abc.ABC):
                 logp = mb.layout(self._logprobs(mb).float())
                 loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
                                            generator=self.loss_generator, ref_logp=ref)
-                finite = bool(torch.isfinite(loss))
+                # A non-finite log-prob of a real token is a broken forward even where the loss clamps it into a
+                # finite number (correction=none: log(pi_theta / pi_behav) is clamped to +-20): skip the step.
+                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(torch.where(mb.mask, logp, 0.0)).all())
                 nonfinite |= not finite
                 self._backward(loss * w, finite)
                 has_kl |= "kl" in m
