@@ -54,7 +54,7 @@ def render_config_doc() -> str:
         "- `weights.publish_every <= buffer.max_staleness + 1` (0 + 1 in sync mode).",
         "- `run.serial_lag` only with `run.mode=serial`, and `<= buffer.max_staleness`.",
         "- `buffer.max_staleness <= buffer.max_staleness_limit` (the limit also bounds every live change of eta); "
-        "`buffer.reclaim_after_s >= 3 x actor.heartbeat_s`.",
+        "`buffer.reclaim_after_s >= max(actor.hung_after_s, 3 x actor.heartbeat_s)`.",
         "- `actor.temperature=0` (greedy) cannot go with `buffer.dynamic_sampling=true`: every group would have one "
         "outcome and be dropped.",
         "- `transport.host` beyond loopback needs `transport.weights_allowed_peers` (the weight store's allow-list) "

@@ -149,11 +149,12 @@ class Config(Section):
             raise ValueError(
                 f"buffer.max_staleness ({self.buffer.max_staleness}) > buffer.max_staleness_limit "
                 f"({self.buffer.max_staleness_limit}): lower buffer.max_staleness or raise buffer.max_staleness_limit")
-        if self.buffer.reclaim_after_s < 3 * self.actor.heartbeat_s:
+        if self.buffer.reclaim_after_s < max(3 * self.actor.heartbeat_s, self.actor.hung_after_s):
             raise ValueError(
-                f"buffer.reclaim_after_s ({self.buffer.reclaim_after_s}) < 3 x actor.heartbeat_s "
-                f"({self.actor.heartbeat_s}): a live actor would lose its grants between two heartbeats; raise "
-                "buffer.reclaim_after_s or lower actor.heartbeat_s")
+                f"buffer.reclaim_after_s ({self.buffer.reclaim_after_s}) < actor.hung_after_s "
+                f"({self.actor.hung_after_s}) or 3 x actor.heartbeat_s ({self.actor.heartbeat_s}): an actor the "
+                "fleet still counts alive (a slow simulator step) would lose its grants; raise "
+                "buffer.reclaim_after_s or lower actor.hung_after_s")
         self._check_batch_fits()
         if self.weights.fetch and self.transport.weights_fetch_port is None:
             raise ValueError("weights.fetch=true needs transport.weights_fetch_port (the buffer's weights file "

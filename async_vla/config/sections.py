@@ -247,10 +247,10 @@ class BufferConfig(Section):
     max_groups_per_actor: int = Field(4, ge=1)
     """Granted-and-unfinished groups one actor may hold (an actor runs one group at a time and asks for one
     more when it starts it); a GrantRequest wanting more gets at most the difference and an error saying so."""
-    reclaim_after_s: float = Field(30.0, gt=0)
+    reclaim_after_s: float = Field(180.0, gt=0)
     """Service: an actor silent this long (no heartbeat, grant request or stats) loses its open groups: granted
-    ones with no member yet are reclaimed (groups "reclaimed"), partial ones expire (expired_partial). Must
-    exceed actor.heartbeat_s several times over."""
+    ones with no member yet are reclaimed (groups "reclaimed"), partial ones expire (expired_partial). At least
+    actor.hung_after_s (before that the fleet still counts the actor alive, e.g. inside a slow simulator reset)."""
     remember_closed_groups: int = Field(10000, ge=1)
     """Closed group ids (with their trajectory ids) kept to recognise late duplicates and stragglers."""
     check_run_id: bool = True

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
     clock = FakeClock(100.0)
-    cfg = service_cfg(groups_per_batch=2, max_staleness=1, reclaim_after_s=30.0, max_groups_per_actor=2)
+    cfg = service_cfg(groups_per_batch=2, max_staleness=1, reclaim_after_s=60.0, max_groups_per_actor=2)
     write_resolved(cfg, tmp_path)
     with BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0], clock=clock) as svc:
         actor, quiet = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
@@ -47,14 +47,14 @@ def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
         g_live = call(actor, GrantRequest(actor_id=1, want=5))
         assert len(g_live.group_ids) == 2 and "max_groups_per_actor" in g_live.error and len(g_quiet) == 1
         assert call(actor, GrantRequest(actor_id=1, want=0)).error.startswith("want must be >= 1")
-        clock.t += 20
+        clock.t += 40
         actor.send(Heartbeat(actor_id=1))            # actor 1 keeps talking, actor 2 is silent
         for _ in range(4000):                         # until the service has taken it in (order, not time)
             svc.step(0.005)
             if svc._actors.get(1, {}).get("t") == clock.t:
                 break
         assert svc._actors[1]["t"] == clock.t
-        clock.t += 20
+        clock.t += 40
         svc._due["expire"] = 0.0                      # run the chores now
         svc.step(0.005)
         s = svc.stats()
@@ -120,6 +120,7 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
     yaml.write_text("run: {name: hostile}\nlogging: {tensorboard: false}\n")
     overrides = ["transport.use_ipc=true", "buffer.groups_per_batch=2", "buffer.max_staleness=1",
                  "buffer.max_staleness_limit=4", "buffer.max_groups_per_actor=2", "buffer.reclaim_after_s=3",
+                 "actor.hung_after_s=3",
                  "buffer.max_bytes=8000000", "env.task_ids=[0]", "transport.max_message_mb=1"]
     cfg = load_config(str(yaml), overrides)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
