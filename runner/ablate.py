@@ -7,9 +7,8 @@ the fixed budget: never the best one), their mean with a 95% Student-t interval 
 compares: it carries the seed-to-seed spread, and is wide with 3 seeds), and the pooled Wilson interval of all
 seeds' final episodes (the evaluation noise alone). Nothing here starts processes; ``bin/ablate`` does.
 
-Variants are config overrides only, so one that names a knob this config schema does not have yet (the
-mini-batch count ``learner.minibatches``) is *unavailable*: left out of a default selection with a note, an
-error when asked for by name.
+Variants are config overrides only, so one that this config cannot take (an override the schema or a cross-field
+check refuses) is *unavailable*: left out of a default selection with a note, an error when asked for by name.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("symmetric_clip", ("loss.eps_high=0.2",), "clip 0.2/0.2 instead of clip-higher 0.2/0.28"),
     Variant("nsr_on", ("loss.nsr=band",), "near-boundary stochastic rescue on"),
     *_correction_variants(),
-    # PPO mini-batches per batch (issue 24 item 3, another branch): available once the schema has the knob.
+    # PPO mini-batches per batch (each size must divide buffer.groups_per_batch / learner.num_ranks).
     *(Variant(f"k{k}", (f"learner.minibatches={k}",), f"{k} optimizer steps per batch (mini-batches)")
       for k in (1, 2, 4)),
 )
