@@ -169,14 +169,11 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
                 res.observations.append(obs[k])
                 res.action_tokens.append(tokens[row])
                 res.logprobs.append(logp[row])
-            done = False
-            for a in chunks[row]:
-                obs[k], done, success = envs[k].step(a)
-                res.env_steps += 1
-                if done:
-                    res.success = bool(success)
-                    break
-            if not done:
+            obs[k], done, success, n = envs[k].step_chunk(chunks[row])
+            res.env_steps += n
+            if done:
+                res.success = bool(success)
+            else:
                 still.append(k)
         live = still
     return results

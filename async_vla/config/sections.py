@@ -79,6 +79,12 @@ class EnvConfig(Section):
     """LIBERO render fidelity. cheap: no shadows, reflections, skybox or multisampling (faster software
     rendering; images differ from what published checkpoints saw, so use it for CPU/smoke runs, not to
     evaluate or fine-tune pretrained OpenVLA models). See docs/LIBERO.md for measured speeds."""
+    render_at: Literal["every_step", "decision"] = "every_step"
+    """LIBERO camera rendering. every_step: every env step renders its images (robosuite's behaviour).
+    decision: ``step_chunk`` (what actors, SFT and eval call) renders only the step whose observation the
+    policy reads (the last of a chunk; reset always renders); the steps in between run physics alone. The
+    images at those points are pixel-equal to every_step's (tests/test_libero.py), so fidelity is the same;
+    it only skips frames nobody reads (~6-10x env steps/s at 128 px on a CPU: docs/LIBERO.md)."""
     mujoco_gl: Literal["auto", "egl", "osmesa"] = "auto"
     """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
     hard_reset: bool = False
