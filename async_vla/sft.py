@@ -39,8 +39,10 @@ class DemoSamples:
     images: np.ndarray  # uint8 [N, H, W, 3]
     proprio: np.ndarray  # float32 [N, P]
     instructions: list[str]
-    actions: np.ndarray  # float32 [N, chunk, dof]
+    actions: Optional[np.ndarray]  # float32 [N, chunk, dof] raw expert actions (tokenised by the policy), or
     task_ids: list[int] = field(default_factory=list)
+    tokens: Optional[np.ndarray] = None  # int64 [N, chunk * dof] tokens made already (async_vla.demos)
+    token_mask: Optional[np.ndarray] = None  # bool [N, chunk * dof] tokens the expert executed (informational)
 
     def __len__(self) -> int:
         return len(self.instructions)
@@ -96,12 +98,17 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    tokens = torch.from_numpy(policy.tokenizer.encode_actions(demos.actions))
+    if demos.tokens is not None:
+        tokens_np = np.asarray(demos.tokens, dtype=np.int64)
+    else:
+        tokens_np = policy.tokenizer.encode_actions(demos.actions)
+    tokens = torch.from_numpy(tokens_np)
     # Smooth only the action dims the expert actually varies: dims it always leaves at one value (dz and the
     # rotations on the built-in tasks) stay one-hot, so rollouts sample them (almost) deterministically and
     # they add no noise to the policy gradient.
-    varies = demos.actions.reshape(-1, demos.actions.shape[-1]).std(0) > 1e-6
-    smooth_mask = torch.from_numpy(np.tile(varies, demos.actions.shape[1]))  # [T], step-major like the tokens
+    chunk, dof = policy.tokenizer.chunk_size, policy.tokenizer.action_dim
+    varies = tokens_np.reshape(-1, dof).std(0) > 1e-6
+    smooth_mask = torch.from_numpy(np.tile(varies, chunk))  # [T], step-major like the tokens
     images, proprio = torch.from_numpy(demos.images), torch.from_numpy(demos.proprio)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
     policy.train()
@@ -153,7 +160,12 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
     """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk."""
     if len(episodes) != len(envs):
         raise ValueError(f"{len(episodes)} episodes for {len(envs)} envs")
-    obs = [env.reset(t, i) for env, (t, i) in zip(envs, episodes)]
+    if len(envs) > 1 and all(hasattr(env, "reset_async") for env in envs):
+        for env, (t, i) in zip(envs, episodes):
+            env.reset_async(t, i)
+        obs = [env.wait() for env in envs]
+    else:
+        obs = [env.reset(t, i) for env, (t, i) in zip(envs, episodes)]
     instr = [env.instruction(t) for env, (t, _) in zip(envs, episodes)]
     results = [EpisodeResult(t, i, False, 0, [], [], []) for t, i in episodes]
     live = list(range(len(envs)))
@@ -162,6 +174,11 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
         proprio = np.stack([obs[k].proprio for k in live])
         tokens, logp = policy.act(images, proprio, [instr[k] for k in live], temperature, generator)
         chunks = policy.decode_actions(tokens)
+        # Env workers (actors.env_worker.SubprocessEnv) step their chunks in parallel: start all, then collect.
+        parallel = len(live) > 1 and all(hasattr(envs[k], "step_chunk_async") for k in live)
+        if parallel:
+            for row, k in enumerate(live):
+                envs[k].step_chunk_async(chunks[row])
         still = []
         for row, k in enumerate(live):
             res = results[k]
@@ -169,7 +186,7 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
                 res.observations.append(obs[k])
                 res.action_tokens.append(tokens[row])
                 res.logprobs.append(logp[row])
-            obs[k], done, success, n = envs[k].step_chunk(chunks[row])
+            obs[k], done, success, n = envs[k].wait() if parallel else envs[k].step_chunk(chunks[row])
             res.env_steps += n
             if done:
                 res.success = bool(success)

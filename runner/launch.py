@@ -130,14 +130,16 @@ class Evaluator:
     def __init__(self, cfg: Config, run_dir: Path):
         import torch
 
-        from async_vla.envs.base import make_env
         from runner.serial import build_policy_for
 
         torch.set_num_threads(1)
         self.cfg, self.run_dir = cfg, run_dir
         self.policy = build_policy_for(cfg)
-        n = min(cfg.actor.group_size, 8)
-        self.envs = [make_env(cfg, seed=10_000 + i) for i in range(n)]
+        from actors.env_worker import make_isolated_env
+
+        n = cfg.run.eval_envs or min(cfg.actor.group_size, 8)
+        # LIBERO: one worker process per env (env.worker=auto), so held-out episodes step in parallel.
+        self.envs = [make_isolated_env(cfg, seed=10_000 + i) for i in range(n)]
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
         self.version = -1
 

@@ -34,6 +34,9 @@ class RunConfig(Section):
     """Stop training after this many seconds of wall time, whichever comes first (counted by the learner from
     its start). The final checkpoint, policy export, final evaluation and shutdown come after it: leave a job
     scheduler's limit some room beyond this (seconds on the built-in task, minutes for a LIBERO evaluation)."""
+    eval_envs: Optional[int] = Field(None, ge=1)
+    """Simulators bin/train's evaluator (and bin/eval) runs held-out episodes on, in parallel (None = the group
+    size, at most 8). LIBERO envs run in their own worker processes (env.worker) at ~1.5 GB each."""
     eval_every: int = Field(5, ge=0)
     """Greedy evaluation on held-out init states every this many versions (0 = only at the start and end).
     async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's

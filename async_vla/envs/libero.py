@@ -293,10 +293,16 @@ class LiberoEnv(Env):
         self.last_raw_obs = raw
         return self._observe(raw)
 
-    def step(self, action: np.ndarray) -> tuple[Observation, bool, bool]:
+    def step(self, action: np.ndarray, render: bool = True) -> tuple[Observation, bool, bool]:
+        """One env step. ``render=False`` skips the camera renders of this step (physics only; the returned
+        images are blank): for callers that read the simulator state instead (the scripted expert)."""
         if self._done or self._env is None:
             raise RuntimeError("step() before reset() or after the episode ended")
-        raw, _reward, done, _info = self._env.step(to_libero_action(action, self.cfg.gripper_convention))
+        self._render_enabled = render
+        try:
+            raw, _reward, done, _info = self._env.step(to_libero_action(action, self.cfg.gripper_convention))
+        finally:
+            self._render_enabled = True
         self._steps += 1
         success = bool(done)
         self._done = success or self._steps >= self._max_steps
@@ -314,20 +320,16 @@ class LiberoEnv(Env):
         if self.cfg.render_at == "every_step":
             return super().step_chunk(acts)
         obs, done, success, n = None, False, False, 0
-        try:
-            for k, action in enumerate(acts):
-                self._render_enabled = k == len(acts) - 1 or self._steps + 1 >= self._max_steps
-                obs, done, success = self.step(action)
-                n += 1
-                if done:
-                    if not self._render_enabled:
-                        self._render_enabled = True
-                        self._env.env._update_observables(force=True)
-                        self.last_raw_obs = self._env.env._get_observations()
-                        obs = self._observe(self.last_raw_obs)
-                    break
-        finally:
-            self._render_enabled = True
+        for k, action in enumerate(acts):
+            render = k == len(acts) - 1 or self._steps + 1 >= self._max_steps
+            obs, done, success = self.step(action, render=render)
+            n += 1
+            if done:
+                if not render:
+                    self._env.env._update_observables(force=True)
+                    self.last_raw_obs = self._env.env._get_observations()
+                    obs = self._observe(self.last_raw_obs)
+                break
         return obs, done, success, n
 
     def close(self) -> None:
