@@ -81,7 +81,9 @@ def demo_chunks(demo: RawDemo, chunk_size: int) -> tuple[np.ndarray, np.ndarray]
 
 def demos_to_trajectories(demos: Sequence[RawDemo], tokenizer: ActionTokenizer,
                           run_id: str = "expert-demos") -> list[Trajectory]:
-    """Tokenise demos into ``Trajectory`` messages (behaviour version -1 = the expert, log-probs 0)."""
+    """Tokenise demos into ``Trajectory`` messages that pass the wire schema's checks: version 0 (before any
+    RL version), behaviour log-probs 0 (the expert is deterministic), and group size 2, the schema's minimum
+    (a demo belongs to no GRPO group; ``group_id`` numbers the demos)."""
     out = []
     dof = tokenizer.action_dim
     for k, d in enumerate(demos):
@@ -93,9 +95,9 @@ def demos_to_trajectories(demos: Sequence[RawDemo], tokenizer: ActionTokenizer,
             wrist = np.stack([o.wrist_image for o in d.observations]).astype(np.uint8)
         out.append(Trajectory(
             run_id=run_id, actor_id=0, group_id=f"demo-{k}", traj_id=f"demo-{k}/m0", task_id=d.task_id,
-            init_state_id=d.init_state_id, instruction=d.instruction, behaviour_version=-1, success=d.success,
+            init_state_id=d.init_state_id, instruction=d.instruction, behaviour_version=0, success=d.success,
             reward=1.0 if d.success else 0.0, env_steps=int(d.actions.shape[0]), t_start=0.0, t_end=0.0,
-            group_size=1, chunk_versions=np.full(n, -1, dtype=np.int64),
+            group_size=2, chunk_versions=np.zeros(n, dtype=np.int64),
             images=np.stack([o.image for o in d.observations]).astype(np.uint8),
             proprio=np.stack([o.proprio for o in d.observations]).astype(np.float32),
             action_tokens=tokens.astype(np.int64), behav_logprobs=np.zeros(tokens.shape, dtype=np.float32),

@@ -71,3 +71,32 @@ def test_demo_roundtrip_in_trajectory_format(env, tmp_path):
     np.testing.assert_allclose(back_stats.q99, stats.q99)
     samples = trajectories_to_samples([back])
     assert len(samples) == traj.num_calls and samples.tokens.shape == traj.action_tokens.shape
+
+
+@pytest.mark.timeout(1800)
+def test_pipeline_demos_sft_rl_eval(tmp_path):
+    """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> one async GRPO version -> bin/eval."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    overrides = ["env.task_ids=[0]", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
+                 "env.envs_per_actor=2", "actor.num_actors=1", "actor.group_size=2", "buffer.groups_per_batch=1",
+                 "buffer.dynamic_sampling=false", "run.max_versions=1", "run.eval_every=0", "run.eval_envs=1",
+                 "learner.micro_batch_trajectories=2", "transport.trajectory_port=0", "transport.control_port=0",
+                 "transport.weights_port=0"]
+    argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
+            "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=repo,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    demos = json.loads((tmp_path / "demos" / "demos.json").read_text())
+    assert demos["num_demos"] == 1 and demos["episodes"][0][0] == 0 and demos["episodes"][0][1] < 40
+    sft = json.loads((tmp_path / "sft" / "sft_metrics.json").read_text())
+    assert sft["eval_episodes"] == 1 and sft["sft"]["samples"] >= 13
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["final_version"] >= 1
+    assert "[eval]" in proc.stdout and "$ " in proc.stdout  # the final bin/eval ran, commands were printed
