@@ -30,6 +30,9 @@ REACHED = 0.006
 PATIENCE = 12
 LOOSE = 0.015
 CLOSE_STEPS = 12
+LIFT_CHECK_STEPS = 8  # lift this long, then the bowl must have risen LIFTED, else the pinch missed: re-grasp
+LIFTED = 0.02
+MAX_GRASPS = 3
 OPEN_STEPS = 10
 SUPPORTED_SUITES = ("spatial",)
 
@@ -99,6 +102,7 @@ class BowlOnPlateExpert:
         self.offset = np.array([0.0, side * RIM_RADIUS, GRASP_HEIGHT])
         self.phase = 0
         self.timer = 0
+        self.grasps = 0
 
     def _move(self, env, target: np.ndarray, gripper: float, speed: float = 1.0) -> tuple[np.ndarray, bool]:
         pos, rot = self._eef(env)
@@ -128,6 +132,14 @@ class BowlOnPlateExpert:
                 reached = self.timer >= CLOSE_STEPS
             elif self.phase == 3:  # lift (the target follows the lifted bowl's start point)
                 action, reached = self._move(env, self._lift_to, c, speed=0.6)
+                if (self.timer >= LIFT_CHECK_STEPS and bowl[2] - self._bowl_z < LIFTED
+                        and self.grasps < MAX_GRASPS):
+                    # The fingers closed beside or on top of the wall (seen when the far bowl sits at the edge
+                    # of the arm's reach): open, go back up and pinch the opposite side of the rim.
+                    self.offset[1] = -self.offset[1]
+                    self.phase, self.timer = 0, 0
+                    action[6] = o
+                    return action
             elif self.phase == 4:  # carry over the plate
                 action, reached = self._move(env, above_place, c, speed=0.8)
             elif self.phase == 5:  # lower
@@ -142,6 +154,8 @@ class BowlOnPlateExpert:
             self.timer = 0
             if self.phase == 3:
                 self._lift_to = self._eef(env)[0] + np.array([0.0, 0.0, HOVER])
+                self._bowl_z = bowl[2]
+                self.grasps += 1
 
 
 def expert_episode(env, task_id: int, init_state_id: int, observe_every: Optional[int] = 8
