@@ -136,6 +136,10 @@ class SubprocessEnv(Env):
         self.step_async(action)
         return self.wait()
 
+    def step_chunk(self, actions: np.ndarray) -> tuple[Observation, bool, bool, int]:
+        self.step_chunk_async(actions)
+        return self.wait()
+
     # Split calls: start several workers, then collect (``step_many``), so N simulators step in parallel.
     def reset_async(self, task_id: int, init_state_id: int) -> None:
         # A reset may build a new simulator (another task), so it gets the start-up budget.
@@ -143,6 +147,10 @@ class SubprocessEnv(Env):
 
     def step_async(self, action: np.ndarray) -> None:
         self._send("step", (np.asarray(action, dtype=np.float32),), self.step_timeout_s)
+
+    def step_chunk_async(self, actions: np.ndarray) -> None:
+        actions = np.asarray(actions, dtype=np.float32)
+        self._send("step_chunk", (actions,), self.step_timeout_s * max(1, len(actions)))
 
     def call_async(self, method: str, *args, timeout: Optional[float] = None) -> None:
         """Start a call of any other method of the wrapped env (e.g. LiberoEnv.num_init_states)."""
@@ -161,7 +169,7 @@ class SubprocessEnv(Env):
         self._pending = None
         status, payload = self._recv(timeout, method)
         if status == "error":
-            if method in ("reset", "step"):
+            if method in ("reset", "step", "step_chunk"):
                 raise self._fail("error", payload)
             raise RemoteEnvError(f"{method} failed in the env worker:\n{payload}")
         return payload

@@ -39,8 +39,10 @@ class DemoSamples:
     images: np.ndarray  # uint8 [N, H, W, 3]
     proprio: np.ndarray  # float32 [N, P]
     instructions: list[str]
-    actions: np.ndarray  # float32 [N, chunk, dof]
+    actions: Optional[np.ndarray]  # float32 [N, chunk, dof] raw expert actions (tokenised by the policy), or
     task_ids: list[int] = field(default_factory=list)
+    tokens: Optional[np.ndarray] = None  # int64 [N, chunk * dof] tokens made already (async_vla.demos)
+    token_mask: Optional[np.ndarray] = None  # bool [N, chunk * dof] tokens the expert executed (informational)
 
     def __len__(self) -> int:
         return len(self.instructions)
@@ -96,12 +98,17 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    tokens = torch.from_numpy(policy.tokenizer.encode_actions(demos.actions))
+    if demos.tokens is not None:
+        tokens_np = np.asarray(demos.tokens, dtype=np.int64)
+    else:
+        tokens_np = policy.tokenizer.encode_actions(demos.actions)
+    tokens = torch.from_numpy(tokens_np)
     # Smooth only the action dims the expert actually varies: dims it always leaves at one value (dz and the
     # rotations on the built-in tasks) stay one-hot, so rollouts sample them (almost) deterministically and
     # they add no noise to the policy gradient.
-    varies = demos.actions.reshape(-1, demos.actions.shape[-1]).std(0) > 1e-6
-    smooth_mask = torch.from_numpy(np.tile(varies, demos.actions.shape[1]))  # [T], step-major like the tokens
+    chunk, dof = policy.tokenizer.chunk_size, policy.tokenizer.action_dim
+    varies = tokens_np.reshape(-1, dof).std(0) > 1e-6
+    smooth_mask = torch.from_numpy(np.tile(varies, chunk))  # [T], step-major like the tokens
     images, proprio = torch.from_numpy(demos.images), torch.from_numpy(demos.proprio)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
     policy.train()
@@ -147,17 +154,23 @@ class EpisodeResult:
     action_tokens: list[np.ndarray]  # [T] per call
     logprobs: list[np.ndarray]  # [T] per call
     frames: list[np.ndarray] = field(default_factory=list)
-    """The camera image (uint8 [H, W, 3]) at the reset and after every env step, when recorded."""
+    """The camera image (uint8 [H, W, 3]) at the reset and after every chunk, when recorded."""
 
 
 def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int, int]], temperature: float,
             generator: Optional[torch.Generator] = None, keep_data: bool = False,
             record: Sequence[bool] = ()) -> list[EpisodeResult]:
     """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk.
-    ``record[k]``: keep episode k's frames (every env step's image) for a video."""
+    ``record[k]``: keep episode k's frames for a video (the image at reset and after each chunk: what the policy
+    sees, and all a decision-point-rendering env renders)."""
     if len(episodes) != len(envs):
         raise ValueError(f"{len(episodes)} episodes for {len(envs)} envs")
-    obs = [env.reset(t, i) for env, (t, i) in zip(envs, episodes)]
+    if len(envs) > 1 and all(hasattr(env, "reset_async") for env in envs):
+        for env, (t, i) in zip(envs, episodes):
+            env.reset_async(t, i)
+        obs = [env.wait() for env in envs]
+    else:
+        obs = [env.reset(t, i) for env, (t, i) in zip(envs, episodes)]
     instr = [env.instruction(t) for env, (t, _) in zip(envs, episodes)]
     results = [EpisodeResult(t, i, False, 0, [], [], []) for t, i in episodes]
     recording = [bool(record[k]) if k < len(record) else False for k in range(len(envs))]
@@ -170,6 +183,11 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
         proprio = np.stack([obs[k].proprio for k in live])
         tokens, logp = policy.act(images, proprio, [instr[k] for k in live], temperature, generator)
         chunks = policy.decode_actions(tokens)
+        # Env workers (actors.env_worker.SubprocessEnv) step their chunks in parallel: start all, then collect.
+        parallel = len(live) > 1 and all(hasattr(envs[k], "step_chunk_async") for k in live)
+        if parallel:
+            for row, k in enumerate(live):
+                envs[k].step_chunk_async(chunks[row])
         still = []
         for row, k in enumerate(live):
             res = results[k]
@@ -177,16 +195,13 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
                 res.observations.append(obs[k])
                 res.action_tokens.append(tokens[row])
                 res.logprobs.append(logp[row])
-            done = False
-            for a in chunks[row]:
-                obs[k], done, success = envs[k].step(a)
-                res.env_steps += 1
-                if recording[k]:
-                    res.frames.append(obs[k].image)
-                if done:
-                    res.success = bool(success)
-                    break
-            if not done:
+            obs[k], done, success, n = envs[k].wait() if parallel else envs[k].step_chunk(chunks[row])
+            res.env_steps += n
+            if recording[k]:
+                res.frames.append(obs[k].image)
+            if done:
+                res.success = bool(success)
+            else:
                 still.append(k)
         live = still
     return results
@@ -214,7 +229,7 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
     Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
     "wall_s"}``, plus with ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with
-    task_id, init_state_id, success and frames (uint8 [steps + 1, H, W, 3]).
+    task_id, init_state_id, success and frames (uint8 [chunks + 1, H, W, 3]).
     """
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)

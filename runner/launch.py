@@ -132,7 +132,7 @@ class Evaluator:
     def __init__(self, cfg: Config, run_dir: Path):
         import torch
 
-        from async_vla.envs.base import make_env
+        from actors.env_worker import make_isolated_env
         from async_vla.policy import build_policy
 
         torch.set_num_threads(1)
@@ -142,8 +142,9 @@ class Evaluator:
             torch.cuda.set_device(torch.device(device))
         torch.manual_seed(cfg.run.seed)
         self.policy = build_policy(cfg)   # the architecture (and action statistics) the exported weights load into
-        n = min(cfg.actor.group_size, 8)
-        self.envs = [make_env(cfg, seed=10_000 + i) for i in range(n)]
+        n = cfg.run.eval_envs or min(cfg.actor.group_size, 8)
+        # LIBERO: one worker process per env (env.worker=auto), so held-out episodes step in parallel.
+        self.envs = [make_isolated_env(cfg, seed=10_000 + i) for i in range(n)]
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
         self.version = -1
 

@@ -15,7 +15,7 @@ import pytest
 from actors.rollout import GroupRollout, GroupSpec
 from actors.status import parse_connect, parse_share
 from async_vla.config import load_config
-from async_vla.envs.base import Observation
+from async_vla.envs.base import Env, Observation
 from async_vla.messages import AdmissionGrant, Trajectory, decode, encode
 from async_vla.tokenizer import ActionTokenizer
 
@@ -45,7 +45,7 @@ class Crash(RuntimeError):
     """Stand-in for actors.env_worker.EnvCrashed."""
 
 
-class ScriptedEnv:
+class ScriptedEnv(Env):
     """Episode ends after ``length`` steps (success if ``success``); may crash at step ``crash_at``."""
 
     task_ids = [0, 1]

@@ -170,3 +170,35 @@ def test_libero_smoke_runs_end_to_end_through_actors_buffer_learner(tmp_path):
     assert ledger["received"] == sum(ledger["ledger"].values())
     versions = json.loads((rd / "versions.json").read_text())
     assert versions["libero_stack"]["mujoco"] == "2.3.7"
+
+
+@pytest.mark.slow
+def test_decision_point_rendering_is_pixel_equal_to_every_step():
+    """env.render_at=decision renders only where the policy reads (reset, the last step of a chunk, a time-out
+    step); there the images (agentview + wrist) and proprio equal those of render-every-step."""
+    from async_vla.envs.libero import LiberoEnv
+
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-0.6, 0.6, (3, 8, 7)).astype(np.float32)
+    actions[..., 6] = rng.integers(0, 2, (3, 8))
+    seen = {}
+    for mode in ("every_step", "decision"):
+        # Fresh envs with one seed: LIBERO re-samples fixture placement from the env's RNG on every reset.
+        e = LiberoEnv(_cfg(f"env.render_at={mode}", "env.max_steps=20").env, seed=0)
+        try:
+            frames = [e.reset(0, 3)]
+            for chunk in actions:  # 8 + 8 steps, then 4 more to the 20-step limit (rendered: it times out)
+                obs, done, success, n = e.step_chunk(chunk)
+                frames.append((obs, done, n))
+                if done:
+                    break
+            seen[mode] = frames
+        finally:
+            e.close()
+    every, decision = seen["every_step"], seen["decision"]
+    assert [f[1:] for f in every[1:]] == [f[1:] for f in decision[1:]] == [(False, 8), (False, 8), (True, 4)]
+    for a, b in zip([every[0]] + [f[0] for f in every[1:]], [decision[0]] + [f[0] for f in decision[1:]]):
+        assert a.image.std() > 10  # a real frame, not the blank a skipped render leaves
+        np.testing.assert_array_equal(a.image, b.image)
+        np.testing.assert_array_equal(a.wrist_image, b.wrist_image)
+        np.testing.assert_array_equal(a.proprio, b.proprio)

@@ -34,6 +34,9 @@ class RunConfig(Section):
     """Stop training after this many seconds of wall time, whichever comes first (counted by the learner from
     its start). The final checkpoint, policy export, final evaluation and shutdown come after it: leave a job
     scheduler's limit some room beyond this (seconds on the built-in task, minutes for a LIBERO evaluation)."""
+    eval_envs: Optional[int] = Field(None, ge=1)
+    """Simulators bin/train's evaluator (and bin/eval) runs held-out episodes on, in parallel (None = the group
+    size, at most 8). LIBERO envs run in their own worker processes (env.worker) at ~1.5 GB each."""
     eval_every: int = Field(5, ge=0)
     """Greedy evaluation on held-out init states every this many versions (0 = only at the start and end).
     async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's
@@ -94,6 +97,12 @@ class EnvConfig(Section):
     """LIBERO render fidelity. cheap: no shadows, reflections, skybox or multisampling (faster software
     rendering; images differ from what published checkpoints saw, so use it for CPU/smoke runs, not to
     evaluate or fine-tune pretrained OpenVLA models). See docs/LIBERO.md for measured speeds."""
+    render_at: Literal["every_step", "decision"] = "every_step"
+    """LIBERO camera rendering. every_step: every env step renders its images (robosuite's behaviour).
+    decision: ``step_chunk`` (what actors, SFT and eval call) renders only the step whose observation the
+    policy reads (the last of a chunk; reset always renders); the steps in between run physics alone. The
+    images at those points are pixel-equal to every_step's (tests/test_libero.py), so fidelity is the same;
+    it only skips frames nobody reads (~6-10x env steps/s at 128 px on a CPU: docs/LIBERO.md)."""
     mujoco_gl: Literal["auto", "egl", "osmesa"] = "auto"
     """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
     hard_reset: bool = False
@@ -557,7 +566,8 @@ class LoggingConfig(Section):
     eval/video/task<t>_init<i>: the same episodes at every eval, one per task first); 0 = off. Costs one image
     copy per env step of those episodes and a GIF encode per eval."""
     eval_video_fps: float = Field(8.0, gt=0)
-    """Playback speed of the eval videos in env steps per second (long episodes skip frames, same speed)."""
+    """Playback speed of the eval videos in frames per second, one frame per policy call (long episodes skip
+    frames, same speed)."""
     status_every_s: float = Field(5.0, gt=0)
     """Seconds between live status lines."""
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

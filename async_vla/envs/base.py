@@ -55,6 +55,20 @@ class Env(abc.ABC):
     def step(self, action: np.ndarray) -> tuple[Observation, bool, bool]:
         """Apply one float action [7]; returns (obs, done, success). done is True on success or time-out."""
 
+    def step_chunk(self, actions: np.ndarray) -> tuple[Observation, bool, bool, int]:
+        """Apply actions ``[k, 7]`` in order until the episode ends; returns (obs after the last executed step,
+        done, success, steps executed). Only the returned observation is read, so an env may skip rendering
+        the steps in between (LIBERO with ``env.render_at=decision``); this default steps one by one."""
+        obs, done, success, n = None, False, False, 0
+        for action in np.asarray(actions):
+            obs, done, success = self.step(action)
+            n += 1
+            if done:
+                break
+        if obs is None:
+            raise ValueError("step_chunk needs at least one action")
+        return obs, done, success, n
+
     def close(self) -> None:
         """Release simulator resources (no-op by default)."""
 

@@ -238,6 +238,7 @@ class LiberoEnv(Env):
         self._task_id: Optional[int] = None
         self._steps = 0
         self._done = True
+        self._render_enabled = True  # read by the gated camera sensors (see _gate_cameras)
         self.last_raw_obs: Optional[dict] = None  # robosuite's observation dict of the last reset/step
 
     # ---- interface --------------------------------------------------------------------------------
@@ -280,22 +281,60 @@ class LiberoEnv(Env):
             if gripper is not None and hasattr(gripper, "current_action"):
                 gripper.current_action = np.zeros_like(gripper.current_action)
         self._apply_render_settings()
-        raw = env.set_init_state(states[init_state_id])
-        for _ in range(self.cfg.settle_steps):
-            raw, _, _, _ = env.step(NOOP_ACTION)
+        self._gate_cameras()
+        decision = self.cfg.render_at == "decision"
+        # Only the observation after the last settle step is read: with render_at=decision the ones before it
+        # run physics alone.
+        self._render_enabled = not decision or self.cfg.settle_steps == 0
+        try:
+            raw = env.set_init_state(states[init_state_id])
+            for k in range(self.cfg.settle_steps):
+                self._render_enabled = not decision or k == self.cfg.settle_steps - 1
+                raw, _, _, _ = env.step(NOOP_ACTION)
+        finally:
+            self._render_enabled = True
         self._task_id, self._steps, self._done = task_id, 0, False
         self.last_raw_obs = raw
         return self._observe(raw)
 
-    def step(self, action: np.ndarray) -> tuple[Observation, bool, bool]:
+    def step(self, action: np.ndarray, render: bool = True) -> tuple[Observation, bool, bool]:
+        """One env step. ``render=False`` skips the camera renders of this step (physics only; the returned
+        images are blank): for callers that read the simulator state instead (the scripted expert)."""
         if self._done or self._env is None:
             raise RuntimeError("step() before reset() or after the episode ended")
-        raw, _reward, done, _info = self._env.step(to_libero_action(action, self.cfg.gripper_convention))
+        self._render_enabled = render
+        try:
+            raw, _reward, done, _info = self._env.step(to_libero_action(action, self.cfg.gripper_convention))
+        finally:
+            self._render_enabled = True
         self._steps += 1
         success = bool(done)
         self._done = success or self._steps >= self._max_steps
         self.last_raw_obs = raw
         return self._observe(raw), self._done, success
+
+    def step_chunk(self, actions: np.ndarray) -> tuple[Observation, bool, bool, int]:
+        """Steps ``actions [k, 7]`` until the episode ends (see ``Env.step_chunk``). With ``env.render_at=
+        decision`` only the last step of the chunk renders its cameras (pixel-equal to what every_step renders
+        there); a step that times out renders too. An episode that succeeds mid-chunk gets its final images
+        rendered at the end of that step (nobody reads them: the episode is over)."""
+        acts = np.asarray(actions)
+        if acts.ndim != 2 or acts.shape[0] == 0:
+            raise ValueError(f"step_chunk takes actions [k, 7] with k >= 1, got shape {acts.shape}")
+        if self.cfg.render_at == "every_step":
+            return super().step_chunk(acts)
+        obs, done, success, n = None, False, False, 0
+        for k, action in enumerate(acts):
+            render = k == len(acts) - 1 or self._steps + 1 >= self._max_steps
+            obs, done, success = self.step(action, render=render)
+            n += 1
+            if done:
+                if not render:
+                    self._env.env._update_observables(force=True)
+                    self.last_raw_obs = self._env.env._get_observations()
+                    obs = self._observe(self.last_raw_obs)
+                break
+        return obs, done, success, n
 
     def close(self) -> None:
         # robosuite frees its GL context here; without it EGL prints errors at interpreter exit.
@@ -364,6 +403,29 @@ class LiberoEnv(Env):
         ctx.con.free()
         ctx._set_mujoco_context_and_buffers()
         self._render_ctx_id = id(ctx)
+
+    def _gate_cameras(self) -> None:
+        """Wrap robosuite's camera sensors so a step renders only while ``self._render_enabled``.
+
+        robosuite samples every observable inside ``env.step`` (at the first physics substep of a control
+        step); the wrapper keeps that timing and only replaces the render with a blank frame when the image
+        will not be read, so a rendered image is the one robosuite would have made at that state. A hard
+        reset builds new observables, hence the check on every reset.
+        """
+        observables = self._env.env._observables
+        blank = np.zeros((self.render_size, self.render_size, 3), dtype=np.uint8)
+        for cam in self.camera_names:
+            observable = observables[f"{cam}_image"]
+            render = observable._sensor
+            if getattr(render, "_async_vla_gated", False):
+                continue
+
+            def gated(obs_cache, render=render):
+                return render(obs_cache) if self._render_enabled else blank
+
+            gated.__modality__ = render.__modality__
+            gated._async_vla_gated = True
+            observable._sensor = gated
 
     def _image(self, raw_img: np.ndarray) -> np.ndarray:
         from async_vla.image_ops import jpeg_roundtrip, lanczos_resize
