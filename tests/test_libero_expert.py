@@ -73,6 +73,8 @@ def test_demo_roundtrip_in_trajectory_format(env, tmp_path):
     assert len(samples) == traj.num_calls and samples.tokens.shape == traj.action_tokens.shape
 
 
+@pytest.mark.skip(reason="written but never run to completion (the session's machine was too loaded): "
+                         "enable once it has passed on a quiet machine")
 @pytest.mark.timeout(1800)
 def test_pipeline_demos_sft_rl_eval(tmp_path):
     """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> one async GRPO version -> bin/eval."""
