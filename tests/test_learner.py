@@ -1,8 +1,6 @@
 """TorchLearner (and single-rank DeepSpeed) steps: direction, DeepSpeed non-finite skips, checkpoints.
 (TorchLearner's NaN/inf skips: tests/faults/test_numerics.py.)"""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -73,23 +71,6 @@ def test_checkpoint_round_trip_is_bit_equal(tmp_path):
 
 
 # ------------------------------------------------------------------------- single-rank DeepSpeed
-@pytest.fixture(scope="module")
-def dist_env():
-    """One-process world for in-process DeepSpeed engines (the process group outlives the tests)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_single_rank_matches_torch_and_skips_nan(dist_env, stage, tmp_path):
     from learner.deepspeed_engine import DeepSpeedLearner, make_ds_config

@@ -3,8 +3,6 @@ only the adapters train, actors and exports get the policy's own names with merg
 adapted policy computes, checkpoints resume, on the tiny policy and the OpenVLA-OFT stand-in under the torch learner
 and DeepSpeed ZeRO 0 and 3."""
 
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -20,22 +18,6 @@ TINY = ["policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_head
 COMMON = ["learner.lr=0.01", "actor.temperature=1.0", "run.seed=3", "learner.zero3_persistence_threshold=0",
           "buffer.groups_per_batch=2", "learner.micro_batch_trajectories=2"]
 LORA = ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.gradient_checkpointing=true"]
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _setup(kind: str, tmp_path, extra=()):

@@ -99,24 +99,24 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
     def token_logprobs(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                        action_tokens: Tensor, temperature: float) -> Tensor:
         """Differentiable log-probs ``[B, T]`` of given action token ids under ``log_softmax(logits / T)``."""
+        logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
+        return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+    def _action_log_softmax(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
+                            action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        """``log_softmax(logits / T)`` over the action bins ``[B, T, bins]`` and the tokens' bin indices."""
         tokens = torch.as_tensor(action_tokens, device=self.device).long()
         idx = self.tokenizer.token_to_index(tokens)
         if bool(((idx < 0) | (idx >= self.tokenizer.num_bins)).any()):
             raise ValueError("action_tokens contain ids outside the action-token range")
         logits = self.action_logits(images, proprio, instructions, idx)
-        logp_all = F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
-        return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+        return F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1), idx
 
     def token_logprobs_entropy(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                                action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
         """``token_logprobs`` and, from the same forward, the entropy ``[B, T]`` of each position's action
         distribution at that temperature (the learner's proximal pass: actor/entropy)."""
-        tokens = torch.as_tensor(action_tokens, device=self.device).long()
-        idx = self.tokenizer.token_to_index(tokens)
-        if bool(((idx < 0) | (idx >= self.tokenizer.num_bins)).any()):
-            raise ValueError("action_tokens contain ids outside the action-token range")
-        logits = self.action_logits(images, proprio, instructions, idx)
-        logp_all = F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+        logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1), entropy
 
