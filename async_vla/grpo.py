@@ -15,7 +15,7 @@ Everything here is a small pure function so that tests/grpo_reference.py can mir
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch

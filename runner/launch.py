@@ -308,28 +308,30 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
     cfg = resolve_ports(cfg)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)  # the children will parse exactly this file: fail here, not in three places
-    stop = {"flag": False}
-    # SIGHUP too: a closed terminal or dropped ssh session stops the run cleanly instead of orphaning it.
-    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
-           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stop, restore_signals = stop_on_signals()
     run = LaunchedRun(cfg, run_dir, resume)
     try:
         run.evaluate_start()
         run.children = start_children(cfg, run_dir, cfg_path, resume, should_stop=lambda: stop["flag"])
-        run.last_status = run.next_eval_check = time.time()
-        while not stop["flag"]:
-            time.sleep(0.5)
-            if not run.children_healthy():      # the learner stopped, or a child died (a buffer is restarted)
-                break
-            if run.evaluate_if_due():           # True: run.target_success reached
-                break
-            run.status_if_due()
-        run.note_stop(signalled=stop["flag"])
+        run.supervise(stop)
     finally:
         run.stop_children()
+        restore_signals()
+    return run.finish()
+
+
+def stop_on_signals() -> tuple[dict, Callable[[], None]]:
+    """A flag that SIGINT, SIGTERM and SIGHUP set (a closed terminal or dropped ssh session stops the run cleanly
+    instead of orphaning it), and the function that puts the previous handlers back."""
+    stop = {"flag": False}
+    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def restore() -> None:
         for s, h in old.items():
             signal.signal(s, h)
-    return run.finish()
+
+    return stop, restore
 
 
 class LaunchedRun:
@@ -387,6 +389,22 @@ class LaunchedRun:
                 print(f"[train] {name} exited unexpectedly:\n{children[name].tail()}", flush=True)
                 self.failed = True
         return not self.failed
+
+    def supervise(self, stop: dict, tick: Optional[Callable[[], None]] = None) -> None:
+        """Until the learner stops, a child dies for good, the target is reached or ``stop["flag"]`` is set:
+        watch the children (a dead buffer is restarted), evaluate milestones, print status lines; ``tick`` runs
+        once a round after the health check."""
+        self.last_status = self.next_eval_check = time.time()
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if not self.children_healthy():     # the learner stopped, or a child died (a buffer is restarted)
+                break
+            if tick is not None:
+                tick()
+            if self.evaluate_if_due():          # True: run.target_success reached
+                break
+            self.status_if_due()
+        self.note_stop(signalled=stop["flag"])
 
     def note_stop(self, signalled: bool) -> None:
         """Why the loop ended, for the summary's ``stopped_on`` (budget and target are noted where they happen)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, Optional
 from async_vla.config import Config, dump_config, load_config, write_resolved
 from async_vla.transport import endpoints
 from async_vla.placement import placed
-from runner.launch import LaunchedRun, resolve_ports, start_tensorboard
+from runner.launch import LaunchedRun, resolve_ports, start_tensorboard, stop_on_signals
 from runner.ray_host import ProcessHost
 
 log = logging.getLogger("runner.ray_launch")
@@ -289,9 +288,7 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     cfg = resolve_ports(cfg)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)
-    stop = {"flag": False}
-    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
-           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stop, restore_signals = stop_on_signals()
     run = RayRun(cfg, run_dir, resume)
     try:
         run.evaluate_start()
@@ -299,23 +296,19 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
         print(f"[train] Ray cluster {cfg.ray.address}: {len([n for n in ray.nodes() if n['Alive']])} nodes, "
               f"{resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs", flush=True)
         run.children = start_ray_children(cfg, run_dir, cfg_path, resume)
-        run.last_status = run.next_eval_check = time.time()
-        driver_node, placed = ray.get_runtime_context().get_node_id(), None
-        while not stop["flag"]:
-            time.sleep(0.5)
-            if not run.children_healthy():   # also notes where each component runs now
-                break
-            if (now := placement(run.children)) != placed:
-                placed = json.loads(json.dumps(now))
+        driver_node = ray.get_runtime_context().get_node_id()
+        last_where: dict = {}
+
+        def record_where() -> None:   # <run>/ray.json: where each component runs now (children_healthy notes it)
+            nonlocal last_where
+            if (now := placement(run.children)) != last_where:
+                last_where = json.loads(json.dumps(now))
                 (run_dir / "ray.json").write_text(json.dumps({"driver_node": driver_node, **now}, indent=1))
-            if run.evaluate_if_due():
-                break
-            run.status_if_due()
-        run.note_stop(signalled=stop["flag"])
+
+        run.supervise(stop, tick=record_where)
     finally:
         run.stop_children()
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_signals()
     fleets = run.children.get("actors")
     where = {"fleet_nodes": [f.nodes for f in fleets.fleets], "fleet_restarts": fleets.restarts()} \
         if isinstance(fleets, Fleets) else {}

@@ -11,7 +11,7 @@ import collections
 import json
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 STATES = ("trained", "filtered_uniform", "filtered_difficulty", "stale", "expired_partial", "duplicate",
           "malformed", "ahead", "pending")

@@ -152,7 +152,6 @@ def test_a_leaked_client_in_a_reference_cycle_never_blocks_the_garbage_collector
     so that a regression fails here instead of hanging whichever test the collector happens to run in."""
     import subprocess
     import sys
-    from pathlib import Path
 
     code = f"""
 import gc, time
