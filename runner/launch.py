@@ -371,15 +371,22 @@ class LaunchedRun:
             print("[train] weights.export=false: no evaluation during the run (it loads the exported versions); "
                   "the learner's final policy is evaluated when it stops", flush=True)
 
+    def learner_stopped(self) -> bool:
+        """True once the learner process exited; the run has ``failed`` unless it exited with 0."""
+        learner = self.children["learner"]
+        if learner.alive():
+            return False
+        code = learner.proc.returncode
+        self.failed = code != 0
+        if self.failed:
+            print(f"[train] learner exited with code {code}:\n{learner.tail()}", flush=True)
+        return True
+
     def children_healthy(self) -> bool:
         """False when the run is over: the learner exited (``failed`` unless with 0), or the buffer (past its
         restarts) or the actors died. A dead buffer is restarted up to ``BUFFER_RESTARTS`` times."""
         children = self.children
-        if not children["learner"].alive():
-            code = children["learner"].proc.returncode
-            self.failed = code != 0
-            if self.failed:
-                print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
+        if self.learner_stopped():
             return False
         if not children["buffer"].alive() and self.buffer_restarts < BUFFER_RESTARTS:
             self.buffer_restarts += 1

@@ -262,11 +262,7 @@ class RayRun(LaunchedRun):
 
     def children_healthy(self) -> bool:
         children = self.children
-        if not children["learner"].alive():
-            code = children["learner"].proc.returncode
-            self.failed = code != 0
-            if self.failed:
-                print(f"[train] learner exited with code {code}:\n{children['learner'].tail()}", flush=True)
+        if self.learner_stopped():
             return False
         for name in ("buffer", "actors"):
             if not children[name].alive():
