@@ -1,4 +1,5 @@
-"""The one path to TensorBoard: ``Monitor(run_dir)`` writes event files under ``<run>/tb``.
+"""The one path to TensorBoard: ``Monitor(run_dir)`` writes event files under ``<run>/tb`` (through
+``async_vla.tb_events``, which needs no torch: the buffer process logs through it too).
 
 Every process that logs (learner rank 0, buffer service, fleet) opens its own Monitor on the same run
 directory; each writer creates its own event file (the file name carries host, pid and a counter), and
@@ -14,9 +15,12 @@ from __future__ import annotations
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from async_vla.tb_events import EventFileWriter
 
 TB_SUBDIR = "tb"
 
@@ -113,19 +117,19 @@ class Monitor:
     def __init__(self, run_dir: Union[str, Path], enabled: bool = True, flush_secs: int = 10):
         self.tb_dir = Path(run_dir) / TB_SUBDIR
         self.enabled = bool(enabled)
-        self._writer: Any = None
+        self._writer: Optional["EventFileWriter"] = None
         if self.enabled:
-            # Imported here: processes that never log do not pay for the TensorBoard import.
-            from torch.utils.tensorboard import SummaryWriter
+            # Imported here: processes that never log do not pay for the protobuf import. Not torch's
+            # SummaryWriter: the buffer process logs too, and must not import torch.
+            from async_vla.tb_events import EventFileWriter
 
-            self.tb_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.tb_dir), flush_secs=flush_secs)
+            self._writer = EventFileWriter(self.tb_dir, flush_secs=flush_secs)
 
     def scalar(self, tag: str, value: Any, step: int) -> None:
         """One scalar. NaN and inf are written as they are (a NaN loss should be visible, not hidden)."""
         if self._writer is None:
             return
-        self._writer.add_scalar(tag, float(value), global_step=int(step))
+        self._writer.scalar(tag, float(value), int(step))
 
     def scalars(self, values: Mapping[str, Any], step: int) -> None:
         """Every numeric entry of ``values`` as its own tag (non-numeric entries are skipped)."""
@@ -133,7 +137,7 @@ class Monitor:
             return
         for tag, value in values.items():
             if isinstance(value, (numbers.Real, np.number, np.bool_)):  # bools log as 0/1
-                self._writer.add_scalar(tag, float(value), global_step=int(step))
+                self._writer.scalar(tag, float(value), int(step))
 
     def histogram(self, tag: str, values: Iterable[float], step: int) -> None:
         """A histogram of ``values`` (empty or all-non-finite inputs are skipped: TensorBoard rejects them)."""
@@ -143,7 +147,7 @@ class Monitor:
         arr = arr[np.isfinite(arr)]
         if arr.size == 0:
             return
-        self._writer.add_histogram(tag, arr, global_step=int(step))
+        self._writer.histogram(tag, arr, int(step))
 
     def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
         """An episode (uint8 [T, H, W, 3]) as an animated GIF in TensorBoard's Images tab.
@@ -158,7 +162,7 @@ class Monitor:
         shown, stride = video_frames(frames)
         data = gif_bytes(shown, 1000.0 * stride / fps)
         image = Summary.Image(height=shown.shape[1], width=shown.shape[2], colorspace=3, encoded_image_string=data)
-        self._writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), int(step))
+        self._writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), int(step))
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -166,7 +170,6 @@ class Monitor:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
             self._writer.close()
             self._writer = None
 

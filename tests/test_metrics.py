@@ -45,3 +45,34 @@ def test_disabled_monitor_writes_nothing(tmp_path):
     mon.close()
     assert not (tmp_path / "tb").exists()
     assert read_tags(tmp_path / "tb") == set()
+
+
+def test_event_records_carry_the_tfrecord_checksums():
+    from async_vla.tb_events import crc32c, masked_crc32c, record
+
+    assert crc32c(b"123456789") == 0xE3069283          # the CRC-32C check value
+    assert crc32c(b"") == 0
+    data = b"an event"
+    rec = record(data)
+    assert len(rec) == 8 + 4 + len(data) + 4 and rec[12:-4] == data
+    assert int.from_bytes(rec[:8], "little") == len(data)
+    assert int.from_bytes(rec[8:12], "little") == masked_crc32c(rec[:8])
+    assert int.from_bytes(rec[-4:], "little") == masked_crc32c(data) != crc32c(data)
+
+
+def test_events_read_back_with_tensorboard_as_written(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Monitor(tmp_path, flush_secs=1) as mon:
+        for step in range(3):
+            mon.scalars({"buffer/received": 10.0 * step, "buffer/lag_mean": step / 4}, step)
+        mon.histogram("buffer/trained_lag", [0, 1, 1, 2, 5], 2)
+    (path,) = (tmp_path / "tb").iterdir()
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("buffer/received")] == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("buffer/lag_mean")] == [(0, 0.0), (1, 0.25), (2, 0.5)]
+    (h,) = acc.Histograms("buffer/trained_lag")
+    v = h.histogram_value
+    assert h.step == 2 and (v.min, v.max, v.num, v.sum, v.sum_squares) == (0, 5, 5, 9, 31)
+    assert sum(v.bucket) == 5 and v.bucket_limit[-1] == 5
