@@ -305,8 +305,8 @@ def test_a_roster_naming_a_bell_outside_the_shm_dir_is_refused(tmp_path):
     sub = WeightSubscriber(cfg, 1, tmp_path)
     try:
         msg = {"bell": str(tmp_path / f"{NAME}1_x_bell1"), "shm": str(tmp_path / "shm" / f"{NAME}1_x"), "rank": 1}
-        sub._bell_epoch(None, msg, 1, "", 1)      # outside cfg.weights.shm_dir: not opened, counted
-        assert sub.stats["failures"] == 1 and sub._bell is None
+        assert sub._join(None, msg, 1, 1, "") is None     # outside cfg.weights.shm_dir: not opened, counted
+        assert sub.stats["failures"] == 1
     finally:
         sub.close()
 

@@ -320,7 +320,7 @@ def test_a_reader_keeps_the_segments_in_use_mapped_when_one_slot_is_remade(tmp_p
 
 def test_a_member_that_registered_for_shared_memory_but_cannot_read_it_moves_the_group_to_the_wire(
         tmp_path, monkeypatch, caplog):
-    import async_vla.weights.subscriber as weights_mod
+    import async_vla.weights.subscriber as weights_mod   # where the subscriber makes its ShmReader
 
     class Unreadable(ShmReader):
         def _mapping(self, gen):     # every way in (pin, views, the whole mapping) maps the segment first

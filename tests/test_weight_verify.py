@@ -220,9 +220,9 @@ def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(
     # held the learner until busy receivers got a core), the next publish does - only before it resets the slot
     # they still pin - and no segment is re-made. Over gloo receivers count their releases in the store; on a bell
     # in their slot of the page.
-    from async_vla.weights import publisher as weights
-    from async_vla.weights.bell import BellGroup
-    from async_vla.weights.wire import BroadcastGroup
+    from async_vla.weights import transport as weights
+    from async_vla.weights.transport_bell import BellTransport
+    from async_vla.weights.transport_shm import ShmTransport
 
     # 1.5 s: still letting go when we look, even on a loaded host; settling may wait up to 4 s for it.
     monkeypatch.setattr(weights, "SETTLE_S", 4.0)
@@ -238,9 +238,9 @@ def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(
         return w.pub._store.add(f"w/e{g.epoch}/released", 0)
 
     if doorbell:
-        assert isinstance(g, BellGroup)
+        assert isinstance(g, BellTransport)
     else:
-        assert isinstance(g, BroadcastGroup) and g.released_owed == 2
+        assert isinstance(g, ShmTransport) and g.group.released_owed == 2
     assert released() < 2    # both still letting go
     for version in (2, 3):
         st = w.pub.publish(version, _model(30 + version).items())
@@ -252,20 +252,21 @@ def test_publish_returns_at_the_verdict_and_the_next_one_waits_for_the_releases(
 def test_settling_gives_up_after_its_limit_and_forgives_a_member_that_never_counts(tmp_path, monkeypatch):
     import types
 
-    from async_vla.weights import publisher as weights
+    from async_vla.weights import transport as weights
+    from async_vla.weights.transport_wire import WireTransport
 
     pub = WeightPublisher(_cfg(), tmp_path)
     try:
         monkeypatch.setattr(weights, "SETTLE_S", 0.2)
-        pub._group = types.SimpleNamespace(epoch=7, released_owed=3)
+        g = WireTransport(pub._ctx, 7, (1, 2, 3))     # a gloo epoch whose three members owe a release each
+        g.group = types.SimpleNamespace(epoch=7, released_owed=3)
         pub._store.add("w/e7/released", 1)
         t0 = time.monotonic()
-        pub._settle()
-        assert 0.2 <= time.monotonic() - t0 < slack(5) and pub._group.released_owed == 1
+        g.settle()
+        assert 0.2 <= time.monotonic() - t0 < slack(5) and g.group.released_owed == 1
         monkeypatch.setattr(weights, "SETTLE_S", 60.0)  # a wait would now last the 5 s timeout: unmistakable
         t0 = time.monotonic()
-        pub._settle()                       # owed no more than counted: no wait at all
+        g.settle()                          # owed no more than counted: no wait at all
         assert time.monotonic() - t0 < min(slack(2.5), 30)   # a wait would last SETTLE_S=60 s
     finally:
-        pub._group = None
         pub.close()

@@ -49,7 +49,8 @@ def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
 def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_gone():
     import torch.distributed as dist
 
-    from async_vla.weights.subscriber import POP_TIMEOUT_S, WeightSubscriber
+    from async_vla.weights.transport import POP_TIMEOUT_S
+    from async_vla.weights.transport_wire import epoch_dropped
 
     class Store:
         def __init__(self, outcome):
@@ -66,7 +67,7 @@ def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_
 
     for outcome, expected in ((True, True), (False, False), (dist.DistStoreError("timeout"), False)):
         store = Store(outcome)
-        assert WeightSubscriber._dropped(store, 4) is expected
+        assert epoch_dropped(store, 4) is expected
         assert store.timeouts[0] < 5 and store.timeouts[-1] == POP_TIMEOUT_S   # short, then restored
     with pytest.raises(dist.DistNetworkError):
-        WeightSubscriber._dropped(Store(dist.DistNetworkError("reset")), 4)
+        epoch_dropped(Store(dist.DistNetworkError("reset")), 4)

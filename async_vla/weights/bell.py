@@ -392,18 +392,3 @@ class BellMember:
                 os.close(self._lock_fd)     # releases our lock: the publisher sees us gone
             self._lock_fd = None
 
-
-class BellGroup:
-    """The publisher's view of an epoch whose members exchange versions through a bell (what ``BroadcastGroup`` is
-    for a gloo or NCCL epoch: the attributes ``async_vla.weights`` reads, and ``close``)."""
-
-    backend = "bell"
-    use_shm = True
-
-    def __init__(self, bell: BellPublisher, epoch: int, members: tuple[int, ...]):
-        self.bell, self.epoch, self.members = bell, epoch, members
-        self.verify_shares = 0
-        self.released_owed = 0
-
-    def close(self) -> None:
-        self.bell.drop()

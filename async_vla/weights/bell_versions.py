@@ -5,12 +5,15 @@ before packing when the offsets are known (``EarlyPost``), then seal, acknowledg
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from async_vla.weights.bell import CHUNK_BYTES, BellGroup, BellPublisher
+from async_vla.weights.bell import CHUNK_BYTES, BellPublisher
 from async_vla.weights.buckets import ALIGN, DTYPES, Layout, fold, share_checksum, verify_shares
+
+if TYPE_CHECKING:
+    from async_vla.weights.transport_bell import BellTransport
 
 
 class NoRoom(Exception):
@@ -28,13 +31,13 @@ class BellSender:
         self._manifests: set[int] = set()
 
     @staticmethod
-    def split(g: BellGroup, verify: bool, verify_split: bool) -> int:
+    def split(g: "BellTransport", verify: bool, verify_split: bool) -> int:
         """Verification shares of a version: one per member, 1 (each checks all) or 0 (nobody checks)."""
         if not verify:
             return 0
         return len(g.members) if verify_split else 1
 
-    def post_early(self, g: BellGroup, version: int, layout: Optional[Layout], split: int) -> Optional["EarlyPost"]:
+    def post_early(self, g: "BellTransport", version: int, layout: Optional[Layout], split: int) -> Optional["EarlyPost"]:
         """Post ``version`` before packing when ``layout`` (the last version's) went to the current segment last
         time it was packed straight into it: the packer allocates from it in the same order, so the offsets are
         those again. None when they are not known (post once sealed)."""
@@ -45,7 +48,7 @@ class BellSender:
         p = g.bell.post(version, gen, seen[1], split, layout.digest, layout.total_bytes, sealed=False)
         return EarlyPost(g.bell, p, layout, gen, seen[1], split)
 
-    def send(self, g: BellGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor], deadline: float,
+    def send(self, g: "BellTransport", version: int, layout: Layout, buckets: Sequence[torch.Tensor], deadline: float,
              sums: Optional[Callable[[], Mapping[str, tuple[int, int]]]], post: Optional["EarlyPost"],
              split: int, compact: bool = True) -> int:
         """Seal the packed version, post it (or complete the early post), collect every member's share and judge

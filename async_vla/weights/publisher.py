@@ -10,8 +10,9 @@ Membership epochs go through the store (no clocks compared across hosts): an act
 side thread bumps its heartbeat; at ``publish()`` the publisher re-forms the group (invite -> ack within
 ``join_timeout_s`` -> roster) when the live set changed or the group broke; an actor that misses the ack is
 suspended with back-off. Each broadcast is announced in the members' mailboxes (store queues), so an idle
-actor sleeps in a queue pop, never in a collective. One version on the wire: ``async_vla.weights.wire``; on
-one host the bulk bytes go through shared memory: ``async_vla.weights.shm``.
+actor sleeps in a queue pop, never in a collective. How a version travels is the epoch's path, picked at forming
+(``async_vla.weights.transport``: the wire, shared memory, or the doorbell, one class each); ``publish`` is the
+same outline for all: pack, (re-)form if needed, deliver, export.
 
 Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
 actor makes the next op raise at once; a stopped one makes it time out. The publisher then drops its group -
@@ -33,50 +34,32 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from async_vla.weights import bell as weight_bell
-from async_vla.weights.bell import BellGroup, BellPublisher
-from async_vla.weights.bell_versions import BellSender, EarlyPost, NoRoom
+from async_vla.weights import native
+from async_vla.weights.bell_versions import BellSender, NoRoom
 from async_vla.weights.buckets import Layout
-from async_vla.weights.packer import BucketPacker
-from async_vla.weights.pool import BufferPool
 from async_vla.weights.export import Exporter
 from async_vla.weights.members import MemberRegistry
+from async_vla.weights.packer import BucketPacker
+from async_vla.weights.pool import BufferPool
 from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
 from async_vla.weights.store_guard import StoreGuard, is_loopback
-from async_vla.weights import native
-from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
+from async_vla.weights.transport import Early, Packed, SendContext, SendTransport
+from async_vla.weights.transport_bell import BellTransport
+from async_vla.weights.transport_shm import ShmTransport
+from async_vla.weights.transport_wire import WireTransport
+from async_vla.weights.wire import WIRE_VERSION, resolve_backend, td
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 1.0          # longest a publish waits for receivers to let go of what the last one replaced
-SETTLE_POLL_S = 0.0005
-LIVE_RECHECK_S = 0.1    # a standing doorbell group's live set is re-read from the store at most this often
 BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors to read their goodbye
-
-
-@dataclass(eq=False)
-class _Packed:
-    """One version packed by ``WeightPublisher._pack``, and how its group was told of it before packing."""
-
-    packer: BucketPacker
-    layout: Layout
-    buckets: list
-    csum: Optional[float]              # the checksum, once computed (None: not yet, or nobody checks)
-    sums_of: Optional[Callable]        # per-tensor sums for split verification (weights.verify)
-    summing: bool                      # someone checks a checksum (receivers or learner ranks)
-    zero_copy: bool
-    early: bool                        # the gloo group was announced before packing
-    bell: Optional[BellGroup]          # the standing doorbell group packed for
-    post: Optional[EarlyPost]          # its early post (members checked shares while we packed)
-    packed_at: float                   # time.monotonic() when packing ended
 
 
 class WeightPublisher:
@@ -126,7 +109,8 @@ class WeightPublisher:
                             self.cfg.shm_dir, exc)
         self._store.set("w/shm", self._shm.probe if self._shm is not None else "")
         self._bell_ok = self._shm is not None and weight_bell.available()
-        self._bell = BellSender(self._store, self._shm) if self._bell_ok else None
+        self._ctx = SendContext(self._store, self.cfg, self.backend, self.timeout_s, self._shm,
+                                BellSender(self._store, self._shm) if self._bell_ok else None)
         self._wire_until = 0.0     # shared memory had no room: groups stay on the wire until then
         self._bell_after = 0.0     # a doorbell page could not be made: gloo messages until then
         self._endpoint = self.weights_dir / "endpoint.json"
@@ -138,7 +122,7 @@ class WeightPublisher:
         self._members = self._registry.members      # token -> Member
         self._live_at: tuple[float, list[int]] = (-1e9, [])     # when the live set was last read, and what it was
         self._epoch = 0
-        self._group: Optional[BroadcastGroup] = None
+        self._group: Optional[SendTransport] = None    # this epoch's path (transport_wire / _shm / _bell)
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
         self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session,
                                   milestone_every=cfg.run.eval_every)
@@ -165,15 +149,12 @@ class WeightPublisher:
 
     def _drop_group(self) -> None:
         if self._group is not None:
-            # Tell members still blocked in this epoch's receive to give up now. Closing our side is not
-            # enough: the failed ops can keep gloo's context (and its sockets) open until our garbage
-            # collector runs, and a member would wait out its own timeout and miss the re-forming invite.
-            with contextlib.suppress(RuntimeError, ValueError):
-                self._store.set(f"w/e{self._group.epoch}/drop", "1")
             self._group.close()
             self._group = None
 
     def _form(self, live: list[int], deadline: float) -> None:
+        """A new epoch for the live members: invite, collect acknowledgements, pick the path, send the rosters,
+        join. Members that do not answer are suspended with back-off."""
         self._drop_group()
         if not live:
             return
@@ -198,33 +179,22 @@ class WeightPublisher:
                 log.warning("weights: actor %d (token %d) did not join epoch %d", m.actor_id, tok, e)
         if not acked:
             return
-        world = len(acked) + 1
-        # Everyone on shared memory and able to: the epoch runs on a bell, no process group at all.
-        use_shm, use_bell = self._kind(acked)
-        bell = None
-        if use_bell:
-            try:
-                bell = BellPublisher(self._shm.prefix, e, len(acked))
-            except OSError as exc:       # no room or no descriptor for the page: gloo messages for a while
-                log.warning("weights: no doorbell page for epoch %d (%s); using gloo messages", e, exc)
-                self._bell_after = time.monotonic() + SHM_RETRY_S
-                use_bell = False
-            else:    # ours from now on: whatever fails below, the retry's _drop_group removes it
-                self._group = BellGroup(bell, e, tuple(acked))
+        # Ours from now on: whatever fails below, the retry's _drop_group closes it.
+        self._group = t = self._open(self._kind(acked), e, tuple(acked))
         for rank, tok in enumerate(acked, 1):
-            s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": world,
-                                                      "backend": self.backend,
-                                                      "shm": self._shm.prefix if use_shm else "",
-                                                      "bell": bell.path if bell is not None else ""}))
-        left = deadline - time.monotonic()
-        if bell is not None:
-            # Raises when one does not open it in time (the retry re-forms without it).
-            bell.wait_joined(min(deadline, time.monotonic() + self.cfg.join_timeout_s))
-            return
-        if left <= 0:
-            raise TimeoutError("no time left to form the group")
-        self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked))
-        self._group.use_shm = use_shm
+            s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": len(acked) + 1,
+                                                      **t.roster()}))
+        t.join(deadline)
+
+    def _open(self, kind: str, epoch: int, members: tuple[int, ...]) -> SendTransport:
+        if kind == "bell":
+            try:
+                return BellTransport(self._ctx, epoch, members)
+            except OSError as exc:       # no room or no descriptor for the page: gloo messages for a while
+                log.warning("weights: no doorbell page for epoch %d (%s); using gloo messages", epoch, exc)
+                self._bell_after = time.monotonic() + SHM_RETRY_S
+                kind = "shm"
+        return (ShmTransport if kind == "shm" else WireTransport)(self._ctx, epoch, members)
 
     # ------------------------------------------------------------------ publishing
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -243,14 +213,15 @@ class WeightPublisher:
         export then runs synchronously); with shared memory on, everything is packed into the segment instead.
         """
         t0 = time.monotonic()
-        p = self._pack(version, named_tensors, zero_copy)
+        p, early = self._pack(version, named_tensors, zero_copy)
         self._last_pack_s = p.packed_at - t0
-        stats = self._deliver(version, p, deadline=p.packed_at + self.timeout_s)
+        stats = self._deliver(version, p, early, deadline=p.packed_at + self.timeout_s)
         stats["epoch"] = self._epoch
         stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
         stats["pack_s"] = p.packed_at - t0
         if p.csum is None and p.summing:
-            p.csum = stats["checksum"] = p.packer.checksum()
+            p.csum = p.packer.checksum()
+        stats["checksum"] = p.csum
         stats["sync_s"] = time.monotonic() - t0
         stats["export_path"], stats["export_error"] = "", ""
         self.last = stats
@@ -262,56 +233,52 @@ class WeightPublisher:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
-    def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], zero_copy: bool) -> "_Packed":
+    def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+              zero_copy: bool) -> tuple[Packed, Early]:
         """Pack the tensors into buckets (into the shared-memory segment when there is one), telling a standing
-        group of the version first where that lets members start early: a gloo group is announced before packing
-        (``_announce_early``), a doorbell group gets an early post and checks its shares while we pack."""
+        group of the version first where its path lets members start early (``SendTransport.start_early``, and
+        ``stream_early`` once the segment slot is taken)."""
         shm = self._shm is not None and self.cfg.shm
-        bell = self._group if isinstance(self._group, BellGroup) and shm and self._standing() else None
-        early = False if bell is not None else self._announce_early(version)
-        post: Optional[EarlyPost] = None
+        g, early = self._group, Early()
+        # Not when packing took long last time (a ZeRO-3 gather of a large model): members would wait that out.
+        quick = self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s))
+        if g is not None and g.may_start_early(quick) and self._standing(g):
+            early = g.start_early(version, self._layout, quick)
         try:
             into = self._shm.arena(self._settle) if shm else self._pool
-            # Receivers check their shares while we pack, when the offsets are known now - unless packing took long
-            # last time (a ZeRO-3 gather of a large model): members would wait that out, as for _announce_early.
-            if bell is not None and self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s)):
-                post = self._bell.post_early(bell, version, self._layout, self._split(bell))
+            if early.standing:   # (the slot packed into is known now)
+                early.post = g.stream_early(version, self._layout, quick)
             zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
             packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
-                                  sums=summing, previous=self._layout, split=post is None, stream=post)
+                                  sums=summing, previous=self._layout, split=early.post is None, stream=early.post)
             for name, t in named_tensors:
                 packer.add(name, t)
             layout, buckets = packer.finish()
             self._layout = layout
             # One version exporting, one packing; none once both shared-memory segments take the packing.
             self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
-            # On a bell the members wait for the seal: the checksum and the per-tensor sums are folded after it.
-            csum = packer.checksum() if summing and bell is None else None
+            csum = packer.checksum() if summing and not early.checksum_after_seal else None
             # Receivers through shared memory each check a share of these (wire.send_version).
             sums_of = packer.tensor_sums if self.cfg.verify else None
         except BaseException:
-            if post is not None:
-                post.abort()
+            early.abort()
             if shm:     # the slot we were packing into is ours again; the other may still be exporting v-1
                 self._shm.undo()
-            if early:   # the members wait in the header broadcast: closing the group fails them at once
+            if early.announced:   # the members wait in the header broadcast: closing the group fails them at once
                 self._drop_group()
             raise
-        return _Packed(packer, layout, buckets, csum, sums_of, summing, zero_copy, early, bell, post,
-                       time.monotonic())
+        return Packed(packer, layout, buckets, csum, sums_of, summing, zero_copy, time.monotonic()), early
 
-    def _deliver(self, version: int, p: "_Packed", deadline: float) -> dict[str, Any]:
-        """Send the packed version to the group - formed or re-formed first unless it was told early - through its
-        doorbell, or its shared-memory segment / the wire; one retry with a new epoch after a failure, and the
-        wire when shared memory has no room. Returns the stats ``publish`` reports."""
-        layout, buckets, packer = p.layout, p.buckets, p.packer
-        early, bell, post = p.early, p.bell, p.post
-        stats: dict[str, Any] = {"version": version, "bytes": layout.total_bytes, "num_buckets": len(buckets),
+    def _deliver(self, version: int, p: Packed, early: Early, deadline: float) -> dict[str, Any]:
+        """Send the packed version to the group - formed or re-formed first unless it stood when packing began -
+        by its path; one retry with a new epoch after a failure, and the wire when shared memory has no room.
+        Returns the stats ``publish`` reports."""
+        stats: dict[str, Any] = {"version": version, "bytes": p.layout.total_bytes, "num_buckets": len(p.buckets),
                                  "checksum": p.csum, "receivers": 0, "confirmed": 0, "transport": "",
                                  "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
-                                 "announced_early": early or post is not None, "verify_shares": 0,
+                                 "announced_early": early.announced or early.post is not None, "verify_shares": 0,
                                  "doorbell": False}
         attempts = 2
         while attempts > 0:
@@ -319,50 +286,42 @@ class WeightPublisher:
             if deadline - time.monotonic() < 0.05:
                 break
             try:
-                if not early and bell is None:   # (an announced group broadcasts as it is; newcomers come next time)
+                if not early.standing:   # (a standing group gets it as it is; newcomers come next time)
                     live = self._live_tokens()
                     if self._group is None or self._reform(live):
                         self._form(live, deadline)
                         stats["formed"] = True
-                if self._group is None:
+                g = self._group
+                if g is None:
                     break
-                stats["doorbell"] = isinstance(self._group, BellGroup)
-                if stats["doorbell"]:
-                    stats["confirmed"] = self._bell.send(self._group, version, layout, buckets, deadline, p.sums_of,
-                                                         post, self._split(self._group), packer.compact)
-                    stats["transport"] = "shm"
-                else:
-                    if p.csum is None and p.summing:
-                        p.csum = stats["checksum"] = packer.checksum()
-                    stats["confirmed"], stats["transport"] = self._broadcast(
-                        self._group, version, layout, buckets, p.csum, deadline, not early,
-                        p.sums_of() if p.sums_of is not None else None)
-                stats["receivers"], stats["error"] = len(self._group.members), ""
-                stats["verify_shares"] = self._group.verify_shares
+                stats["doorbell"] = g.kind == "bell"
+                sent = g.deliver(version, p, early, deadline)
+                self._last_pack_s += sent.place_s
+                stats["confirmed"], stats["transport"] = sent.confirmed, sent.transport
+                stats["receivers"], stats["error"] = len(g.members), ""
+                stats["verify_shares"] = g.verify_shares
                 break
             except NoRoom as exc:   # planned: this version (and the next ones, a while) over the wire
                 log.warning("weights: v%d over the wire: %s", version, exc)
                 self._wire_until = time.monotonic() + SHM_RETRY_S
                 self._drop_group()
-                early, bell, post, attempts = False, None, None, attempts + 1
+                early, attempts = Early(), attempts + 1
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
                 stats["failures"] += 1
                 stats["error"] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 log.warning("weights: broadcast of v%d failed in epoch %d (%s); re-forming",
                             version, self._epoch, stats["error"])
                 self._drop_group()
-                early, bell, post = False, None, None
+                early = Early()
         return stats
 
-    # ------------------------------------------------------------------ doorbell epochs (async_vla.weights.bell)
-    def _standing(self) -> bool:
-        """The current doorbell group still matches the live set (so a version may be posted to it before packing).
-        The live set is read from the store at most every ``LIVE_RECHECK_S``: on a bell a member that dies is seen
-        at once (its lock) and a silent one at the acknowledgement deadline, so the store round trip (~0.2 ms) only
-        tells about newcomers, who then join at the first publish after it."""
+    # ------------------------------------------------------------------ which path, and does the group stand
+    def _standing(self, g: SendTransport) -> bool:
+        """The group still matches the live set (so a version may be announced or posted to it before packing),
+        by a live set read from the store at most ``g.live_age_s`` ago."""
         seen_at, live = self._live_at
         try:
-            if time.monotonic() - seen_at >= LIVE_RECHECK_S:
+            if time.monotonic() - seen_at >= g.live_age_s:
                 live = self._live_tokens()
             return not self._reform(live)
         except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
@@ -370,96 +329,32 @@ class WeightPublisher:
             return False
 
     def _reform(self, live: list[int]) -> bool:
-        """Does the group need re-forming: the live set changed, or it is not the kind ``_form`` would make now
+        """Does the group need re-forming: the live set changed, or it is not the path ``_form`` would take now
         (weights.shm / weights.doorbell switched, or shared memory has room again after a spell on the wire)."""
         g = self._group
         if g is None or set(live) != set(g.members):
             return True
-        shm, bell = self._kind([t for t in g.members if t in self._members])
-        if isinstance(g, BellGroup) != bell:
+        want = self._kind([t for t in g.members if t in self._members])
+        if (g.kind == "bell") != (want == "bell"):
             return True
-        return not isinstance(g, BellGroup) and shm and not g.use_shm
+        return g.kind == "wire" and want != "wire"
 
-    def _kind(self, tokens: list[int]) -> tuple[bool, bool]:
-        """(shared memory, doorbell) for a group of these members, as things stand."""
+    def _kind(self, tokens: list[int]) -> str:
+        """The path for a group of these members, as things stand: "bell", "shm" or "wire"."""
         members = [self._members[t] for t in tokens]
         shm = (self._shm is not None and self.cfg.shm and time.monotonic() >= self._wire_until
                and all(m.shm for m in members))
-        return shm, (shm and self._bell_ok and self.cfg.doorbell and all(m.bell for m in members)
-                     and len(members) <= weight_bell.MAX_MEMBERS and time.monotonic() >= self._bell_after)
-
-    def _split(self, g: BellGroup) -> int:
-        return BellSender.split(g, self.cfg.verify, self.cfg.verify_split)
+        if not shm:
+            return "wire"
+        bell = (self._bell_ok and self.cfg.doorbell and all(m.bell for m in members)
+                and len(members) <= weight_bell.MAX_MEMBERS and time.monotonic() >= self._bell_after)
+        return "bell" if bell else "shm"
 
     def _settle(self) -> None:
-        """A shared-memory slot is still pinned: wait (at most ``SETTLE_S``) until every member of the group has
-        counted itself released for each split-verified version (``wire.send_version`` returns after the
-        verdict, before receivers hand the version over and let go of the one it replaces). Normally the counts
-        are in long before the next publish; back to back, this keeps a slot from being re-made needlessly. Past
-        the wait a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
-        g = self._group
-        if isinstance(g, BellGroup):
-            end = time.monotonic() + min(SETTLE_S, self.timeout_s)
-            while g.bell.released(g.bell.judged) < len(g.members) and time.monotonic() < end:
-                time.sleep(SETTLE_POLL_S)
-            return
-        if g is None or not g.released_owed:
-            return
-        key, end = f"w/e{g.epoch}/released", time.monotonic() + min(SETTLE_S, self.timeout_s)
-        try:
-            while (have := self._store.add(key, 0)) < g.released_owed:
-                if time.monotonic() >= end:
-                    log.info("weights: %d of %d releases in epoch %d after %.1f s; going on", have,
-                             g.released_owed, g.epoch, SETTLE_S)
-                    g.released_owed = have     # owed by a member that is gone: do not wait for it again
-                    return
-                time.sleep(SETTLE_POLL_S)
-        except (RuntimeError, ValueError) as exc:   # the store went away: the broadcast reports it
-            log.debug("weights: settling epoch %d failed: %s", g.epoch, exc)
-
-    def _announce_early(self, version: int) -> bool:
-        """Announce ``version`` before packing it when the gloo group stands as the live set is: its members wake
-        and wait in the header broadcast while we pack, instead of after (their wake-up leaves the critical
-        path). Not when packing took long last time (a member's own timeout must not run out while it waits),
-        nor on NCCL (a waiting collective would hold the actor's CUDA stream)."""
-        g = self._group
-        waits = min(self.timeout_s, float(self.cfg.timeout_s))   # members wait with their own timeout
-        if g is None or self.backend != "gloo" or self._last_pack_s > 0.25 * waits:
-            return False
-        try:
-            if self._reform(self._live_tokens()):
-                return False
-            self._announce(g, version)
-        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
-            log.debug("weights: early announcement of v%d failed: %s", version, exc)
-            return False
-        return True
-
-    def _announce(self, g: BroadcastGroup, version: int) -> None:
-        for tok in g.members:
-            self._store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": g.epoch, "v": version}))
-
-    def _broadcast(self, g: BroadcastGroup, version: int, layout: Layout, buckets: list[torch.Tensor],
-                   csum: Optional[float], deadline: float, announce: bool = True,
-                   sums: Optional[dict[str, tuple[int, int]]] = None) -> tuple[int, str]:
-        def left() -> float:
-            r = deadline - time.monotonic()
-            if r <= 0:
-                raise TimeoutError("weight broadcast ran out of time")
-            return r
-
-        shm = None
-        if g.use_shm and self.cfg.shm and self._shm is not None:
-            t0 = time.monotonic()
-            shm = self._shm.place(buckets, version)
-            self._last_pack_s += time.monotonic() - t0     # (members announced early wait through this too)
-            if shm is None:
-                log.warning("weights: v%d over the wire: %s", version, self._shm.failed)
-        if announce:
-            self._announce(g, version)
-        confirmed = send_version(g, version, layout, buckets, csum, left, self.cfg.overlap, shm,
-                                 sums if self.cfg.verify_split else None)
-        return confirmed, "shm" if shm else self.backend
+        """A shared-memory slot is still pinned: let the group's receivers finish letting go of it first
+        (``SendTransport.settle``); past that a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
+        if self._group is not None:
+            self._group.settle()
 
     def wait_export(self) -> Optional[BaseException]:
         """Block until the previous export is on disk (``latest`` points at it); returns its error, if any."""

@@ -1,7 +1,8 @@
 """Actor side of the weight broadcast (the publisher and the design: ``async_vla.weights``, docs/WEIGHTS.md).
 
 A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
-membership epoch's process group and receives every announced version; ``poll()`` hands the newest one to the
+membership epoch on the path its roster names (``async_vla.weights.transport``: a process group, or a doorbell
+page it serves until the epoch is dropped) and receives every version; ``poll()`` hands the newest one to the
 actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
 (``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
 crash and ``--resume``) is followed even when its versions restart lower.
@@ -21,27 +22,22 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from async_vla.weights import bell as weight_bell
-from async_vla.weights.bell import BellDropped, BellMember, PostReplaced
-from async_vla.weights.bell_versions import SharePlan, ViewPlan
-from async_vla.weights.buckets import Layout
-from async_vla.weights.pool import BufferPool, views_tracked
 from async_vla.weights.export import read_latest
-from async_vla.weights.shm import ShmUnreadable, probe_ok, valid_path
+from async_vla.weights.pool import BufferPool, views_tracked
+from async_vla.weights.shm import probe_ok
 from async_vla.weights.shm_reader import ShmReader
-from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
+from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
+from async_vla.weights.transport_bell import BellCache, BellReceiver
+from async_vla.weights.transport_shm import ShmReceiver
+from async_vla.weights.transport_wire import WireReceiver
+from async_vla.weights.wire import WIRE_VERSION, port_open, td
 
 log = logging.getLogger(__name__)
 
-POP_TIMEOUT_S = 60.0      # a mailbox wait wakes this often with nothing to do (close() wakes it at once)
 CONNECT_TIMEOUT_S = 5.0
-DROP_CHECK_S = 1.0        # how long a check for "the publisher dropped this epoch" may wait for the store
-
-
-class _Stop(Exception):   # close() was called: leave the session for good
-    pass
 
 
 class _Bye(Exception):    # the learner is closing its store: let go of it first, then look for the next learner
@@ -72,11 +68,9 @@ class WeightSubscriber:
         self._handed_lineage = 0
         self._export_session = ""       # session of the export fetch_latest handed out last ("": none/unknown)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
-        self._group: Optional[BroadcastGroup] = None
-        self._bell: Optional[BellMember] = None     # this epoch's doorbell, when it runs on one
-        self._layouts: dict[int, Layout] = {}       # bell epochs: layouts by digest (manifests come from the store)
-        self._plans: dict[tuple, tuple[ViewPlan, Optional[SharePlan]]] = {}
-        self._pool = BufferPool()
+        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire / _shm / _bell)
+        self.bell_cache = BellCache()     # doorbell epochs: layouts and plans, kept across epochs
+        self.pool = BufferPool()          # buckets of versions received over the wire
         self._shm_reader: Optional[ShmReader] = None
         self._shm_refused = False      # a segment of this learner session could not be read: use the wire
         self._stop = threading.Event()
@@ -144,9 +138,9 @@ class WeightSubscriber:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-        bell = self._bell
-        if bell is not None:     # our thread may sleep on the bell's futexes: wake it
-            bell.wake()
+        epoch = self._epoch
+        if epoch is not None:     # our thread may sleep on a doorbell's futexes: wake it
+            epoch.wake()
         with self._hb_lock:
             hb, self._hb = self._hb, None
         if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
@@ -182,7 +176,7 @@ class WeightSubscriber:
             bye = False
             try:
                 self._session()
-            except _Stop:
+            except Stopped:
                 break
             except _Bye:
                 bye = True
@@ -200,12 +194,9 @@ class WeightSubscriber:
                 break
 
     def _leave_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-        if self._bell is not None:
-            self._bell.close()
-            self._bell = None
+        if self._epoch is not None:
+            self._epoch.close()
+            self._epoch = None
 
     def _session(self) -> None:
         """One learner: connect, register, then serve the mailbox (invites, rosters, versions) until it ends."""
@@ -286,66 +277,41 @@ class WeightSubscriber:
                 raise
             except dist.DistStoreError:   # idle timeout
                 if self._stop.is_set():
-                    raise _Stop()
+                    raise Stopped()
                 continue
             if self._stop.is_set():
-                raise _Stop()
+                raise Stopped()
             msg = json.loads(raw)
             log.debug("weights: actor %d mailbox %s", self.actor_id, msg)
             kind, epoch = msg.get("t"), int(msg.get("e", -1))
             if kind == "stop":
-                raise _Stop()
+                raise Stopped()
             if kind == "bye":   # closing our connections before its store goes avoids c10d's loud recv error
                 raise _Bye()
             if kind == "invite":
                 self._leave_group()
                 pending = epoch
                 store.set(f"w/e{epoch}/ack/{token}", "1")
-            elif kind == "roster" and epoch == pending and msg.get("bell"):
-                pending = -1
-                self._bell_epoch(store, msg, epoch, probe, token)
             elif kind == "roster" and epoch == pending:
                 pending = -1
-                self._join_group(store, msg, epoch)
-            elif kind == "bcast" and self._group is not None and epoch == self._group.epoch:
-                self._take_broadcast(store, token, epoch)
+                self._epoch = self._join(store, msg, epoch, token, probe)
+                if self._epoch is not None and not self._epoch.serve():
+                    self._leave_group()
+            elif kind == "bcast" and self._epoch is not None and epoch == self._epoch.epoch:
+                if not self._epoch.take():
+                    self._leave_group()
 
-    def _join_group(self, store, msg: dict, epoch: int) -> None:
-        """Join a gloo / NCCL epoch (through the learner's shared-memory segment when the roster names one)."""
+    def _join(self, store, msg: dict, epoch: int, token: int, probe: str) -> Optional[ReceiveTransport]:
+        """This member's end of the epoch on the path its roster names; None (counted) when it cannot join."""
+        path = BellReceiver if msg.get("bell") else ShmReceiver if msg.get("shm") else WireReceiver
         try:
-            self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
-                                         int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
-            self._group.dropped = lambda e=epoch: self._dropped(store, e)
-            # Split verification ends with this count instead of an acknowledgement (wire).
-            self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
-            prefix = str(msg.get("shm") or "")
-            if prefix and valid_path(prefix, self.cfg.shm_dir):
-                if self._shm_reader is None or self._shm_reader.prefix != prefix:
-                    self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
-                self._group.shm_reader = self._shm_reader
-            self.stats["epochs"] += 1
-        except Exception as exc:  # noqa: BLE001 - e.g. nccl without CUDA here: stay on the file path
+            joined = path(self, store, msg, epoch, token, probe)
+        except path.JOIN_ERRORS as exc:
             self.stats["failures"] += 1
             log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
-
-    def _take_broadcast(self, store, token: int, epoch: int) -> None:
-        """Receive one announced version of the current gloo / NCCL epoch; a failure leaves the epoch."""
-        try:
-            self._receive(self._group)
-        except ShmUnreadable as exc:
-            # Registered as able to read the learner's segments, but cannot: register again without
-            # (a new token re-forms the group on the wire) and do not claim it again for this learner.
-            self.stats["failures"] += 1
-            self._shm_refused, self._shm_reader = True, None
-            self._leave(store, token)   # so a retry does not invite this token again
-            log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering "
-                        "for the wire", self.actor_id, exc)
-            raise
-        except (RuntimeError, ValueError) as exc:
-            self.stats["failures"] += 1
-            log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch,
-                     str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
-            self._leave_group()
+            return None
+        self.stats["epochs"] += 1
+        return joined
 
     @staticmethod
     def _leave(store, token: int) -> None:
@@ -353,132 +319,32 @@ class WeightSubscriber:
         store.set(f"w/leave/{token}", "1")
         store.add("w/leaves", 1)
 
-    # ------------------------------------------------------------------ doorbell epochs (async_vla.weights.bell)
-    def _bell_epoch(self, store, msg: dict, epoch: int, probe: str, token: int) -> None:
-        """Join an epoch that runs on a bell and take its versions until it is dropped; then back to the mailbox."""
-        path, prefix = str(msg.get("bell", "")), str(msg.get("shm") or "")
-        try:
-            if not (valid_path(path, self.cfg.shm_dir) and valid_path(prefix, self.cfg.shm_dir)):
-                raise ValueError(f"roster names a bell or segments outside {self.cfg.shm_dir}")
-            if self._shm_reader is None or self._shm_reader.prefix != prefix:
-                self._shm_reader = ShmReader(prefix)    # kept across epochs: mapped once
-            self._bell = BellMember(path, int(msg["rank"]), epoch, probe)
-            self.stats["epochs"] += 1
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            self.stats["failures"] += 1
-            log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
-            self._leave_group()
-            return
-        member = self._bell
-        try:
-            while not member.dropped:
-                if self._stop.is_set():
-                    raise _Stop()
-                p = member.next_post(weight_bell.MEMBER_SLICE_S)
-                if p is None:
-                    if not member.publisher_alive():
-                        raise RuntimeError("the weight publisher is gone")
-                    continue
-                rec = member.record(p)
-                if rec is None:       # aborted, or already replaced by the next post: take that one
-                    continue
-                try:
-                    self._bell_receive(store, member, p, rec)
-                except PostReplaced:
-                    continue
-        except ShmUnreadable as exc:
-            self.stats["failures"] += 1
-            self._shm_refused, self._shm_reader = True, None
-            self._leave(store, token)
-            log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering for the "
-                        "wire", self.actor_id, exc)
-            raise
-        except BellDropped:
-            pass
-        except (TimeoutError, ValueError, RuntimeError) as exc:
-            self.stats["failures"] += 1
-            log.info("weights: actor %d lost epoch %d: %s", self.actor_id, epoch, str(exc).splitlines()[0][:160])
-            if not member.publisher_alive():
-                raise
-        finally:
-            self._leave_group()
+    # ------------------------------------------------------------------ for the receiving paths (transport.Receiver)
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
-    def _bell_receive(self, store, member: BellMember, p: int, rec: dict[str, int]) -> None:
-        """One posted version: views and share sum while the publisher packs, pin once sealed, acknowledge, verdict."""
-        t0 = time.monotonic()
-        deadline, stop = t0 + self.timeout_s, self._stop.is_set
-        acked = False
-        try:
-            layout = self._layout_of(store, rec["digest"])
-            gen, version, offsets = rec["generation"], rec["version"], rec["offsets"]
-            if len(offsets) != len(layout.buckets) or rec["stream_bytes"] != layout.total_bytes:
-                raise ValueError("bell record does not match its manifest")
-            nbytes = [b.nbytes for b in layout.buckets]
-            reader = self._shm_reader
-            try:
-                reader.views(gen, offsets, nbytes)          # bounds checked (the views themselves are not needed)
-                base = reader.mapped(gen)
-            except ShmUnreadable:
-                if member.post_moved(p):    # an aborted post's segment may be gone (re-made): not our failing
-                    raise PostReplaced(f"post {p} was replaced while its segment was mapped") from None
-                raise
-            views, shares = self._bell_plans(layout, rec["split"], member.rank, offsets)
-            tensors = views.views(base)                     # made while the publisher packs
-            share = 0
-            if shares is not None:
-                share = shares.value(member.follow_sum(p, shares, base.data_ptr(), deadline, stop))
-            member.wait_sealed(p, layout.total_bytes, deadline, stop)
-            # Sealed: what is left is a pin, one acknowledgement and the verdict - a fresh deadline for them (a long
-            # packing after an early post must not eat the time the rest is allowed).
-            deadline = time.monotonic() + self.timeout_s
-            # Pinned before we acknowledge: a member that confirms a version holds it (one that cannot pin it
-            # refuses it, and the verdict fails it for everyone).
-            # (``pinned`` holds the pin from the moment it is taken; our views of the same mapping hold it after.)
-            pinned = reader.pin_mapping(gen, version)
-            if pinned.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-                tensors = views.views(pinned)   # re-mapped in between: views of the mapping that is pinned
-            del base, pinned
-            member.ack(p, True, share)
-            acked = True
-            ok = member.wait_verdict(p, deadline, stop)
-            reader.check(gen, version)   # pinned, so it cannot have changed: never take another version
-        except (PostReplaced, BellDropped):
-            raise
-        except BaseException:
-            if not acked:   # tell the publisher now rather than letting it wait out its timeout
-                member.ack(p, False, 0)
-            raise
-        self._hand_over(version, tensors, ok, t0, reader, layout.total_bytes)
-        del tensors
-        member.released(p)
+    def notify(self) -> None:
+        """A version was handed over: wake a waiting ``poll()``."""
         with self._lock:
             self._lock.notify_all()
 
-    def _bell_plans(self, layout: Layout, split: int, rank: int, offsets: list[int]
-                    ) -> tuple[ViewPlan, Optional[SharePlan]]:
-        key = (layout.digest, split, rank, tuple(offsets))
-        if key not in self._plans:       # the last two (segments alternate)
-            self._plans = {key: (ViewPlan(layout, offsets), SharePlan(layout, split, rank, offsets) if split else None),
-                           **dict(list(self._plans.items())[-1:])}
-        return self._plans[key]
+    def reader_for(self, prefix: str) -> ShmReader:
+        """The mappings of the learner's segments under ``prefix``, kept across epochs: mapped once."""
+        if self._shm_reader is None or self._shm_reader.prefix != prefix:
+            self._shm_reader = ShmReader(prefix)
+        return self._shm_reader
 
-    def _layout_of(self, store, digest: int) -> Layout:
-        if digest not in self._layouts:
-            # The publisher puts a new layout's manifest in the store before posting it: a digest without one is
-            # a bad record, not something to wait the mailbox's minute for.
-            store.set_timeout(td(min(self.timeout_s, DROP_CHECK_S * 5)))
-            try:
-                raw = store.get(f"w/manifest/{digest}")
-            finally:
-                store.set_timeout(td(POP_TIMEOUT_S))
-            layout = Layout.from_manifest_bytes(raw)
-            if layout.digest != digest:
-                raise ValueError("the manifest in the store does not match the bell's digest")
-            self._layouts = {digest: layout, **dict(list(self._layouts.items())[-1:])}
-        return self._layouts[digest]
+    def refuse_shm(self, store, token: int, exc: BaseException) -> None:
+        """Registered as able to read the learner's segments, but cannot: leave this registration (so a retry does
+        not invite this token again) and register again without (a new token re-forms the group on the wire);
+        do not claim it again for this learner."""
+        self._shm_refused, self._shm_reader = True, None
+        self._leave(store, token)
+        log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering for the "
+                    "wire", self.actor_id, exc)
 
-    def _hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader],
-                   nbytes: Optional[int] = None) -> None:
+    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader],
+                  nbytes: Optional[int] = None) -> None:
         """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch),
         then unpin what nobody holds any more, so the publisher may rewrite it."""
         if not ok:
@@ -494,26 +360,3 @@ class WeightSubscriber:
                     self._latest = (version, tensors)   # drops an older one nobody took
         if reader is not None:
             reader.release_unused()
-
-    @staticmethod
-    def _dropped(store, epoch: int) -> bool:
-        """Has the publisher given up on ``epoch``? Asked between wait slices, with a short store timeout: a
-        stalled learner must not hold this thread longer than the op it waits on (a lost connection raises)."""
-        store.set_timeout(td(DROP_CHECK_S))
-        try:
-            return store.check([f"w/e{epoch}/drop"])
-        except dist.DistStoreError:      # no answer in time: keep waiting on the op (it has its own timeout)
-            return False
-        finally:
-            store.set_timeout(td(POP_TIMEOUT_S))
-
-    def _receive(self, g: BroadcastGroup) -> None:
-        t0 = time.monotonic()
-
-        def hand_over(h: dict, tensors: dict, ok: bool) -> None:   # runs before the acknowledgement
-            self._hand_over(h["version"], tensors, ok, t0, g.shm_reader)
-
-        recv_version(g, self.timeout_s, self._pool, self.cfg.verify, hand_over)
-        log.debug("weights: actor %d received in %.3f s", self.actor_id, time.monotonic() - t0)
-        with self._lock:   # wake a waiting poll() only now: its copy would hold up our acknowledgement (GIL)
-            self._lock.notify_all()

@@ -82,7 +82,6 @@ class BroadcastGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.layout: Optional[Layout] = None      # manifest this group has already seen
         self.seq = 0
-        self.use_shm = False                      # publisher: every member can read our segments
         self.shm_reader: Optional[ShmReader] = None   # receiver: mappings of the publisher's segments
         self.dropped: Optional[Callable[[], bool]] = None   # receiver: has the publisher given up on this epoch?
         self.verify_shares = 0                    # publisher: shares the last version was checked in (0: not split)
