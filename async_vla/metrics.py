@@ -121,9 +121,9 @@ class Monitor:
         if self.enabled:
             # Imported here: processes that never log do not pay for the protobuf import. Not torch's
             # SummaryWriter: the buffer process logs too, and must not import torch.
-            from async_vla.tb_events import EventFileWriter
+            from async_vla import tb_events
 
-            self._writer = EventFileWriter(self.tb_dir, flush_secs=flush_secs)
+            self._writer = tb_events.EventFileWriter(self.tb_dir, flush_secs=flush_secs)
 
     def scalar(self, tag: str, value: Any, step: int) -> None:
         """One scalar. NaN and inf are written as they are (a NaN loss should be visible, not hidden)."""
