@@ -11,7 +11,8 @@ socket, ControlCommand("stats")). Each ``step()``:
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
-Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
+Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, a set_learner_version
+within buffer.max_version_step of the latest batch request (GroupBuffer.announce_version), grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
@@ -314,8 +315,11 @@ class BufferService:
             if cmd.command == "set_learner_version":
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool) or cmd.value < 0:
                     raise ValueError(f"set_learner_version needs an int >= 0, got {cmd.value!r}")
-                self.buffer.set_learner_version(int(cmd.value))
-                return ControlCommand("ok", self.buffer.version)
+                try:
+                    return ControlCommand("ok", self.buffer.announce_version(int(cmd.value)))
+                except ValueError:
+                    self.counters["learner_version_refused"] += 1
+                    raise
             if cmd.command == "set_weights_path":
                 if not isinstance(cmd.value, (str, type(None))) or len(cmd.value or "") > 4096:
                     raise ValueError("set_weights_path needs a path (a str of at most 4096 characters)")
