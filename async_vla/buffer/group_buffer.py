@@ -367,18 +367,12 @@ class GroupBuffer:
         first, the grant's learner_version tells it so). A want above what the actor may still hold is trimmed
         (``grants_capped``); a want < 1 gets nothing."""
         actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
-        room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
-        if want > room:
+        if want > max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id)):
             self.grants_capped += 1
-            want = room
-        n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
-        if not self.has_room():
-            n = 0
+        n = self.grantable(actor_id, want, actor_version)
         if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
-            n = 0
             self.grants_refused_behind += 1
-        elif actor_version is not None and self.version < int(actor_version) <= self._horizon:
-            n = 0   # holds a dead learner's weights: whatever it samples now would be refused as "ahead"
+        elif self.holds_dead_weights(actor_version):
             self.grants_refused_ahead += 1
         now = self.clock()
         ids = []
@@ -390,6 +384,21 @@ class GroupBuffer:
             self._record(now, ControlCommand("j.grant", f"{actor_id}:" + ",".join(ids)))
             self._open_granted(actor_id, ids, now)
         return ids
+
+    def grantable(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> int:
+        """How many group ids ``grant`` would issue right now (nothing changes)."""
+        want = max(0, min(int(want), MAX_WANT, self.cfg.max_groups_per_actor - self.held_by(actor_id)))
+        n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
+        if not self.has_room() or self.holds_dead_weights(actor_version):
+            return 0
+        if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
+            return 0
+        return n
+
+    def holds_dead_weights(self, actor_version: Optional[int]) -> bool:
+        """Is ``actor_version`` a dead learner's (above the rollback's target, up to its newest; see rollback)?
+        Whatever an actor samples with it would be refused as "ahead"."""
+        return actor_version is not None and self.version < int(actor_version) <= self._horizon
 
     def _open_granted(self, actor_id: Optional[int], ids: list[str], now: float) -> None:
         for gid in ids:
