@@ -52,7 +52,8 @@ from async_vla.weights.members import MemberRegistry
 from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
 from async_vla.weights.store_guard import StoreGuard, is_loopback
 from async_vla.weights import native
-from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, resolve_backend, send_version, td
+from async_vla.weights.wire import (WIRE_VERSION, BroadcastGroup, gloo_bind, resolve_backend, send_version,
+                                    td)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class WeightPublisher:
 
     def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None):
         self.cfg = cfg.weights
+        self._gloo_bind = gloo_bind(cfg.transport.host)   # gloo's pair sockets: loopback in a one-host run
         self.timeout_s = float(world_timeout_s or cfg.weights.timeout_s)
         self.backend = resolve_backend(cfg.weights.backend)
         on_gpu = self.backend == "nccl"
@@ -223,7 +225,8 @@ class WeightPublisher:
             return
         if left <= 0:
             raise TimeoutError("no time left to form the group")
-        self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked))
+        self._group = BroadcastGroup(self.backend, PrefixStore(f"w/e{e}/pg", s), 0, world, left, e, tuple(acked),
+                                     bind=self._gloo_bind)
         self._group.use_shm = use_shm
 
     # ------------------------------------------------------------------ publishing

@@ -31,6 +31,7 @@ from async_vla.weights.pool import BufferPool, views_tracked
 from async_vla.weights.export import read_latest
 from async_vla.weights.shm import ShmUnreadable, probe_ok, valid_path
 from async_vla.weights.shm_reader import ShmReader
+from async_vla.weights.store_guard import is_loopback
 from async_vla.weights.wire import WIRE_VERSION, BroadcastGroup, port_open, recv_version, td
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,8 @@ class WeightSubscriber:
         """Join a gloo / NCCL epoch (through the learner's shared-memory segment when the roster names one)."""
         try:
             self._group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store),
-                                         int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch)
+                                         int(msg["rank"]), int(msg["world"]), self.timeout_s, epoch,
+                                         bind="127.0.0.1" if is_loopback(self.host) else None)
             self._group.dropped = lambda e=epoch: self._dropped(store, e)
             # Split verification ends with this count instead of an acknowledgement (wire).
             self._group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)
