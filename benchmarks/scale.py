@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -99,12 +100,12 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
         ctl.close()
 
 
-def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out) -> None:
+def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, session: str) -> None:
     from async_vla.buffer.client import BatchClient
     from async_vla.config import load_config
 
     cfg = load_config(cfg_path)
-    client = BatchClient(cfg, Path(run_dir), rank, RANKS)
+    client = BatchClient(cfg, Path(run_dir), rank, RANKS, session=session)
     lat = []
     for v in range(batches):
         t0 = time.monotonic()
@@ -166,7 +167,8 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
             per = [n // PRODUCER_PROCS + (i < n % PRODUCER_PROCS) for i in range(PRODUCER_PROCS)]
             producers = [ctx.Process(target=_produce, args=(traj_ep, ctl_ep, c, sum(per[:i]), stop, sent))
                          for i, c in enumerate(per) if c]
-            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q))
+            session = uuid.uuid4().hex   # the simulated ranks are one learner start
+            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, session))
                      for r in range(RANKS)]
             prober = ctx.Process(target=_probe_grants, args=(ctl_ep, stop, q))
             t_start = time.monotonic()

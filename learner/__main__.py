@@ -37,7 +37,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,15 +95,11 @@ def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
     from async_vla.child_process import die_with_parent
 
-    from async_vla.buffer.client import SESSION_ENV
-
     port = _free_port()
-    session = uuid.uuid4().hex
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   **{SESSION_ENV: session},
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -211,7 +206,9 @@ class RankRun:
         self.monitor = Monitor(self.run_dir, enabled=self.cfg.logging.tensorboard and self.rank == 0,
                                flush_secs=self.cfg.logging.tensorboard_flush_s)
         self.publisher = make_publisher(self.cfg, self.run_dir) if self.rank == 0 else None
-        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world)
+        # The ranks agree on one session id among themselves (an all-reduce), whoever started them.
+        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world,
+                                   session=self.learner.session_id())
         # line-buffered: a kill -9 loses at most the line being written
         self.lag_log = open(self.run_dir / f"learner_lags_rank{self.rank}.jsonl", "a", buffering=1)
         self.t_start = self.t_mark = time.monotonic()

@@ -283,6 +283,17 @@ class Learner(abc.ABC):
         """Sum / max over learner ranks (identity for one process)."""
         return t
 
+    def session_id(self) -> str:
+        """One id for this learner start, the same on every rank whoever launched them (bin/learner, torchrun, a
+        scheduler): rank 0 draws it and an all-reduce (max) hands it to the others. Sent as BatchRequest.session,
+        it lets the buffer tell a learner resumed at the buffer's own version from one retrying. A collective:
+        every rank calls it."""
+        import secrets
+
+        draw = [float(secrets.randbits(52) | 1) for _ in range(2)] if self.rank == 0 else [0.0, 0.0]
+        got = self._all_reduce(torch.tensor(draw, dtype=torch.float64), "max").tolist()   # 52 bits: exact
+        return "".join(f"{int(x):013x}" for x in got)
+
     @abc.abstractmethod
     def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Full (unpartitioned) parameters as (name, tensor clone); names as in the policy module.

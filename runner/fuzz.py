@@ -143,7 +143,8 @@ def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -
 # ------------------------------------------------------------------------------------------ control channel
 CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "grant_huge", "grant_zero", "grant_negative",
                  "grant_many_actors", "batch_bad_world", "batch_bad_rank", "batch_long_park", "heartbeat_forged",
-                 "stats_forged", "unknown_command", "weights_path_huge", "version_negative", "garbage")
+                 "stats_forged", "unknown_command", "weights_path_huge", "version_negative", "version_huge",
+                 "garbage")
 
 
 def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
@@ -185,6 +186,8 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
         msg = M.ControlCommand("set_weights_path", "x" * int(rng.integers(5000, 100_000)))
     elif kind == "version_negative":
         msg = M.ControlCommand("set_learner_version", -int(rng.integers(1, 10**6)))
+    elif kind == "version_huge":   # far past any learner's batch request (buffer.max_version_step)
+        msg = M.ControlCommand("set_learner_version", int(rng.integers(1000, 10**12)))
     else:
         return kind, [rng.bytes(int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 4)))]
     return kind, _frames(msg)
@@ -199,7 +202,7 @@ def forge_control(endpoint: str, n: int, run_id: str, eta_limit: int, seed: int 
     rng = np.random.default_rng(seed)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.linger = 10_000
+    sock.linger = 120_000   # a busy buffer may take a while to read 4000 messages: none may be dropped at close
     sock.sndhwm = sock.rcvhwm = 100_000
     _secure_client(sock, curve_keys)
     sock.connect(endpoint)

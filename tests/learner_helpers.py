@@ -173,7 +173,8 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
                     "loss.nsr=band", "loss.nsr_prob=0.5", "learner.steps_per_batch=1")
     learner = DeepSpeedLearner(cfg, StandInPolicy(seed=1))
     rank = learner.rank
-    report: dict = {"rank": rank, "world": learner.world, "stage": learner.stage, "init_s": time.perf_counter() - t0}
+    report: dict = {"rank": rank, "world": learner.world, "stage": learner.stage, "init_s": time.perf_counter() - t0,
+                    "session": learner.session_id()}   # started by the test, not bin/learner: agreed all the same
 
     def digests(tag: str) -> None:
         full = list(learner.full_state_items(all_ranks=True))

@@ -179,3 +179,59 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ledger reproduced" in out.stdout
+
+
+def _stepped(tmp_path, clock, **buffer):
+    """A BufferService driven by hand (``step``), on a fake clock: the order of inputs is the test's."""
+    cfg = service_cfg(**buffer)
+    write_resolved(cfg, tmp_path)
+    return BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0], clock=clock)
+
+
+def _step_until(svc, pred, what: str):
+    for _ in range(4000):   # a count of service steps, not a wall-clock bound: ends as soon as pred holds
+        svc.step(0.005)
+        got = pred()
+        if got:
+            return got
+    raise AssertionError(f"the service never got to: {what}")
+
+
+def test_an_early_grant_request_waits_for_the_learners_version_instead_of_being_refused_for_the_old_one(tmp_path):
+    # The learner trains batch v0, publishes v1 and only then asks for batch v1: an actor that took v1 asks for a
+    # grant while the buffer is still at v0, where pacing is full. That refusal belonged to v0; it used to be the
+    # answer to the actor's v1 (it then slept out retry_after_s although the learner had moved on).
+    from test_buffer import FakeClock
+
+    clock = FakeClock(100.0)
+    with _stepped(tmp_path, clock, groups_per_batch=1, max_staleness=0, grant_retry_s=0.5) as svc:
+        actor, learner = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
+        sender = TrajectorySender(svc.trajectory_endpoint)
+        actor.send(GrantRequest(actor_id=1, want=1, policy_version=0))
+        gid = _step_until(svc, lambda: actor.recv(0.0), "a grant at v0").group_ids[0]
+        for i in range(2):
+            assert sender.send(make_traj(gid, i, i == 0, G=2, run_id=RUN), timeout_s=5)
+        _step_until(svc, lambda: svc.buffer.ready_groups == 1, "the group admitted")
+        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=5))
+        assert _step_until(svc, lambda: learner.recv_bundle(0.0), "batch v0")[0].ready   # pacing is full at v0
+        actor.send(GrantRequest(actor_id=1, want=1, policy_version=1))                  # v1 already published
+        _step_until(svc, lambda: svc.counters["grant_requests"] == 2, "the early request read")
+        for _ in range(20):
+            svc.step(0.005)
+        assert actor.recv(0.0) is None, "answered with v0's refusal"
+        learner.send(BatchRequest(rank=0, world=1, version=1, timeout_s=5))
+        grant = _step_until(svc, lambda: actor.recv(0.0), "the grant at v1")
+        assert grant.learner_version == 1 and len(grant.group_ids) == 1 and not grant.error
+        assert svc.counters["grants_parked"] == 1 and svc.counters["grants_refused"] == 0
+        # Weights no learner ever published (or a learner that stalls): answered after grant_retry_s, refused.
+        actor.send(GrantRequest(actor_id=2, want=1, policy_version=9))
+        _step_until(svc, lambda: svc.counters["grants_parked"] == 2, "the second request parked")
+        svc.step(0.005)
+        assert actor.recv(0.0) is None
+        clock.t += 0.5
+        late = _step_until(svc, lambda: actor.recv(0.0), "the refusal after grant_retry_s")
+        assert late.group_ids == [] and late.learner_version == 1 and late.retry_after_s == 0.5
+        assert svc.metrics()["buffer/parked_grant_requests"] == 0
+        for c in (actor, learner):
+            c.close()
+        sender.close()

@@ -12,6 +12,7 @@ import pytest
 from async_vla.config import load_config
 from async_vla.envs.base import Env, Observation
 from actors.env_worker import EnvCrashed, RemoteEnvError, SubprocessEnv, make_isolated_env, step_many
+from timing import slack
 
 HANG, SEGFAULT, EXIT, RAISE = 1.0, 2.0, 3.0, 4.0  # action[0] values that make the dummy env misbehave
 
@@ -100,7 +101,7 @@ def test_hung_step_times_out_and_restarts(env):
     with pytest.raises(EnvCrashed) as info:
         env.step(_act(HANG))
     assert info.value.reason == "timeout"
-    assert time.monotonic() - t0 < 15  # the 1 s budget, plus the kill; never the 60 s sleep
+    assert time.monotonic() - t0 < min(slack(15), 55)  # the 1 s budget, plus the kill; never the 60 s sleep
     assert (env.timeouts, env.crashes, env.restarts) == (1, 0, 1)
     assert env.pid != old_pid
     obs = env.reset(0, 1)  # the new worker serves the next episode

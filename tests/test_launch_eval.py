@@ -9,6 +9,7 @@ from async_vla.policy import build_policy, save_policy
 from async_vla.policy.interface import read_policy_version, write_policy_version
 from async_vla.weights.export import MILESTONES, export_weights, milestones
 from runner.launch import Evaluator
+from timing import slack
 
 SMALL = ["env.num_train_init_states=2", "env.num_eval_init_states=1", "env.task_ids=[0]", "actor.group_size=2",
          "policy.hidden_size=32", "policy.num_heads=2", "policy.num_layers=1", "policy.intermediate_size=64",
@@ -131,4 +132,4 @@ def test_ctrl_c_while_the_buffer_starts_returns_at_once_with_what_was_started(tm
     t0 = time.monotonic()
     children = launch.start_children(load_config(None, SMALL), tmp_path, tmp_path / "config.yaml", resume=False,
                                      should_stop=lambda: True)
-    assert list(children) == ["buffer"] and started == ["buffer"] and time.monotonic() - t0 < 5
+    assert list(children) == ["buffer"] and started == ["buffer"] and time.monotonic() - t0 < min(slack(5), 55)   # not the 60 s wait

@@ -55,6 +55,9 @@ def test_two_rank_zero3_equal_weights_and_bit_equal_resume(tmp_path):
     a = _run_ranks("train", ckpt, tmp_path / "train", stage=3)
     b = _run_ranks("resume", ckpt, tmp_path / "resume", stage=3)
     assert [r["stage"] for r in a] == [3, 3] and [r["world"] for r in a] == [2, 2]
+    # BatchRequest.session: one per learner start, the same on both ranks, another after the resume
+    assert a[0]["session"] == a[1]["session"] and b[0]["session"] == b[1]["session"] != a[0]["session"]
+    assert len(a[0]["session"]) == 26
     # gathered full weights identical on every rank, finite, and only rank 0 receives items by default
     assert a[0]["before_save_params"] == a[1]["before_save_params"]
     assert a[0]["after_step3_params"] == a[1]["after_step3_params"]

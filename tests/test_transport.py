@@ -16,6 +16,7 @@ from async_vla.transport import (
 )
 from async_vla.config import load_config
 from tests.test_messages import make_traj
+from timing import slack
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "ipc"])
@@ -54,7 +55,7 @@ def test_sender_times_out_under_back_pressure():
     t0 = time.monotonic()
     while send.send(big, timeout_s=0.3):
         sent += 1
-        assert time.monotonic() - t0 < 30, "HWM never pushed back"
+        assert time.monotonic() - t0 < slack(30), "HWM never pushed back"
     assert sent >= 1  # some fit in the pipes, then the sender is told to wait instead of dropping
     got = 0
     while recv.recv(timeout_s=1) is not None:

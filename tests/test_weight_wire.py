@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from timing import slack
 
 
 class _Work:
@@ -43,7 +44,7 @@ def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         g._finish(_Work(done_after=0), 0.05)          # our own time ran out
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < slack(5)
 
 
 def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_gone():

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,23 +14,24 @@ from async_vla.messages import BatchRequest, ControlCommand
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
 log = logging.getLogger("learner")
-SESSION_ENV = "ASYNC_VLA_LEARNER_SESSION"   # BatchRequest.session, shared by the ranks of one learner start
 
 
 class BatchClient:
-    """One learner rank's requests for batches: one outstanding ``BatchRequest`` at a time."""
+    """One learner rank's requests for batches: one outstanding ``BatchRequest`` at a time.
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int):
-        self.cfg, self.rank, self.world = cfg, rank, world
+    ``session``: one id for this learner start, the same on every rank (``Learner.session_id``); the buffer tells a
+    learner resumed at its own version from a retrying one by it (``GroupBuffer.take_batch``)."""
+
+    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, *, session: str):
+        if not session:
+            raise ValueError("BatchClient needs a session id shared by the learner's ranks (Learner.session_id)")
+        self.cfg, self.rank, self.world, self.session = cfg, rank, world, session
         self.endpoint = endpoints(cfg.transport, run_dir, side="connect")["control"]
         self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
         self.client = self._connect()
         self.pending = False
         self.sent_at = 0.0
         self.reconnects = 0
-        # One id for this learner start, the same on every rank (bin/learner's launcher sets it): the buffer tells a
-        # resumed learner from a retrying one by it. A lone rank makes its own; ranks of another launcher send none.
-        self.session = os.environ.get(SESSION_ENV) or (uuid.uuid4().hex if world == 1 else "")
 
     def _connect(self) -> ControlClient:
         ident = f"learner-{self.rank}-{os.getpid()}-{time.monotonic_ns()}".encode()

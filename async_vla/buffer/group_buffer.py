@@ -40,7 +40,8 @@ while has_room() is False. The version moves one per batch whatever learner.mini
 (docs/LEARNER.md "Versions"); with reuse > 1 groups are consumed more than once, which only loosens pacing, the
 eta check still holds.
 
-Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
+Bounds on control input: eta never exceeds ``max_staleness_limit``; a version announced on the control socket
+(``announce_version``) is at most ``max_version_step`` past the latest batch request's; one actor holds at most
 ``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes
 back the grants of an actor that went silent (the service calls it; counted as groups "reclaimed").
 
@@ -148,6 +149,7 @@ class GroupBuffer:
         self._horizon = -1               # newest version the dead learner(s) reached: (c, horizon] is "ahead"
         self._max_bv_seen = -1
         self._session: Optional[str] = None   # the learner's (BatchRequest.session), once one was given
+        self.requested_version = 0             # version of the latest batch request (bounds announce_version)
         if self.max_staleness > self.cfg.max_staleness_limit:
             raise ValueError(f"max_staleness ({self.max_staleness}) exceeds buffer.max_staleness_limit "
                              f"({self.cfg.max_staleness_limit}); lower it or raise the limit")
@@ -365,18 +367,12 @@ class GroupBuffer:
         first, the grant's learner_version tells it so). A want above what the actor may still hold is trimmed
         (``grants_capped``); a want < 1 gets nothing."""
         actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
-        room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
-        if want > room:
+        if want > max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id)):
             self.grants_capped += 1
-            want = room
-        n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
-        if not self.has_room():
-            n = 0
+        n = self.grantable(actor_id, want, actor_version)
         if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
-            n = 0
             self.grants_refused_behind += 1
-        elif actor_version is not None and self.version < int(actor_version) <= self._horizon:
-            n = 0   # holds a dead learner's weights: whatever it samples now would be refused as "ahead"
+        elif self.holds_dead_weights(actor_version):
             self.grants_refused_ahead += 1
         now = self.clock()
         ids = []
@@ -388,6 +384,21 @@ class GroupBuffer:
             self._record(now, ControlCommand("j.grant", f"{actor_id}:" + ",".join(ids)))
             self._open_granted(actor_id, ids, now)
         return ids
+
+    def grantable(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> int:
+        """How many group ids ``grant`` would issue right now (nothing changes)."""
+        want = max(0, min(int(want), MAX_WANT, self.cfg.max_groups_per_actor - self.held_by(actor_id)))
+        n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
+        if not self.has_room() or self.holds_dead_weights(actor_version):
+            return 0
+        if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
+            return 0
+        return n
+
+    def holds_dead_weights(self, actor_version: Optional[int]) -> bool:
+        """Is ``actor_version`` a dead learner's (above the rollback's target, up to its newest; see rollback)?
+        Whatever an actor samples with it would be refused as "ahead"."""
+        return actor_version is not None and self.version < int(actor_version) <= self._horizon
 
     def _open_granted(self, actor_id: Optional[int], ids: list[str], now: float) -> None:
         for gid in ids:
@@ -422,6 +433,18 @@ class GroupBuffer:
         if self.batches_formed == 0:
             self._v_base = v
         self._purge_stale()
+
+    def announce_version(self, v: int) -> int:
+        """The learner's version as told on the control socket (ControlCommand set_learner_version, which anyone
+        who reaches the socket can send): at most ``max_version_step`` past the latest batch request's version,
+        else ValueError naming the limit; never backwards. Returns the version now."""
+        v, limit = int(v), self.requested_version + self.cfg.max_version_step
+        if v > limit:
+            raise ValueError(f"set_learner_version {v} is more than buffer.max_version_step="
+                             f"{self.cfg.max_version_step} past the learner's latest batch request (version "
+                             f"{self.requested_version}); a learner moves its version with BatchRequest")
+        self.set_learner_version(v)
+        return self.version
 
     def rollback(self, version: int, resumed: bool = False) -> None:
         """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
@@ -521,6 +544,7 @@ class GroupBuffer:
         elif version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
             self.rollback(version)
         self.set_learner_version(version)
+        self.requested_version = int(version)
         batch = self._batches.get(version)
         if batch is None:
             batch = self._form(version)

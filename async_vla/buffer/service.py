@@ -3,7 +3,10 @@
 ``serve(stop_event)`` runs in the caller's thread (``bin/buffer``'s main thread, or a learner thread); one thread
 owns the GroupBuffer, so it needs no locks: other threads read only ``latest_metrics`` (or ask over the control
 socket, ControlCommand("stats")). Each ``step()``:
-  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant; BatchRequest -> bundle
+  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (one from an actor whose
+     weights are newer than the learner version we know, that pacing would refuse now, waits up to
+     buffer.grant_retry_s for the learner's BatchRequest at that version: it was published, the request is on its
+     way, and a refusal now would be charged to the new version); BatchRequest -> bundle
      or parked until a batch is ready or its timeout_s passes (then ready=False); ControlCommand; Heartbeat and
      ActorStats are kept (latest per actor) for metrics;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
@@ -11,7 +14,8 @@ socket, ControlCommand("stats")). Each ``step()``:
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
-Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
+Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, a set_learner_version
+within buffer.max_version_step of the latest batch request (GroupBuffer.announce_version), grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
@@ -44,6 +48,7 @@ DRAIN_S = 1.0               # on a clean stop, time given to take in trajectorie
 MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
 MAX_PARKED = 64             # parked batch requests held at once; beyond it a request is answered not-ready at once
 MAX_ACTORS_TRACKED = 4096   # actor ids remembered for metrics and reclaiming (forged ids must not grow memory)
+MAX_PARKED_GRANTS = 1024    # grant requests waiting for the learner's version; beyond it they are answered at once
 MAX_STATS_TASKS = 512       # by-task entries one ActorStats may carry (a run has far fewer tasks)
 CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
 TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
@@ -84,6 +89,7 @@ class BufferService:
         """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
         self.counters: collections.Counter = collections.Counter()
         self._parked: list[tuple[bytes, BatchRequest, float]] = []
+        self._parked_grants: dict[tuple[bytes, int], tuple[GrantRequest, float]] = {}   # (peer, actor) -> (req, deadline)
         self._seen_malformed: collections.Counter = collections.Counter()
         self._actors: dict[int, dict] = {}   # actor_id -> {"t": last message, "heartbeat": ..., "stats": ...}
         self._eta_file = self.run_dir / "control" / "max_staleness"
@@ -134,6 +140,8 @@ class BufferService:
         now = self.clock()
         if self._parked and (added or any(deadline <= now for _, _, deadline in self._parked)):
             self._serve_parked(now)
+        if self._parked_grants:
+            self._serve_parked_grants(now)
         if work and self.recorder is not None:
             self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
         self._periodic(now, on_status)
@@ -232,6 +240,33 @@ class BufferService:
     def _grant(self, peer: bytes, req: GrantRequest) -> None:
         self.counters["grant_requests"] += 1
         self._touch(req.actor_id)
+        key = (peer, int(req.actor_id))
+        if key in self._parked_grants:   # asked again (its grant_timeout_s passed): the older one is answered first
+            self._answer_grant(peer, self._parked_grants.pop(key)[0])
+        b, pv = self.buffer, req.policy_version
+        if (pv is not None and int(pv) > b.version and not b.holds_dead_weights(pv) and req.want >= 1
+                and len(self._parked_grants) < MAX_PARKED_GRANTS and not b.grantable(req.actor_id, req.want, pv)):
+            # Weights newer than our version: the learner stepped and published, and its BatchRequest for that
+            # version (which opens pacing room) is on its way. Refused now, the refusal would be for the old
+            # version's pacing and the actor would sleep out retry_after_s after the learner moved on: wait for
+            # the version (or grant_retry_s) instead, then answer.
+            self._parked_grants[key] = (req, self.clock() + self.cfg.buffer.grant_retry_s)
+            self.counters["grants_parked"] += 1
+            return
+        self._answer_grant(peer, req)
+
+    def _serve_parked_grants(self, now: float) -> None:
+        """Answer each parked grant request once the version reached the actor's, room opened, or it waited
+        grant_retry_s (a refusal then is about the version it asked with, or the learner is slow)."""
+        b = self.buffer
+        for key, (req, deadline) in list(self._parked_grants.items()):
+            pv = int(req.policy_version)
+            if (b.version >= pv or deadline <= now or b.holds_dead_weights(pv)
+                    or b.grantable(req.actor_id, req.want, pv)):
+                del self._parked_grants[key]
+                self._answer_grant(key[0], req)
+
+    def _answer_grant(self, peer: bytes, req: GrantRequest) -> None:
         bc, error = self.cfg.buffer, ""
         room = bc.max_groups_per_actor - self.buffer.held_by(req.actor_id)
         if req.want < 1:
@@ -314,8 +349,11 @@ class BufferService:
             if cmd.command == "set_learner_version":
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool) or cmd.value < 0:
                     raise ValueError(f"set_learner_version needs an int >= 0, got {cmd.value!r}")
-                self.buffer.set_learner_version(int(cmd.value))
-                return ControlCommand("ok", self.buffer.version)
+                try:
+                    return ControlCommand("ok", self.buffer.announce_version(int(cmd.value)))
+                except ValueError:
+                    self.counters["learner_version_refused"] += 1
+                    raise
             if cmd.command == "set_weights_path":
                 if not isinstance(cmd.value, (str, type(None))) or len(cmd.value or "") > 4096:
                     raise ValueError("set_weights_path needs a path (a str of at most 4096 characters)")
@@ -434,6 +472,7 @@ class BufferService:
         m = self.buffer.metrics()
         m.update(self.actor_metrics())
         m["buffer/parked_requests"] = float(len(self._parked))
+        m["buffer/parked_grant_requests"] = float(len(self._parked_grants))
         m["buffer/control_malformed"] = float(self.control.malformed.total)
         for k, v in self.counters.items():
             m[f"buffer/{k}"] = float(v)

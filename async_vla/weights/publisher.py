@@ -55,7 +55,7 @@ from async_vla.weights.transport import Early, Packed, SendContext, SendTranspor
 from async_vla.weights.transport_bell import BellTransport
 from async_vla.weights.transport_shm import ShmTransport
 from async_vla.weights.transport_wire import WireTransport
-from async_vla.weights.wire import WIRE_VERSION, resolve_backend, td
+from async_vla.weights.wire import WIRE_VERSION, gloo_bind, resolve_backend, td
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,9 @@ class WeightPublisher:
         self._store.set("w/shm", self._shm.probe if self._shm is not None else "")
         self._bell_ok = self._shm is not None and weight_bell.available()
         self._ctx = SendContext(self._store, self.cfg, self.backend, self.timeout_s, self._shm,
-                                BellSender(self._store, self._shm) if self._bell_ok else None)
+                                BellSender(self._store, self._shm) if self._bell_ok else None,
+                                # gloo's pair sockets: loopback in a one-host run (docs/RELIABILITY.md "Security")
+                                gloo_bind(cfg.transport.host))
         self._wire_until = 0.0     # shared memory had no room: groups stay on the wire until then
         self._bell_after = 0.0     # a doorbell page could not be made: gloo messages until then
         self._endpoint = self.weights_dir / "endpoint.json"

@@ -33,6 +33,7 @@ from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
 from async_vla.weights.transport_bell import BellCache, BellReceiver
 from async_vla.weights.transport_shm import ShmReceiver
 from async_vla.weights.transport_wire import WireReceiver
+from async_vla.weights.store_guard import is_loopback
 from async_vla.weights.wire import WIRE_VERSION, port_open, td
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class WeightSubscriber:
         self.actor_id = int(actor_id)
         self.weights_dir = Path(run_dir) / "weights"
         self.host = connect_host or cfg.transport.connect_host
+        # gloo's pair sockets: loopback when the learner is (docs/RELIABILITY.md "Security").
+        self.gloo_bind = "127.0.0.1" if is_loopback(self.host) else None
         self._port = port if port is not None else (cfg.transport.weights_port or None)
         self.timeout_s = float(cfg.weights.timeout_s)
         self.device = device

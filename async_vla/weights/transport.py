@@ -85,6 +85,7 @@ class SendContext:
     timeout_s: float                   # the publisher's per-publish limit
     shm: Any = None                    # ShmPublisher, when the shared-memory path is on
     bell: Any = None                   # bell_versions.BellSender, when the doorbell is available
+    gloo_bind: Optional[str] = None    # where gloo's pair sockets listen (wire.gloo_bind); None: gloo's choice
 
 
 class SendTransport(Protocol):
@@ -115,6 +116,7 @@ class Receiver(Protocol):
     stats: dict
     pool: Any                          # buffers.BufferPool for versions received over the wire
     bell_cache: Any                    # transport_bell.BellCache: layouts and plans kept across doorbell epochs
+    gloo_bind: Optional[str]           # where this member's gloo pair sockets listen (None: gloo's choice)
 
     def stopping(self) -> bool: ...
     def reader_for(self, prefix: str) -> Any: ...

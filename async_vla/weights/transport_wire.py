@@ -46,7 +46,8 @@ class WireTransport:
         if left <= 0:
             raise TimeoutError("no time left to form the group")
         self.group = BroadcastGroup(self.ctx.backend, PrefixStore(f"w/e{self.epoch}/pg", self.ctx.store), 0,
-                                    len(self.members) + 1, left, self.epoch, self.members)
+                                    len(self.members) + 1, left, self.epoch, self.members,
+                                    bind=self.ctx.gloo_bind)
 
     def may_start_early(self, quick: bool) -> bool:
         """Announce before packing: its members wake and wait in the header broadcast while we pack, instead of
@@ -145,7 +146,7 @@ class WireReceiver:
     def __init__(self, sub: Receiver, store, msg: dict, epoch: int, token: int, probe: str):
         self.sub, self.store, self.epoch, self.token = sub, store, epoch, token
         self.group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store), int(msg["rank"]),
-                                    int(msg["world"]), sub.timeout_s, epoch)
+                                    int(msg["world"]), sub.timeout_s, epoch, bind=sub.gloo_bind)
         self.group.dropped = lambda e=epoch: epoch_dropped(store, e)
         # Split verification ends with this count instead of an acknowledgement (wire).
         self.group.released = lambda e=epoch: store.add(f"w/e{e}/released", 1)

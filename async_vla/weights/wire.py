@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import socket
 import threading
@@ -56,6 +57,23 @@ def port_open(host: str, port: int) -> bool:
         return False
 
 
+def gloo_bind(host: str) -> Optional[str]:
+    """Where the publisher's gloo pair sockets listen, given ``transport.host``: 127.0.0.1 when
+    ``host`` is loopback (a one-host run: nothing beyond the machine can reach them, whatever the host name
+    resolves to or GLOO_SOCKET_IFNAME says), ``host`` itself when it is one specific address, None (gloo's own
+    choice: GLOO_SOCKET_IFNAME, else the host name's address) for a wildcard or a name. They are not behind
+    the StoreGuard (docs/RELIABILITY.md "Security")."""
+    from async_vla.weights.store_guard import is_loopback
+
+    if is_loopback(host):
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if ip.is_unspecified else str(ip)
+
+
 def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(0.001, float(seconds)))
 
@@ -77,7 +95,9 @@ class BroadcastGroup:
     """One epoch's process group plus what both sides remember about it."""
 
     def __init__(self, backend: str, store, rank: int, world: int, timeout_s: float, epoch: int,
-                 members: tuple[int, ...] = ()):
+                 members: tuple[int, ...] = (), bind: Optional[str] = None):
+        """``bind``: the address gloo's pair sockets listen on and advertise (``gloo_bind``); None = gloo's own
+        choice (GLOO_SOCKET_IFNAME, else the address the host name resolves to)."""
         self.backend, self.epoch, self.members, self.rank = backend, epoch, members, rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.layout: Optional[Layout] = None      # manifest this group has already seen
@@ -87,7 +107,12 @@ class BroadcastGroup:
         self.verify_shares = 0                    # publisher: shares the last version was checked in (0: not split)
         self.released_owed = 0                    # publisher: release counts the members owe in this epoch (split)
         self.released: Optional[Callable[[], None]] = None   # receiver: count ourselves released (split)
-        if backend == "gloo":
+        if backend == "gloo" and bind is not None:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = td(timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+            self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
+        elif backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world, td(timeout_s))
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

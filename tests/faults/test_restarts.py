@@ -77,6 +77,27 @@ def test_resumed_at_the_same_version_gets_the_same_batch():
     assert again[0] == first[0] and buf.rollbacks == [] and buf.ledger["trained"] == 12   # counted once
 
 
+def test_two_ranks_resumed_at_the_buffers_own_version_are_told_by_their_session():
+    # Two ranks (B=2, one group each) of learner start "a" trained up to version 3 and published v4; they die before
+    # asking for batch 4. Resumed from the checkpoint at version 3, their ranks (one new session "b", agreed
+    # among themselves: Learner.session_id) ask for version 3 again: the version alone says nothing new.
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=1), RUN)
+    for v in range(4):
+        for k in range(2):
+            add_group(buf, f"g{v}{k}", MIXED, bv=max(0, v - 1))
+        assert all(buf.take_batch(v, r, 2, session="a") is not None for r in range(2))
+    add_group(buf, "dead", MIXED, bv=4)                # sampled with the dead learner's v4: complete, held
+    add_group(buf, "live", MIXED, bv=3)
+    first = [buf.take_batch(3, r, 2, session="b") for r in range(2)]
+    assert buf.rollbacks and buf.rollbacks[-1]["to"] == 3 and len(buf.rollbacks) == 1   # once, not per rank
+    assert [f[0] for f in first] == [3, 3]            # batch 3 (formed at that very version) served again
+    assert buf.ledger["ahead"] == 4 and "dead" not in buf.ready_group_ids()
+    assert buf.grant(9, 1, actor_version=4) == [] and buf.grants_refused_ahead == 1
+    assert all(buf.take_batch(3, r, 2, session="b")[0] == 3 for r in range(2))           # retries: no new rollback
+    assert len(buf.rollbacks) == 1
+    buf.check_invariants()
+
+
 def test_the_dead_learners_parked_request_is_voided(tmp_path):
     with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
         dead, resumed = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)

@@ -44,6 +44,40 @@ def test_every_default_bind_is_loopback(tmp_path):
         pub.close()
 
 
+def test_gloo_pair_sockets_listen_on_loopback_in_a_one_host_run(tmp_path, monkeypatch):
+    # gloo picks its own address otherwise (GLOO_SOCKET_IFNAME, else the host name's): point it at this
+    # machine's non-loopback interface and check that the weight broadcast's pair sockets stay on loopback.
+    ifaces = [name for name, addrs in psutil.net_if_addrs().items()
+              if any(a.family == 2 and not a.address.startswith("127.") for a in addrs)]   # AF_INET
+    if not ifaces:
+        pytest.skip("no non-loopback interface")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifaces[0])
+    from weight_helpers import mixed_model, weights_cfg
+
+    from async_vla.weights import WeightPublisher, WeightSubscriber
+
+    cfg = weights_cfg(shm=False)              # every byte over gloo (no shared memory, no doorbell)
+    pub = WeightPublisher(cfg, tmp_path)
+    sub = WeightSubscriber(cfg, 1, tmp_path)
+    try:
+        assert pub.wait_for_actors(1, slack(20)) == 1
+        st = pub.publish(1, mixed_model(1).items())
+        assert st["transport"] == "gloo" and st["confirmed"] == 1, st
+        assert sub.poll(timeout=slack(10))[0] == 1
+        listening = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert len(listening) >= 3, listening     # the store plus a gloo listener on each side
+        assert all(psutil_ip_is_loopback(a.ip) for a in listening), listening
+    finally:
+        sub.close()
+        pub.close()
+
+
+def psutil_ip_is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback
+
+
 def test_binding_beyond_loopback_requires_curve(tmp_path):
     from async_vla.config import ConfigError
 
