@@ -107,7 +107,7 @@ def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.sndhwm = hwm
-    sock.linger = 30_000
+    sock.linger = 120_000   # a loaded buffer may take a while to read them all: none may be dropped at close
     _secure_client(sock, curve_keys)
     sock.connect(endpoint)
     sent: dict[str, int] = {}
