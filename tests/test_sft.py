@@ -163,3 +163,24 @@ def test_long_videos_keep_every_nth_frame_and_the_last():
     assert shown[-1, 0, 0, 0] == 450 % 256 and shown[1, 0, 0, 0] == 4
     with pytest.raises(ValueError, match="uint8"):
         video_frames(frames.astype(np.float32))
+
+
+def test_cosine_schedule_scales_each_step_and_a_bad_schedule_is_named():
+    """Two optimizer steps (one batch of every sample per epoch): the first at the full rate under both schedules,
+    the second at half the rate under cosine (0.5 * (1 + cos(pi / 2))). Adam's step is proportional to the rate, so
+    the second step moves the weights half as far as under a constant rate."""
+    def trained(epochs: int, schedule: str):
+        torch.manual_seed(0)
+        cfg, env, policy = setup()
+        demos, _ = collect_demos(env, env.task_ids, 1, 8, seed=0)
+        sft_train(policy, demos, epochs=epochs, lr=1e-3, batch_size=len(demos), seed=0, lr_schedule=schedule)
+        return torch.cat([p.detach().flatten() for p in policy.parameters()])
+
+    after_one = trained(1, "constant")
+    torch.testing.assert_close(trained(1, "cosine"), after_one)
+    ratio = float((trained(2, "cosine") - after_one).norm() / (trained(2, "constant") - after_one).norm())
+    assert 0.4 < ratio < 0.6
+    cfg, env, policy = setup()
+    demos, _ = collect_demos(env, env.task_ids, 1, 8, seed=0)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        sft_train(policy, demos, epochs=1, lr_schedule="linear")
