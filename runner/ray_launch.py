@@ -145,10 +145,10 @@ def join_cluster(cfg: Config) -> Any:
 def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
     """The config the fleets run: connect to the driver's node. A loopback buffer is reachable only from nodes on
     the driver's host: with nodes elsewhere that is an error naming the fix."""
-    from async_vla.config.schema import _is_loopback
+    from async_vla.hosts import is_loopback
 
     t = cfg.transport
-    if _is_loopback(t.host):
+    if is_loopback(t.host):
         elsewhere = sorted(ip for ip in node_ips if ip != driver_ip)
         if elsewhere:
             raise RuntimeError(

@@ -6,6 +6,8 @@ import importlib.util
 
 from pydantic import Field, model_validator
 
+from async_vla.hosts import is_loopback
+
 from async_vla.config.sections import (
     ActorConfig,
     BufferConfig,
@@ -67,13 +69,13 @@ class Config(Section):
                 f"groups, equal on every rank; set learner.minibatches to a divisor of {per_rank} or raise "
                 "buffer.groups_per_batch")
         t = self.transport
-        if not t.use_ipc and not _is_loopback(t.host) and not t.curve:
+        if not t.use_ipc and not is_loopback(t.host) and not t.curve:
             raise ValueError(
                 f"transport.host={t.host} exposes the buffer beyond this machine: remote actors need "
                 f"transport.curve=true and transport.curve_dir (keys from bin/keys DIR)")
         if t.curve and not t.curve_dir:
             raise ValueError("transport.curve=true needs transport.curve_dir (a directory written by bin/keys)")
-        if not _is_loopback(t.host):
+        if not is_loopback(t.host):
             if not t.weights_allowed_peers:
                 raise ValueError(
                     f"transport.host={t.host} exposes the learner's weight-rendezvous store (no authentication): "
@@ -241,15 +243,3 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
-
-
-def _is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost: an interface no other machine can reach."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -50,7 +50,8 @@ from async_vla.weights.members import MemberRegistry
 from async_vla.weights.packer import BucketPacker
 from async_vla.weights.pool import BufferPool
 from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
-from async_vla.weights.store_guard import StoreGuard, is_loopback
+from async_vla.hosts import is_loopback
+from async_vla.weights.store_guard import StoreGuard
 from async_vla.weights.transport import Early, Packed, SendContext, SendTransport
 from async_vla.weights.transport_bell import BellTransport
 from async_vla.weights.transport_shm import ShmTransport

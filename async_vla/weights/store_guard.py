@@ -19,19 +19,11 @@ import socket
 import threading
 from typing import Iterable
 
+from async_vla.hosts import is_loopback
+
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 16
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost: an interface no other machine can reach."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_peers(peers: Iterable[str]) -> list:

@@ -33,7 +33,7 @@ from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
 from async_vla.weights.transport_bell import BellCache, BellReceiver
 from async_vla.weights.transport_shm import ShmReceiver
 from async_vla.weights.transport_wire import WireReceiver
-from async_vla.weights.store_guard import is_loopback
+from async_vla.hosts import is_loopback
 from async_vla.weights.wire import WIRE_VERSION, port_open, td
 
 log = logging.getLogger(__name__)

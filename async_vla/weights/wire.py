@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
+from async_vla.hosts import is_loopback
 from async_vla.weights.buckets import (
     DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, share_sums,
     unpack, verify_shares,
@@ -63,8 +64,6 @@ def gloo_bind(host: str) -> Optional[str]:
     resolves to or GLOO_SOCKET_IFNAME says), ``host`` itself when it is one specific address, None (gloo's own
     choice: GLOO_SOCKET_IFNAME, else the host name's address) for a wildcard or a name. They are not behind
     the StoreGuard (docs/RELIABILITY.md "Security")."""
-    from async_vla.weights.store_guard import is_loopback
-
     if is_loopback(host):
         return "127.0.0.1"
     try:
