@@ -98,18 +98,25 @@ def hostile_frames(rng: np.random.Generator, base: M.Trajectory, run_id: str) ->
     return kind, _reheader(frames, edits[kind])
 
 
-def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm: int = 1000) -> dict[str, int]:
-    """Send ``n`` hostile messages to a trajectory endpoint; returns how many of each kind were sent."""
+def _sender(ctx, socket_type: int, endpoint: str, curve_keys, hwm: int):
+    """A connected sending socket whose queued messages still leave at close: a loaded buffer may take a while to
+    read thousands of them, and the tests count every one."""
     from async_vla.transport import _secure_client
 
+    sock = ctx.socket(socket_type)
+    sock.sndhwm = hwm
+    sock.linger = 120_000
+    _secure_client(sock, curve_keys)
+    sock.connect(endpoint)
+    return sock
+
+
+def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm: int = 1000) -> dict[str, int]:
+    """Send ``n`` hostile messages to a trajectory endpoint; returns how many of each kind were sent."""
     rng = np.random.default_rng(seed)
     base = template(run_id="not-" + run_id)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.sndhwm = hwm
-    sock.linger = 120_000   # a loaded buffer may take a while to read them all: none may be dropped at close
-    _secure_client(sock, curve_keys)
-    sock.connect(endpoint)
+    sock = _sender(ctx, zmq.PUSH, endpoint, curve_keys, hwm)
     sent: dict[str, int] = {}
     try:
         for _ in range(n):
@@ -197,15 +204,10 @@ def forge_control(endpoint: str, n: int, run_id: str, eta_limit: int, seed: int 
                   curve_keys=None) -> dict[str, int]:
     """Send ``n`` forged control messages from one DEALER (replies are read and dropped as they come, so the
     buffer's replies never back up); returns how many of each kind were sent."""
-    from async_vla.transport import _secure_client
-
     rng = np.random.default_rng(seed)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 120_000   # a busy buffer may take a while to read 4000 messages: none may be dropped at close
-    sock.sndhwm = sock.rcvhwm = 100_000
-    _secure_client(sock, curve_keys)
-    sock.connect(endpoint)
+    sock = _sender(ctx, zmq.DEALER, endpoint, curve_keys, 100_000)
+    sock.rcvhwm = 100_000
     sent: dict[str, int] = {}
     try:
         for _ in range(n):
