@@ -488,16 +488,7 @@ class GroupBuffer:
             g.ceiling = v if g.ceiling is None else min(g.ceiling, v)
             if g.max_bv > v:
                 self._drop_open(g, "ahead")
-        keep = collections.deque()
-        for g in self._ready:
-            if g.max_bv <= v:
-                keep.append(g)
-                continue
-            if not g.trained:
-                self.books.drop_group(g.members, "ahead", self.version)
-                self.accepted_groups -= 1
-            self._release(g)
-        self._ready = keep
+        self._drop_ready(lambda g: g.max_bv > v, "ahead")
 
     def _untrain(self, g: _Group, batch_version: int) -> None:
         """Undo _form for a group of a batch whose update was lost: back to the front of the ready queue."""
@@ -507,15 +498,20 @@ class GroupBuffer:
 
     def _purge_stale(self) -> None:
         """Drop ready groups whose lag now exceeds eta (not trained: "stale"; trained leftovers of reuse: gone)."""
+        self._drop_ready(lambda g: is_stale(self.version, g.min_bv, self.max_staleness), "stale")
+
+    def _drop_ready(self, drop: Callable[[_Group], bool], reason: str) -> None:
+        """Remove the ready groups ``drop`` picks: untrained ones count as ``reason`` in the ledger; trained
+        leftovers of reuse just go."""
         if not self._ready:
             return
         keep = collections.deque()
         for g in self._ready:
-            if not is_stale(self.version, g.min_bv, self.max_staleness):
+            if not drop(g):
                 keep.append(g)
                 continue
             if not g.trained:
-                self.books.drop_group(g.members, "stale", self.version)
+                self.books.drop_group(g.members, reason, self.version)
                 self.accepted_groups -= 1
             self._release(g)
         self._ready = keep
