@@ -9,6 +9,10 @@ every array's dtype (from a fixed allow-list), rank and shape, and ``prod(shape)
 are checked *before* ``np.frombuffer``; then the message's own ``validate()`` checks cross-field facts
 (consistent N and T, finite log-probs, non-negative versions). Any failure raises ``MalformedMessage``
 with a short machine-readable ``reason`` that receivers count. Nothing is ever unpickled or executed.
+
+A decoded message keeps the frames it arrived as (``frames_of``): a relay (the buffer, which never changes a
+trajectory) forwards those, not a re-encoding, and the next receiver checks them again. Arrays are views of the
+received frames, never copies.
 """
 
 from __future__ import annotations
@@ -338,6 +342,14 @@ def encode(msg: Message) -> list:
     return [header, *frames]
 
 
+def frames_of(msg: Message) -> list:
+    """The frames ``msg`` travels as: those it was decoded from, unchanged (zero-copy: a received ``zmq.Frame`` is
+    sent again by reference), else ``encode(msg)``. Sound because a decoded message is never modified in place:
+    a changed copy (``dataclasses.replace``) is a new object without received frames."""
+    frames = msg.__dict__.get("_received")
+    return list(frames) if frames is not None else encode(msg)
+
+
 def _buffer(frame: Frame) -> memoryview:
     if hasattr(frame, "buffer"):
         return frame.buffer  # zmq.Frame received with copy=False
@@ -356,22 +368,36 @@ def _check_scalar(cls: type[Message], name: str, value: Any) -> Any:
     return value
 
 
-def _decode_array(spec: Any, frame: Frame, expected: ArraySpec, max_bytes: int) -> tuple[str, np.ndarray]:
-    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)
-            and isinstance(spec[2], list)):
+_ITEMSIZE = {d: np.dtype(d).itemsize for d in ALLOWED_DTYPES}
+# Per class, once: (scalar field, required?) in dataclass order (decode runs per message, hundreds per second).
+_LAYOUT: dict[type, tuple[tuple[str, bool], ...]] = {}
+
+
+def _scalar_layout(cls: type[Message]) -> tuple[tuple[str, bool], ...]:
+    layout = _LAYOUT.get(cls)
+    if layout is None:
+        layout = _LAYOUT[cls] = tuple(
+            (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls) if f.name in cls.SCALARS)
+    return layout
+
+
+def _decode_array(spec: Any, buf: memoryview, expected: ArraySpec, max_bytes: int) -> tuple[str, np.ndarray]:
+    if not (type(spec) is list and len(spec) == 3 and type(spec[0]) is str and type(spec[1]) is str
+            and type(spec[2]) is list):
         raise MalformedMessage("header", "array spec must be [name, dtype, shape]")
     name, dtype, shape = spec
-    if name not in expected:
+    want = expected.get(name)
+    if want is None:
         raise MalformedMessage("unknown_field", name)
-    want_dtype, want_ndim, _ = expected[name]
+    want_dtype, want_ndim, _ = want
     if dtype not in ALLOWED_DTYPES or dtype != want_dtype:
         raise MalformedMessage("dtype", f"{name}: {dtype} (expected {want_dtype})")
+    # type(d) is int: plain ints only (msgpack gives nothing else), so never a bool.
     if (len(shape) != want_ndim or len(shape) > MAX_ARRAY_RANK
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)):
+            or not all(type(d) is int and 0 <= d < 2**31 for d in shape)):
         raise MalformedMessage("shape", f"{name}: {shape} (expected rank {want_ndim})")
-    itemsize = np.dtype(dtype).itemsize
-    nbytes = math.prod(shape) * itemsize  # python ints: no overflow
-    buf = _buffer(frame)
+    nbytes = math.prod(shape) * _ITEMSIZE[dtype]  # python ints: no overflow
     if nbytes > max_bytes or nbytes != buf.nbytes:
         raise MalformedMessage("size_mismatch", f"{name}: shape {shape} needs {nbytes} B, frame has {buf.nbytes}")
     arr = np.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes else np.zeros(shape, dtype=dtype)
@@ -379,7 +405,8 @@ def _decode_array(spec: Any, frame: Frame, expected: ArraySpec, max_bytes: int) 
 
 
 def decode(frames: Sequence[Frame], max_bytes: int = 64 * 1024**2) -> Message:
-    """[header, arrays...] -> validated Message, or raise MalformedMessage (never anything else)."""
+    """[header, arrays...] -> validated Message, or raise MalformedMessage (never anything else).
+    The message keeps ``frames`` for ``frames_of``."""
     if not frames:
         raise MalformedMessage("empty")
     try:
@@ -391,10 +418,11 @@ def decode(frames: Sequence[Frame], max_bytes: int = 64 * 1024**2) -> Message:
 
 
 def _decode(frames: Sequence[Frame], max_bytes: int) -> Message:
-    head = _buffer(frames[0])
+    bufs = [_buffer(f) for f in frames]
+    head = bufs[0]
     if head.nbytes > MAX_HEADER_BYTES:
         raise MalformedMessage("oversize", f"header {head.nbytes} B")
-    total = sum(_buffer(f).nbytes for f in frames)
+    total = sum(b.nbytes for b in bufs)
     if total > max_bytes:
         raise MalformedMessage("oversize", f"{total} B > {max_bytes} B")
     try:
@@ -414,18 +442,17 @@ def _decode(frames: Sequence[Frame], max_bytes: int) -> Message:
         raise MalformedMessage("header", "f must be a map and a a list")
     if len(specs) != len(frames) - 1:
         raise MalformedMessage("frame_count", f"{len(specs)} arrays declared, {len(frames) - 1} frames")
-    unknown = set(fields_in) - set(cls.SCALARS)
-    if unknown:
+    if not fields_in.keys() <= cls.SCALARS.keys():
+        unknown = set(fields_in) - set(cls.SCALARS)
         raise MalformedMessage("unknown_field", ",".join(sorted(map(str, unknown)))[:64])
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in cls.SCALARS:
-            if f.name in fields_in:
-                kwargs[f.name] = _check_scalar(cls, f.name, fields_in[f.name])
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MalformedMessage("missing_field", f.name)
-    for spec, frame in zip(specs, frames[1:]):
-        name, arr = _decode_array(spec, frame, cls.ARRAYS, max_bytes)
+    for name, required in _scalar_layout(cls):
+        if name in fields_in:
+            kwargs[name] = _check_scalar(cls, name, fields_in[name])
+        elif required:
+            raise MalformedMessage("missing_field", name)
+    for spec, buf in zip(specs, bufs[1:]):
+        name, arr = _decode_array(spec, buf, cls.ARRAYS, max_bytes)
         if name in kwargs:
             raise MalformedMessage("header", f"array {name} twice")
         kwargs[name] = arr
@@ -434,12 +461,14 @@ def _decode(frames: Sequence[Frame], max_bytes: int) -> Message:
             raise MalformedMessage("missing_field", name)
     msg = cls(**kwargs)
     msg.validate()
+    msg._received = tuple(frames)   # not a dataclass field: equality, repr and replace() never see it
     return msg
 
 
 def encode_bundle(header: Message, members: Sequence[Message]) -> list:
-    """A header message followed by several messages in one multipart: [n_frames...] prefix frame."""
-    parts = [encode(header)] + [encode(m) for m in members]
+    """A header message followed by several messages in one multipart: [n_frames...] prefix frame.
+    Members travel as ``frames_of`` them: a trajectory the buffer received is forwarded as it came."""
+    parts = [encode(header)] + [frames_of(m) for m in members]
     counts = msgpack.packb([len(p) for p in parts])
     return [counts] + [f for p in parts for f in p]
 

@@ -100,7 +100,7 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
         ctl.close()
 
 
-def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, session: str) -> None:
+def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, session: str, step) -> None:
     from async_vla.buffer.client import BatchClient
     from async_vla.config import load_config
 
@@ -108,6 +108,9 @@ def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, session: st
     client = BatchClient(cfg, Path(run_dir), rank, RANKS, session=session)
     lat = []
     for v in range(batches):
+        # Ranks in lock-step, as a learner's are (its step all-reduces): a rank asking for v + 1 while another
+        # still waits for v would read, to the buffer, as a learner resumed from a checkpoint (a rollback).
+        step.wait()
         t0 = time.monotonic()
         while client.poll(v) is None:
             pass
@@ -168,7 +171,8 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
             producers = [ctx.Process(target=_produce, args=(traj_ep, ctl_ep, c, sum(per[:i]), stop, sent))
                          for i, c in enumerate(per) if c]
             session = uuid.uuid4().hex   # the simulated ranks are one learner start
-            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, session))
+            step = ctx.Barrier(RANKS)
+            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, session, step))
                      for r in range(RANKS)]
             prober = ctx.Process(target=_probe_grants, args=(ctl_ep, stop, q))
             t_start = time.monotonic()

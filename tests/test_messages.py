@@ -76,6 +76,18 @@ def test_bundle_round_trip():
     assert [m.traj_id for m in members] == ["t1", "t2"]
 
 
+def test_a_relay_forwards_the_frames_it_received_and_re_encodes_a_changed_copy():
+    sent = [bytes(f) for f in M.encode(make_traj(seed=1))]
+    got = M.decode(sent)
+    assert all(a is b for a, b in zip(M.frames_of(got), sent))          # forwarded as received: no re-encoding
+    changed = dataclasses.replace(got, reward=0.5)
+    assert M.decode([bytes(f) for f in M.frames_of(changed)]).reward == 0.5
+    assert M.frames_of(make_traj(seed=2))[0] == M.encode(make_traj(seed=2))[0]   # never received: encoded
+    header = M.BatchHeader(batch_id=1, group_sizes=[1], version=0, ready=True)
+    _, members = M.decode_bundle([bytes(f) for f in M.encode_bundle(header, [got])])
+    assert_same(members[0], got)
+
+
 def _header(frames):
     return msgpack.unpackb(bytes(frames[0]))
 

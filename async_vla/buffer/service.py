@@ -38,7 +38,7 @@ import zmq
 
 from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
-                                Heartbeat, Shutdown, Trajectory, encode)
+                                Heartbeat, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
@@ -91,6 +91,7 @@ class BufferService:
         self._parked: list[tuple[bytes, BatchRequest, float]] = []
         self._parked_grants: dict[tuple[bytes, int], tuple[GrantRequest, float]] = {}   # (peer, actor) -> (req, deadline)
         self._seen_malformed: collections.Counter = collections.Counter()
+        self._seen_malformed_total = 0
         self._actors: dict[int, dict] = {}   # actor_id -> {"t": last message, "heartbeat": ..., "stats": ...}
         self._eta_file = self.run_dir / "control" / "max_staleness"
         self._eta_file.parent.mkdir(parents=True, exist_ok=True)   # so `echo 4 > <run>/control/max_staleness` works
@@ -166,16 +167,17 @@ class BufferService:
             self.buffer.count_malformed(f"not_trajectory:{msg.KIND}")
 
     def _sync_malformed(self) -> None:
-        by_reason = self.receiver.malformed.by_reason
-        if by_reason == self._seen_malformed:
+        if self.receiver.malformed.total == self._seen_malformed_total:
             return
+        by_reason = self.receiver.malformed.by_reason
         for reason, n in by_reason.items():
             for _ in range(n - self._seen_malformed[reason]):
                 self.buffer.count_malformed(reason)
         self._seen_malformed = collections.Counter(by_reason)
+        self._seen_malformed_total = self.receiver.malformed.total
 
     def _journal(self, t: float, msg) -> None:
-        self.recorder.write(t, encode(msg))
+        self.recorder.write(t, frames_of(msg))   # as received: no re-encoding
 
     # ------------------------------------------------------------------ control channel
     def _handle(self, peer: bytes, msg) -> None:
