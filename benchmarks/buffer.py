@@ -84,8 +84,9 @@ def service_cost(n: int, calls: int, image: int, B: int = 4) -> dict:
     """Run producer and learner processes against a BufferService in this thread; buffer CPU per trajectory."""
     import tempfile
 
-    from async_vla.buffer.service import BufferService
+    from async_vla.buffer.service import BufferService, keep_trajectory_memory
 
+    keep_trajectory_memory()   # as bin/buffer does: this process hosts the buffer
     batches = n // (B * G)
     ctx = mp.get_context("spawn")  # never fork a process that holds ZeroMQ sockets
     with tempfile.TemporaryDirectory() as run_dir:
