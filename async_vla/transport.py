@@ -4,9 +4,12 @@ Channels
 - trajectories: actors PUSH (connect) -> buffer PULL (bind). High-water marks on both ends give
   back-pressure: when the buffer stops reading, actors' sends block (we poll with a timeout so a
   stopping actor is never stuck).
-- control: buffer ROUTER (bind) <-> actors / learner ranks DEALER (connect). Requests and replies are
-  typed messages; a bundle (header + trajectories) answers a learner's batch request. Control sends never
-  block: heartbeats and stats are dropped (and counted) when the queue is full, requests raise ControlTimeout.
+- control: buffer ROUTER (bind) <-> actors / operators DEALER (connect). Requests and replies are typed
+  messages. Control sends never block: heartbeats and stats are dropped (and counted) when the queue is full,
+  requests raise ControlTimeout.
+- batch: buffer ROUTER (bind) <-> learner ranks DEALER (connect), the same classes as control on a socket (and,
+  in the buffer, a ZeroMQ context and I/O thread) of its own: a bundle (header + trajectories, hundreds of MB)
+  answers a rank's BatchRequest without queueing grants behind it.
 
 Receivers never raise on bad input: they count it in ``malformed`` by reason and carry on.
 Sockets bind to 127.0.0.1 unless configured otherwise, set linger so close() never hangs, and cap
@@ -371,10 +374,12 @@ def endpoints(transport_cfg, run_directory: Optional[Path] = None, side: str = "
         if run_directory is None:
             raise ValueError("transport.use_ipc needs a run directory for the socket files")
         base = Path(run_directory).resolve() / "sockets"
-        return {"trajectory": f"ipc://{base}/trajectory", "control": f"ipc://{base}/control"}
+        return {"trajectory": f"ipc://{base}/trajectory", "control": f"ipc://{base}/control",
+                "batch": f"ipc://{base}/batch"}
     host = transport_cfg.host if side == "bind" else transport_cfg.connect_host
     return {"trajectory": f"tcp://{host}:{transport_cfg.trajectory_port}",
-            "control": f"tcp://{host}:{transport_cfg.control_port}"}
+            "control": f"tcp://{host}:{transport_cfg.control_port}",
+            "batch": f"tcp://{host}:{transport_cfg.batch_port}"}
 
 
 class LocalPipe:

@@ -38,7 +38,8 @@ def run_mode(mode: str, out_dir: Path, versions: int, extra: list[str]) -> dict:
     argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
             f"run.mode={mode}", f"run.name={mode}", f"run.out_dir={out_dir}", f"run.max_versions={versions}",
             "run.pin_cores=true", "run.eval_every=0", "run.max_wall_s=900", "run.target_success=null",
-            "transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0", *extra]
+            "transport.trajectory_port=0", "transport.control_port=0",
+            "transport.batch_port=0", "transport.weights_port=0", *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1200,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     rd = out_dir / mode

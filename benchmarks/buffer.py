@@ -2,7 +2,7 @@
 
 Two measurements per trajectory size, in one run:
   * service: a producer process PUSHes N trajectories over tcp loopback, a learner process requests batches
-    (B groups of G) over the control channel; the BufferService runs in this process's main thread and this
+    (B groups of G) over the batch channel; the BufferService runs in this process's main thread and this
     process's CPU time (process_time: the main thread *and* ZeroMQ's I/O thread, which does the socket reads
     and writes) is the buffer's cost (receive + decode + validate + assemble + filter + bundle reply). Producer
     and learner run in their own (spawned) processes so their work is not counted (they still share cores);
@@ -90,10 +90,10 @@ def service_cost(n: int, calls: int, image: int, B: int = 4) -> dict:
     batches = n // (B * G)
     ctx = mp.get_context("spawn")  # never fork a process that holds ZeroMQ sockets
     with tempfile.TemporaryDirectory() as run_dir:
-        svc = BufferService(_config(B), run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        svc = BufferService(_config(B), run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         release = ctx.Event()
         procs = [ctx.Process(target=_produce, args=(svc.trajectory_endpoint, n, calls, image, release)),
-                 ctx.Process(target=_consume, args=(svc.control_endpoint, batches))]
+                 ctx.Process(target=_consume, args=(svc.batch_endpoint, batches))]
         for p in procs:
             p.start()
         cpu0, thread0 = time.process_time(), time.thread_time()

@@ -44,7 +44,8 @@ def _config(run_dir: Path, B: int, traj_bytes: int, hwm: int) -> dict:
         "buffer": {"groups_per_batch": B, "max_staleness": 1, "dynamic_sampling": False,
                    "max_bytes": int(3.5 * B * G * traj_bytes), "ledger_every_s": 5.0, "group_timeout_s": 600.0},
         "learner": {"num_ranks": RANKS, "batch_timeout_s": 60.0},
-        "transport": {"trajectory_port": free_port(), "control_port": free_port(), "trajectory_hwm": hwm},
+        "transport": {"trajectory_port": free_port(), "control_port": free_port(), "batch_port": free_port(),
+                      "trajectory_hwm": hwm},
         "logging": {"status_every_s": 5.0},
     }
 

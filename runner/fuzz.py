@@ -200,23 +200,28 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
     return kind, _frames(msg)
 
 
-def forge_control(endpoint: str, n: int, run_id: str, eta_limit: int, seed: int = 0,
+def forge_control(endpoint: str, batch_endpoint: str, n: int, run_id: str, eta_limit: int, seed: int = 0,
                   curve_keys=None) -> dict[str, int]:
-    """Send ``n`` forged control messages from one DEALER (replies are read and dropped as they come, so the
-    buffer's replies never back up); returns how many of each kind were sent."""
+    """Send ``n`` forged control messages, the batch requests to ``batch_endpoint`` (where the learner's go) and
+    the rest to ``endpoint``, one DEALER each (replies are read and dropped as they come, so the buffer's replies
+    never back up); returns how many of each kind were sent."""
     rng = np.random.default_rng(seed)
     ctx = zmq.Context()
-    sock = _sender(ctx, zmq.DEALER, endpoint, curve_keys, 100_000)
-    sock.rcvhwm = 100_000
+    socks = {}
+    for name, ep in (("control", endpoint), ("batch", batch_endpoint)):
+        socks[name] = _sender(ctx, zmq.DEALER, ep, curve_keys, 100_000)
+        socks[name].rcvhwm = 100_000
     sent: dict[str, int] = {}
     try:
         for _ in range(n):
             kind, frames = forged_control(rng, run_id, eta_limit)
-            sock.send_multipart(frames)
+            socks["batch" if kind.startswith("batch_") else "control"].send_multipart(frames)
             sent[kind] = sent.get(kind, 0) + 1
-            while sock.poll(0, zmq.POLLIN):
-                sock.recv_multipart()
+            for sock in socks.values():
+                while sock.poll(0, zmq.POLLIN):
+                    sock.recv_multipart()
     finally:
-        sock.close()
+        for sock in socks.values():
+            sock.close()
         ctx.term()
     return sent

@@ -45,7 +45,7 @@ def resolve_ports(cfg: Config) -> Config:
     """Port 0 in the config means "pick a free one now", so several runs can share a host (tests do)."""
     t = cfg.transport
     overrides = {}
-    for name in ("trajectory_port", "control_port", "weights_port", "weights_fetch_port"):
+    for name in ("trajectory_port", "control_port", "batch_port", "weights_port", "weights_fetch_port"):
         if getattr(t, name) == 0:
             overrides[name] = free_port(t.host if t.host != "0.0.0.0" else "127.0.0.1")
     if cfg.logging.serve_tensorboard and cfg.logging.tensorboard_port == 0:

@@ -49,6 +49,7 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
         t = cfg.transport
         errors += busy_ports(t.host, [("transport.trajectory_port", 0 if t.use_ipc else t.trajectory_port),
                                       ("transport.control_port", 0 if t.use_ipc else t.control_port),
+                                      ("transport.batch_port", 0 if t.use_ipc else t.batch_port),
                                       ("transport.weights_port", t.weights_port),
                                       ("transport.weights_fetch_port", t.weights_fetch_port or 0)])
     if cfg.logging.serve_tensorboard:

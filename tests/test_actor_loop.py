@@ -41,7 +41,7 @@ def service(tmp_path):
     from async_vla.buffer.service import BufferService
 
     cfg = load_config(None, OVERRIDES)
-    svc = BufferService(cfg, tmp_path / "run", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    svc = BufferService(cfg, tmp_path / "run", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     received = []
     add = svc.buffer.add
 

@@ -33,7 +33,8 @@ def service_cfg(hwm: int = 64, **buffer) -> Config:
 def running(tmp_path, cfg: Config):
     """A BufferService serving in a background thread; stopped, joined and closed on exit."""
     write_resolved(cfg, tmp_path)
-    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0, 1])
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                        valid_task_ids=[0, 1])
     stop = threading.Event()
     thread = threading.Thread(target=svc.serve, args=(stop,), daemon=True)
     thread.start()
@@ -70,7 +71,7 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
     cfg = service_cfg(groups_per_batch=2, max_staleness=1)
     with running(tmp_path, cfg) as svc:
         actor = ControlClient(svc.control_endpoint, identity=b"actor-1")
-        ranks = [ControlClient(svc.control_endpoint, identity=f"rank-{r}".encode()) for r in range(2)]
+        ranks = [ControlClient(svc.batch_endpoint, identity=f"rank-{r}".encode()) for r in range(2)]
         sender = TrajectorySender(svc.trajectory_endpoint)
         actor.send(GrantRequest(actor_id=1, want=8))
         grant = actor.recv(10)
@@ -127,6 +128,27 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         raw.close()
 
 
+def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_socket_is_refused(tmp_path):
+    with running(tmp_path, service_cfg(groups_per_batch=1)) as svc:
+        assert len({svc.trajectory_endpoint, svc.control_endpoint, svc.batch_endpoint}) == 3
+        control, rank = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
+        sender = TrajectorySender(svc.trajectory_endpoint)
+        send_group(sender, "a", (1, 0))
+        wait_stats(control, lambda s: s["groups_ready"] == 1)
+        control.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))   # its one reply, not the batch
+        header, members = control.recv_bundle(10)
+        assert not header.ready and members == []
+        s = stats(control)
+        assert s["service"]["batch_requests_on_control"] == 1 and s["groups_ready"] == 1   # nothing was taken
+        rank.send(GrantRequest(actor_id=1, want=1))                 # control traffic on the batch socket: counted
+        rank.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))
+        header, members = rank.recv_bundle(10)
+        assert header.ready and sorted(t.traj_id for t in members) == ["a-t0", "a-t1"]
+        assert stats(control)["service"]["batch_socket_unexpected"] == 1
+        for c in (control, rank, sender):
+            c.close()
+
+
 def test_eta_file_watch(tmp_path):
     cfg = service_cfg(control_poll_s=0.05)
     with running(tmp_path, cfg) as svc:
@@ -150,20 +172,21 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
     cfg = service_cfg(groups_per_batch=1, max_staleness=1, record=True, record_file_bytes=4096,
                       group_timeout_s=0.3, expire_every_s=0.05, pacing=False)
     with running(tmp_path, cfg) as svc:
-        client = ControlClient(svc.control_endpoint)
+        client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
         send_group(sender, "a", (1, 0, 1, 0))
         send_group(sender, "u", (1, 1))
         sender.send(make_traj("partial", 0, True, run_id=RUN))                  # its actor "dies"
         sender.send(make_traj("b", 0, True, run_id=RUN, task_id=9, G=2))        # unknown task
         sender.send(make_traj("a", 1, False, run_id=RUN))                       # duplicate
-        client.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))      # "a" is too old now
-        assert not client.recv_bundle(10)[0].ready
+        learner.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))     # "a" is too old now
+        assert not learner.recv_bundle(10)[0].ready
         send_group(sender, "c", (0, 1), bv=3)
-        client.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))
-        assert client.recv_bundle(10)[0].ready
+        learner.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))
+        assert learner.recv_bundle(10)[0].ready
         wait_stats(client, lambda s: s["ledger"]["expired_partial"] == 1)
         client.close()
+        learner.close()
         sender.close()
     recorded = json.loads((tmp_path / "ledger.json").read_text())
     assert recorded["ledger"] == {"trained": 2, "filtered_uniform": 2, "filtered_difficulty": 0, "stale": 4,
@@ -185,7 +208,8 @@ def _stepped(tmp_path, clock, **buffer):
     """A BufferService driven by hand (``step``), on a fake clock: the order of inputs is the test's."""
     cfg = service_cfg(**buffer)
     write_resolved(cfg, tmp_path)
-    return BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0], clock=clock)
+    return BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                         valid_task_ids=[0], clock=clock)
 
 
 def _step_until(svc, pred, what: str):
@@ -205,7 +229,7 @@ def test_an_early_grant_request_waits_for_the_learners_version_instead_of_being_
 
     clock = FakeClock(100.0)
     with _stepped(tmp_path, clock, groups_per_batch=1, max_staleness=0, grant_retry_s=0.5) as svc:
-        actor, learner = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
+        actor, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
         actor.send(GrantRequest(actor_id=1, want=1, policy_version=0))
         gid = _step_until(svc, lambda: actor.recv(0.0), "a grant at v0").group_ids[0]

@@ -26,12 +26,12 @@ with running(tb_dir, service_cfg(groups_per_batch=1, record=True)) as svc, Monit
     sender = TrajectorySender(svc.trajectory_endpoint)
     send_group(sender, "mixed", (1, 0, 1, 0))            # admitted (the outcome filter ran)
     send_group(sender, "uniform", (1, 1, 1, 1))          # dropped by dynamic sampling
-    learner = ControlClient(svc.control_endpoint, identity=b"rank-0")
+    learner, control = ControlClient(svc.batch_endpoint, identity=b"rank-0"), ControlClient(svc.control_endpoint)
     learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))
     batch = learner.recv_bundle(10)
-    reply = wait_stats(learner, lambda s: s["ledger"]["filtered_uniform"] == 4)
+    reply = wait_stats(control, lambda s: s["ledger"]["filtered_uniform"] == 4)
     ledger, metrics = reply["ledger"], reply["metrics"]
-    sender.close(); learner.close()
+    sender.close(); learner.close(); control.close()
     monitor.scalars(metrics, 3)
     monitor.histogram("buffer/trained_lag", [0, 0, 1], 3)
 print(json.dumps({"batch": batch is not None and batch[0].ready, "ledger": ledger, "metrics": metrics,

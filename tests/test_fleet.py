@@ -167,7 +167,7 @@ def test_fleet_end_to_end(tmp_path):
 
     cfg = load_config(None, OVERRIDES)
     run_dir = tmp_path / "run"
-    svc = BufferService(cfg, run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    svc = BufferService(cfg, run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     received, lock = [], threading.Lock()
     add = svc.buffer.add
 

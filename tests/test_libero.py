@@ -158,6 +158,7 @@ def test_libero_smoke_runs_end_to_end_through_actors_buffer_learner(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     argv = [sys.executable, str(repo / "bin" / "train"), str(repo / "configs" / "libero_smoke.yaml"),
             f"run.out_dir={tmp_path}", "run.name=smoke", "transport.trajectory_port=0", "transport.control_port=0",
+            "transport.batch_port=0",
             "transport.weights_port=0"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=repo,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -89,6 +89,7 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
                  "env.envs_per_actor=2", "actor.num_actors=1", "actor.group_size=2", "buffer.groups_per_batch=1",
                  "buffer.dynamic_sampling=false", "run.max_versions=1", "run.eval_every=0", "run.eval_envs=1",
                  "learner.micro_batch_trajectories=2", "transport.trajectory_port=0", "transport.control_port=0",
+                 "transport.batch_port=0",
                  "transport.weights_port=0"]
     argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
             "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2"]

@@ -109,7 +109,8 @@ def test_a_checkpoint_directory_loads_through_transformers_remote_code(tmp_path,
     oft = arch == "openvla_oft"
     cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={tmp_path / 'ckpt'}", "transport.weights_port=0",
                              f"policy.chunk_size={8 if oft else 1}", "transport.trajectory_port=0",
-                             f"policy.decoding={'parallel' if oft else 'autoregressive'}", "transport.control_port=0"])
+                             f"policy.decoding={'parallel' if oft else 'autoregressive'}", "transport.control_port=0",
+                             "transport.batch_port=0"])
     assert preflight(cfg, tmp_path / "run", False)[0] == []
     pol = build_policy(cfg)
     assert isinstance(pol, OpenVLAPolicy)

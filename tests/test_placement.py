@@ -69,7 +69,8 @@ def test_the_launcher_starts_the_learner_with_its_ranks_gpus(tmp_path, monkeypat
 
     monkeypatch.setattr(launch, "Child", Recorded)
     monkeypatch.setattr(launch, "buffer_stats", lambda *a, **k: {})
-    cfg = load_config(None, PLACED + ["transport.trajectory_port=0", "transport.control_port=0"])
+    cfg = load_config(None, PLACED + ["transport.trajectory_port=0", "transport.control_port=0",
+                                      "transport.batch_port=0"])
     launch._start_children({}, cfg, tmp_path, tmp_path / "config.yaml", False, lambda: False)
     assert started["learner"][1] == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert "CUDA_VISIBLE_DEVICES" not in started["buffer"][1] and "CUDA_VISIBLE_DEVICES" not in started["actors"][1]

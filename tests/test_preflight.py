@@ -25,7 +25,8 @@ def test_a_missing_or_wrong_policy_path_is_an_error_naming_the_field(tmp_path):
 
 
 def test_a_user_deepspeed_json_must_be_a_readable_json_object(tmp_path):
-    ports = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0"]
+    ports = ["transport.trajectory_port=0", "transport.control_port=0",
+             "transport.batch_port=0", "transport.weights_port=0"]
 
     def errors_for(path):
         return preflight(load_config(None, ports + [f"learner.deepspeed_config={path}"]), tmp_path / "run", False)[0]
@@ -40,7 +41,8 @@ def test_a_user_deepspeed_json_must_be_a_readable_json_object(tmp_path):
 
 
 def test_curve_keys_must_load_before_anything_starts(tmp_path):
-    base = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0",
+    base = ["transport.trajectory_port=0", "transport.control_port=0",
+            "transport.batch_port=0", "transport.weights_port=0",
             "transport.curve=true", f"transport.curve_dir={tmp_path / 'keys'}"]
     errors = preflight(load_config(None, base), tmp_path / "run", False)[0]
     assert len(errors) == 1 and errors[0].startswith("transport.curve_dir: ") and "bin/keys" in errors[0]
@@ -64,6 +66,7 @@ def test_serial_mode_says_which_process_counts_it_ignores(tmp_path):
 
 def test_an_untrained_tiny_policy_is_a_warning_not_an_error(tmp_path):
     errors, warnings = preflight(load_config(None, ["transport.trajectory_port=0", "transport.control_port=0",
+                                                    "transport.batch_port=0",
                                                     "transport.weights_port=0"]), tmp_path, False)
     assert errors == [] and len(warnings) == 1 and "random weights" in warnings[0] and "bin/sft" in warnings[0]
 
@@ -86,7 +89,8 @@ def test_resume_on_another_number_of_deepspeed_ranks_is_an_error(tmp_path):
     (run / "checkpoints" / "latest").write_text("v00000004")
     for r in range(2):   # what a 2-rank DeepSpeed learner leaves beside its ZeRO partitions
         (tag / f"rng_rank{r:05d}.pt").write_bytes(b"")
-    ports = ["transport.trajectory_port=0", "transport.control_port=0", "transport.weights_port=0"]
+    ports = ["transport.trajectory_port=0", "transport.control_port=0",
+             "transport.batch_port=0", "transport.weights_port=0"]
     errors = preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, True)[0]
     assert len(errors) == 1 and "learner.num_ranks=1" in errors[0] and "learner.num_ranks=2" in errors[0]
     assert preflight(load_config(None, ports + ["learner.num_ranks=2"]), run, True)[0] == []
@@ -99,7 +103,7 @@ def test_a_port_in_use_names_its_field_and_port_zero_never_clashes(tmp_path):
         busy.listen(1)
         port = busy.getsockname()[1]
         cfg = load_config(None, [f"transport.control_port={port}", "transport.trajectory_port=0",
-                                 "transport.weights_port=0"])
+                                 "transport.batch_port=0", "transport.weights_port=0"])
         errors, _ = preflight(cfg, tmp_path, False)
         assert len(errors) == 1 and errors[0].startswith("transport.control_port: ") and f":{port} " in errors[0]
         assert "transport.control_port=0" in errors[0]

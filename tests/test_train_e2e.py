@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = [
     "env.num_train_init_states=8", "env.num_eval_init_states=2", "buffer.groups_per_batch=2",
     "actor.group_size=4", "env.envs_per_actor=4", "learner.lr=1e-4", "transport.trajectory_port=0",
-    "transport.control_port=0", "transport.weights_port=0", "logging.status_every_s=2", "run.eval_every=2",
+    "transport.control_port=0",
+    "transport.batch_port=0", "transport.weights_port=0", "logging.status_every_s=2", "run.eval_every=2",
     "buffer.dynamic_sampling=false", "learner.micro_batch_trajectories=8",
 ]
 

@@ -1,5 +1,6 @@
-"""The learner's client of the buffer: one rank's side of the control channel (``BatchRequest`` -> this rank's
-share of a batch), plus the buffer's stats for a checkpoint. Torch-free, like the rest of the package."""
+"""The learner's client of the buffer: one rank's side of the batch channel (``BatchRequest`` -> this rank's
+share of a batch), plus the buffer's stats (control channel) for a checkpoint. Torch-free, like the rest of the
+package."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class BatchClient:
         if not session:
             raise ValueError("BatchClient needs a session id shared by the learner's ranks (Learner.session_id)")
         self.cfg, self.rank, self.world, self.session = cfg, rank, world, session
-        self.endpoint = endpoints(cfg.transport, run_dir, side="connect")["control"]
+        eps = endpoints(cfg.transport, run_dir, side="connect")
+        self.endpoint, self.control_endpoint = eps["batch"], eps["control"]
         self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
         self.client = self._connect()
         self.pending = False
@@ -83,7 +85,7 @@ class BatchClient:
 
     def buffer_stats(self, timeout_s: float = 2.0) -> dict:
         """The buffer's ledger and counters (for the checkpoint), {} if it does not answer."""
-        client = ControlClient(self.endpoint, identity=f"learner-stats-{os.getpid()}".encode(), keys=self.keys)
+        client = ControlClient(self.control_endpoint, identity=f"learner-stats-{os.getpid()}".encode(), keys=self.keys)
         try:
             reply = client.call(ControlCommand("stats"), timeout_s=timeout_s)
             if getattr(reply, "command", "") == "stats" and isinstance(reply.value, str):

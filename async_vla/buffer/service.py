@@ -1,4 +1,6 @@
-"""The buffer as a service: GroupBuffer behind a TrajectoryReceiver (PULL) and a ControlServer (ROUTER).
+"""The buffer as a service: GroupBuffer behind a TrajectoryReceiver (PULL) and two ControlServers (ROUTER): control
+(actors' grants, heartbeats and stats, commands) and batch (learner ranks' BatchRequests and their bundles), each
+socket with a ZeroMQ context and I/O thread of its own.
 
 ``serve(stop_event)`` runs in the caller's thread (``bin/buffer``'s main thread, or a learner thread); one thread
 owns the GroupBuffer, so it needs no locks: other threads read only ``latest_metrics`` (or ask over the control
@@ -6,9 +8,10 @@ socket, ControlCommand("stats")). Each ``step()``:
   1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (one from an actor whose
      weights are newer than the learner version we know, that pacing would refuse now, waits up to
      buffer.grant_retry_s for the learner's BatchRequest at that version: it was published, the request is on its
-     way, and a refusal now would be charged to the new version); BatchRequest -> bundle
-     or parked until a batch is ready or its timeout_s passes (then ready=False); ControlCommand; Heartbeat and
-     ActorStats are kept (latest per actor) for metrics;
+     way, and a refusal now would be charged to the new version); ControlCommand; Heartbeat and ActorStats are kept
+     (latest per actor) for metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a
+     batch is ready or its timeout_s passes (then ready=False). A BatchRequest on the control socket is answered
+     not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
@@ -76,7 +79,7 @@ def keep_trajectory_memory() -> bool:
 class BufferService:
     """GroupBuffer + sockets + recording + periodic chores. Use as a context manager or call close()."""
 
-    def __init__(self, cfg, run_dir, trajectory_endpoint: str, control_endpoint: str,
+    def __init__(self, cfg, run_dir, trajectory_endpoint: str, control_endpoint: str, batch_endpoint: str,
                  valid_task_ids=None, keys: Optional[CurveKeys] = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -93,16 +96,21 @@ class BufferService:
         self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
                                               gid_start=time.time_ns() // 1_000_000)
         ctx = zmq.Context.instance()
-        # Ingest has a ZeroMQ context, so an I/O thread, of its own: reading megabytes of trajectories never delays
-        # grants, heartbeats and batch replies on the control socket (one I/O thread did all of them).
+        # Ingest and delivery each have a ZeroMQ context, so an I/O thread, of their own: reading megabytes of
+        # trajectories and sending batches of hundreds of MB never delay grants and heartbeats on the control socket,
+        # nor each other (one I/O thread did all three).
         self._ingest_ctx = zmq.Context(io_threads=1)
-        self._auths = [Authenticator(c, keys) for c in (ctx, self._ingest_ctx)] if keys is not None else []
+        self._delivery_ctx = zmq.Context(io_threads=1)
+        self._auths = ([Authenticator(c, keys) for c in (ctx, self._ingest_ctx, self._delivery_ctx)]
+                       if keys is not None else [])
         max_bytes = int(cfg.transport.max_message_mb * 1024**2)
         self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.trajectory_hwm,
                                            max_bytes=max_bytes, ctx=self._ingest_ctx, keys=keys)
         self.control = ControlServer(control_endpoint, ctx=ctx, keys=keys)
+        self.batches = ControlServer(batch_endpoint, ctx=self._delivery_ctx, keys=keys)
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
+        self.batch_endpoint = self.batches.endpoint
         self.weights_path = ""
         self.incarnation = uuid.uuid4().hex[:12]
         """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
@@ -129,7 +137,8 @@ class BufferService:
     # ------------------------------------------------------------------ loop
     def serve(self, stop_event, on_status: Optional[Callable[[dict], None]] = None) -> None:
         """Serve until ``stop_event`` is set (or a Shutdown message arrives); writes the ledger at exit."""
-        log.info("buffer: trajectories on %s, control on %s", self.trajectory_endpoint, self.control_endpoint)
+        log.info("buffer: trajectories on %s, control on %s, batches on %s", self.trajectory_endpoint,
+                 self.control_endpoint, self.batch_endpoint)
         try:
             while not stop_event.is_set() and not self._shutdown:
                 self.step(on_status=on_status)
@@ -144,6 +153,12 @@ class BufferService:
             if got is None:
                 break
             self._handle(*got)
+            work += 1
+        for _ in range(CONTROL_BURST):
+            got = self.batches.recv(0)
+            if got is None:
+                break
+            self._handle_batch(*got)
             work += 1
         added = 0
         for _ in range(TRAJECTORY_BURST):
@@ -172,10 +187,10 @@ class BufferService:
                 if msg is not None:
                     self._on_trajectory(msg)
                     work += 1
-            else:
-                got = self.control.recv(wait_s)
+            else:   # full: a batch request is what frees room
+                got = self.batches.recv(wait_s)
                 if got is not None:
-                    self._handle(*got)
+                    self._handle_batch(*got)
                     work += 1
         return work
 
@@ -202,8 +217,11 @@ class BufferService:
     def _handle(self, peer: bytes, msg) -> None:
         if isinstance(msg, GrantRequest):
             self._grant(peer, msg)
-        elif isinstance(msg, BatchRequest):
-            self._batch_request(peer, msg)
+        elif isinstance(msg, BatchRequest):   # its one reply, at once; the bundle would queue grants behind it
+            self.counters["batch_requests_on_control"] += 1
+            self._warn("batch_on_control", "buffer: a BatchRequest on the control socket (%s): batches are served "
+                       "on the batch socket only (transport.batch_port); answered not ready", self.control_endpoint)
+            self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=msg.version, ready=False), [])
         elif isinstance(msg, ActorStats) and len(msg.episodes_by_task) + len(msg.successes_by_task) > MAX_STATS_TASKS:
             self.counters["actor_stats_refused"] += 1     # kept per actor: its size must be bounded too
         elif isinstance(msg, (Heartbeat, ActorStats)):
@@ -218,6 +236,12 @@ class BufferService:
             self._shutdown = True
         else:
             self.counters["control_unexpected"] += 1
+
+    def _handle_batch(self, peer: bytes, msg) -> None:
+        if isinstance(msg, BatchRequest):
+            self._batch_request(peer, msg)
+        else:
+            self.counters["batch_socket_unexpected"] += 1
 
     def _warn(self, what: str, fmt: str, *args) -> None:
         """A warning that hostile input could repeat without end: the first 10, then every 1000th (counted)."""
@@ -313,7 +337,7 @@ class BufferService:
             void = [(p, r) for p, r, _ in self._parked
                     if r.version > req.version or (req.session and r.session and r.session != req.session)]
             for p, r in void:
-                self.control.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
+                self.batches.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
             self._parked = [x for x in self._parked if x[1].version <= req.version]
             self.counters["parked_voided"] += len(void)
             self.counters["learner_rollbacks"] += 1
@@ -325,7 +349,7 @@ class BufferService:
                 if older:
                     self._parked = [x for x in self._parked if x not in older]
                 for p, r, _ in older if older else [(peer, req, 0.0)]:
-                    self.control.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
+                    self.batches.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
                 self.counters["parked_replaced" if older else "parked_refused_full"] += 1
                 if not older:
                     return
@@ -339,13 +363,13 @@ class BufferService:
         except ValueError as exc:
             self._warn("bad_batch", "buffer: bad batch request from rank %d: %s", req.rank, exc)
             self.counters["bad_batch_requests"] += 1
-            self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
+            self.batches.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
             return True
         if got is None:
             return False
         batch_id, groups = got
         header = BatchHeader(batch_id=batch_id, group_sizes=[len(g) for g in groups], version=req.version, ready=True)
-        self.control.reply_bundle(peer, header, [t for g in groups for t in g])
+        self.batches.reply_bundle(peer, header, [t for g in groups for t in g])
         self.counters["batch_replies"] += 1
         return True
 
@@ -355,7 +379,7 @@ class BufferService:
             if self._try_batch(peer, req):
                 continue
             if deadline <= now:
-                self.control.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
+                self.batches.reply_bundle(peer, BatchHeader(batch_id=-1, version=req.version, ready=False), [])
                 self.counters["batch_not_ready"] += 1
             else:
                 still.append((peer, req, deadline))
@@ -495,6 +519,7 @@ class BufferService:
         m["buffer/parked_requests"] = float(len(self._parked))
         m["buffer/parked_grant_requests"] = float(len(self._parked_grants))
         m["buffer/control_malformed"] = float(self.control.malformed.total)
+        m["buffer/batch_malformed"] = float(self.batches.malformed.total)
         for k, v in self.counters.items():
             m[f"buffer/{k}"] = float(v)
         return m
@@ -517,9 +542,11 @@ class BufferService:
             self.recorder.close()
         self.receiver.close()
         self.control.close()
+        self.batches.close()
         for auth in self._auths:
             auth.stop()
         self._ingest_ctx.term()
+        self._delivery_ctx.term()
 
     def _drain(self, seconds: float) -> int:
         """Take in what is already queued on the trajectory socket (closing it would silently drop it)."""

@@ -468,7 +468,10 @@ class TransportConfig(Section):
     trajectory_port: int = Field(5555, ge=0, le=65535)
     """Buffer PULL port for trajectories (0 = pick a free port)."""
     control_port: int = Field(5556, ge=0, le=65535)
-    """Buffer ROUTER port for grants, heartbeats, stats and learner batch requests."""
+    """Buffer ROUTER port for grants, heartbeats, stats and commands (0 = pick a free port)."""
+    batch_port: int = Field(5559, ge=0, le=65535)
+    """Buffer ROUTER port on which learner ranks ask for and receive their batches (0 = pick a free port). A socket
+    and ZeroMQ I/O thread of its own: sending a batch of hundreds of MB never delays a grant on control_port."""
     weights_port: int = Field(5557, ge=0, le=65535)
     """Learner rank 0's TCPStore port: rendezvous of the weight-broadcast group (0 = a free port, which actors
     read from <run>/weights/endpoint.json)."""

@@ -68,7 +68,7 @@ def test_flood_back_pressure(tmp_path):
         threads.append(threading.Thread(target=sampler))
         for th in threads:
             th.start()
-        learner = ControlClient(svc.control_endpoint)
+        learner, control = ControlClient(svc.batch_endpoint), ControlClient(svc.control_endpoint)
         try:
             version, t_start = 0, time.monotonic()
             while time.monotonic() - t_start < flood_s:
@@ -84,11 +84,11 @@ def test_flood_back_pressure(tmp_path):
         try:
             total_sent = sum(sent)
             drain_deadline = time.monotonic() + 30
-            while stats(learner)["received"] < total_sent and time.monotonic() < drain_deadline:
+            while stats(control)["received"] < total_sent and time.monotonic() < drain_deadline:
                 learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=0.5))  # drain the queues
                 if learner.recv_bundle(10)[0].ready:
                     version += 1
-            s = stats(learner)
+            s = stats(control)
         finally:
             for sender in senders:
                 sender.close()

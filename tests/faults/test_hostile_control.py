@@ -30,7 +30,8 @@ def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
     clock = FakeClock(100.0)
     cfg = service_cfg(groups_per_batch=2, max_staleness=1, reclaim_after_s=60.0, max_groups_per_actor=2)
     write_resolved(cfg, tmp_path)
-    with BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0], clock=clock) as svc:
+    with BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                       valid_task_ids=[0], clock=clock) as svc:
         actor, quiet = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
 
@@ -74,10 +75,11 @@ def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
 
 def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path):
     with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
-        learners = [ControlClient(svc.control_endpoint) for _ in range(MAX_PARKED + 3)]
+        learners = [ControlClient(svc.batch_endpoint) for _ in range(MAX_PARKED + 3)]
+        control = ControlClient(svc.control_endpoint)
         for c in learners:
             c.send(BatchRequest(rank=0, world=1, version=0, timeout_s=600))     # nothing to serve: parked
-        s = wait_stats(learners[0], lambda s: s["service"].get("parked_refused_full") == 3)
+        s = wait_stats(control, lambda s: s["service"].get("parked_refused_full") == 3)
         assert s["metrics"]["buffer/parked_requests"] == MAX_PARKED
         answered: dict[int, object] = {}                  # the ones past the bound were answered at once
         deadline = time.monotonic() + 30
@@ -94,8 +96,8 @@ def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path)
         bad.send(BatchRequest(rank=3, world=2, version=0))                        # a bundle, not a bare reply
         header, members = bad.recv_bundle(10)
         assert header.batch_id == -1 and not header.ready and members == []
-        assert stats(bad)["service"]["bad_batch_requests"] == 1
-        for c in learners:
+        assert stats(control)["service"]["bad_batch_requests"] == 1
+        for c in (*learners, control):
             c.close()
 
 
@@ -115,7 +117,7 @@ def test_control_file_and_socket_cannot_raise_eta_past_its_limit(tmp_path):
 
 def test_a_forged_learner_version_is_bounded_by_the_learners_batch_requests(tmp_path):
     with running(tmp_path, service_cfg(groups_per_batch=2, max_version_step=4)) as svc:
-        client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
+        client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         for forged in (10**12, 5, 10**9):           # each measured from the latest batch request (0), not ratcheted
             reply = client.call(ControlCommand("set_learner_version", forged), 10)
             assert reply.command == "error" and "buffer.max_version_step=4" in reply.value, reply
@@ -157,7 +159,7 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         peak = [rss0]
         sent = fuzz(eps["trajectory"], 3000, "hostile", seed=5)
         peak.append(psutil.Process(proc.pid).memory_info().rss)
-        forged = forge_control(eps["control"], 4000, "hostile", eta_limit=4, seed=6)
+        forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
         assert set(forged) == set(CONTROL_KINDS)
         s1 = wait_stats(client, lambda s: s["ledger"]["malformed"] >= 3000 and s["service"].get(
             "learner_version_refused") == forged["version_huge"], timeout=120)   # every forged command read
@@ -183,13 +185,15 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         for gid in grant.group_ids:
             for i in range(2):
                 assert sender.send(make_traj(gid, i, i == 0, G=2, run_id="hostile"), timeout_s=10)
-        client.send(BatchRequest(rank=0, world=1, version=0, timeout_s=30))
-        header, members = client.recv_bundle(40)
+        learner = ControlClient(eps["batch"])
+        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=30))
+        header, members = learner.recv_bundle(40)
         assert header.ready and {t.group_id for t in members} == set(grant.group_ids)
         s3 = stats(client)
         assert s3["ledger"]["trained"] == 4 and s3["received"] == sum(s3["ledger"].values())
         sender.close()
         client.close()
+        learner.close()
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -100,27 +100,29 @@ def test_two_ranks_resumed_at_the_buffers_own_version_are_told_by_their_session(
 
 def test_the_dead_learners_parked_request_is_voided(tmp_path):
     with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
-        dead, resumed = ControlClient(svc.control_endpoint), ControlClient(svc.control_endpoint)
-        assert dead.call(ControlCommand("set_learner_version", 5), 10).value == 5
+        dead, resumed = ControlClient(svc.batch_endpoint), ControlClient(svc.batch_endpoint)
+        control = ControlClient(svc.control_endpoint)
+        assert control.call(ControlCommand("set_learner_version", 5), 10).value == 5
         dead.send(BatchRequest(rank=0, world=1, version=5, timeout_s=60))   # parked: no data (then "killed")
-        parked = wait_stats(resumed, lambda s: s["metrics"]["buffer/parked_requests"] == 1)  # before it arrives
+        parked = wait_stats(control, lambda s: s["metrics"]["buffer/parked_requests"] == 1)  # before it arrives
         assert parked["metrics"]["buffer/parked_requests"] == 1, parked["metrics"]
         t0 = time.monotonic()
         resumed.send(BatchRequest(rank=0, world=1, version=3, timeout_s=0.5))
         header, _ = dead.recv_bundle(10)               # answered at once, not after 60 s
         assert not header.ready and header.version == 5 and time.monotonic() - t0 < min(slack(5), 50)   # not 60 s
         assert not resumed.recv_bundle(10)[0].ready
-        s = stats(resumed)
+        s = stats(control)
         assert s["learner_version"] == 3 and s["service"]["parked_voided"] == 1
         assert s["service"]["learner_rollbacks"] == 1 and s["rollbacks"][-1]["to"] == 3
-        dead.close()
-        resumed.close()
+        for c in (dead, resumed, control):
+            c.close()
 
 
 def test_buffer_restart_keeps_the_old_ledger_and_drains_its_socket(tmp_path):
     cfg = service_cfg()
     write_resolved(cfg, tmp_path)
-    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0])
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                        valid_task_ids=[0])
     sender = TrajectorySender(svc.trajectory_endpoint)
     for i in range(3):                               # queued on the socket; the service never served
         assert sender.send(make_traj("q", i, i % 2 == 0, G=4, run_id=SVC_RUN), timeout_s=5)

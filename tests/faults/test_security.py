@@ -135,8 +135,8 @@ def keys(tmp_path_factory):
 @contextlib.contextmanager
 def curve_service(tmp_path, keys_dir):
     cfg = load_config(None, [f"run.name={RUN}", "transport.curve=true", f"transport.curve_dir={keys_dir}"])
-    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", valid_task_ids=[0],
-                        keys=CurveKeys.load(str(keys_dir), "server"))
+    svc = BufferService(cfg, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                        valid_task_ids=[0], keys=CurveKeys.load(str(keys_dir), "server"))
     stop = threading.Event()
     th = threading.Thread(target=svc.serve, args=(stop,), daemon=True)
     th.start()
@@ -162,6 +162,10 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
         ok = ControlClient(svc.control_endpoint, keys=client_keys)
         closing.callback(ok.close)
         assert ok.call(M.ControlCommand("stats"), timeout_s=10).command == "stats"
+        rank = ControlClient(svc.batch_endpoint, keys=client_keys)   # the batch socket has its own context
+        closing.callback(rank.close)
+        rank.request(M.BatchRequest(rank=0, world=1, version=0, timeout_s=0.0), timeout_s=10)
+        assert not rank.recv_bundle(10)[0].ready
         for who in (None, stranger):   # a plain-text peer, and a CURVE peer whose key is not in authorized/
             c = ControlClient(svc.control_endpoint, keys=who)
             closing.callback(c.close)
@@ -169,6 +173,10 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
             # handshake that never completes leaves no room) never queued at all.
             with pytest.raises(ControlTimeout, match="no reply|stayed full"):
                 c.call(M.ControlCommand("stats"), timeout_s=1.5)
+            b = ControlClient(svc.batch_endpoint, keys=who)
+            closing.callback(b.close)
+            with pytest.raises(ControlTimeout, match="no reply|stayed full"):
+                b.call(M.BatchRequest(rank=0, world=1, version=0, timeout_s=0.0), timeout_s=1.5)
             s = TrajectorySender(svc.trajectory_endpoint, keys=who)
             closing.callback(s.close, flush_s=0.5)
             t0 = time.monotonic()
