@@ -91,14 +91,17 @@ def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
         sock.curve_secretkey = keys.client_secret
 
 
-def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context]) -> None:
+def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context], extra: tuple = ()) -> None:
     with contextlib.suppress(Exception):
+        for other in extra:
+            other.close(linger=0)
         sock.close(linger=0)
         if ctx is not None:
             ctx.term()
 
 
-def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx: bool) -> weakref.finalize:
+def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx: bool,
+                      extra: tuple = ()) -> weakref.finalize:
     """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close().
 
     Without this, a leaked socket and its context collected together in a reference cycle deadlock the garbage
@@ -106,8 +109,9 @@ def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx
     and its term() waits for it for ever (seen: a test that failed before its close() hung a later test). A
     weakref.finalize callback runs before any __del__, and holding the socket it keeps both out of that cycle.
     ``close()`` detaches it; at interpreter exit it does nothing (an explicit close decides what is flushed).
+    ``extra``: sockets of the same context to close first (a socket monitor), or term() would wait for them.
     """
-    fin = weakref.finalize(owner, _close_quietly, sock, ctx if own_ctx else None)
+    fin = weakref.finalize(owner, _close_quietly, sock, ctx if own_ctx else None, extra)
     fin.atexit = False
     return fin
 
@@ -188,12 +192,31 @@ class TrajectoryReceiver:
                  ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.PULL, hwm, max_bytes)
-        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
+        # Connection events only (a handful per actor lifetime): what the memory bound counts (each connection may
+        # hold up to hwm trajectories in its queue).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx, (self._monitor,))
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
+        self._connections = 0
         self.max_bytes = max_bytes
         self.malformed = MalformedCounter()
         self.received = 0
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The PULL socket, to register in a caller's ``zmq.Poller`` (read it through ``recv``)."""
+        return self._sock
+
+    @property
+    def connections(self) -> int:
+        """Peers connected now: accepted minus disconnected, from ZeroMQ's socket monitor (read when asked)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)["event"]
+            self._connections += 1 if event == zmq.EVENT_ACCEPTED else -1
+        return self._connections
 
     def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
         """One valid message, or None after ``timeout_s`` (malformed ones are counted and skipped)."""
@@ -216,6 +239,8 @@ class TrajectoryReceiver:
 
     def close(self) -> None:
         self._collect_guard.detach()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close()
         if self._own_ctx:
             self._ctx.term()
@@ -248,6 +273,11 @@ class ControlServer:
                 self.malformed.add(exc.reason)
             if time.monotonic() >= deadline:
                 return None
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The ROUTER socket, to register in a caller's ``zmq.Poller`` (read it through ``recv``)."""
+        return self._sock
 
     def reply(self, peer: bytes, msg: Message) -> None:
         self._sock.send_multipart([peer, *encode(msg)], copy=False)

@@ -5,7 +5,8 @@ LIBERO-sized trajectories (224 px, 28 policy calls: ~4 MiB, LIBERO-spatial's ste
 takes them; 8 rank clients (one process each, ``BatchClient`` as a learner rank uses it) fetch batches of B groups
 of G = 8; a prober asks for grants every 0.2 s. Measured per N: ingest (trajectories/s, MB/s, over the window
 after the first batch), batch latency per rank (first batch, then steady), grant latency, the buffer process's
-peak memory against its bound (buffer.max_bytes + N x (transport.trajectory_hwm + 1) trajectories), and the
+peak memory against its bound (buffer.max_bytes + N x (transport.trajectory_hwm + 1) trajectories; the buffer
+reports both itself: buffer/rss_bytes, buffer/memory_bound_bytes), and the
 buffer's CPU per trajectory. The batch is smaller than SimpleVLA-RL's 64 groups (``--quick``: 8) so that every
 process together stays within ~6 GB on a shared machine; the per-trajectory costs do not depend on B.
 """
@@ -210,6 +211,7 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
             buf.wait(60)
             log.close()
     received = st.get("received", 0)
+    reported = st.get("metrics", {})   # the buffer's own view (TensorBoard buffer/*), producers still connected
     window = t_end - (first_batch_at or t_start)
     steady = [x for r in lat.values() for x in r[1:]]
     bound = cfg["buffer"]["max_bytes"] + n * (hwm + 1) * traj
@@ -224,6 +226,9 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
         "grant_ms_median": 1e3 * grants_sorted[len(grants_sorted) // 2],
         "grant_ms_max": 1e3 * grants_sorted[-1],
         "peak_rss_gb": peak_rss / 1e9, "bound_gb": bound / 1e9, "max_bytes_gb": cfg["buffer"]["max_bytes"] / 1e9,
+        "reported_rss_gb": reported.get("buffer/rss_bytes", float("nan")) / 1e9,
+        "reported_bound_gb": reported.get("buffer/memory_bound_bytes", float("nan")) / 1e9,
+        "reported_connections": reported.get("buffer/trajectory_connections", float("nan")),
         "cpu_ms_per_traj": 1e3 * (cpu - base_cpu) / received if received else float("nan"),
         "wall_s": t_end - t_start, "loadavg_1m": os.getloadavg()[0],
     }
@@ -238,16 +243,20 @@ def run(quick: bool = False, ns: Optional[list[int]] = None) -> dict:
              f"{rows[0]['traj_bytes'] / 2**20:.1f} MiB), {RANKS} rank clients, B={B} groups x G={G} per batch "
              f"({batches} batches), pacing on (eta 1)", "",
              "| N | traj/s | MB/s | first batch s | steady batch s (median / max) | grant ms (median / max) | "
-             "peak RSS GB | bound GB (max_bytes + N x (hwm+1) traj) | CPU ms/traj | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS GB | bound GB (max_bytes + N x (hwm+1) traj) | buffer's own RSS / bound GB (connections) | "
+             "CPU ms/traj | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['N']} | {r['ingest_traj_s']:.0f} | {r['ingest_mb_s']:.0f} | {r['first_batch_s']:.1f} | "
                      f"{r['steady_batch_s_median']:.2f} / {r['steady_batch_s_max']:.2f} | "
                      f"{r['grant_ms_median']:.0f} / {r['grant_ms_max']:.0f} | {r['peak_rss_gb']:.2f} | "
-                     f"{r['bound_gb']:.2f} (hwm {r['trajectory_hwm']}) | {r['cpu_ms_per_traj']:.2f} | "
+                     f"{r['bound_gb']:.2f} (hwm {r['trajectory_hwm']}) | {r['reported_rss_gb']:.2f} / "
+                     f"{r['reported_bound_gb']:.2f} ({r['reported_connections']:.0f}) | {r['cpu_ms_per_traj']:.2f} | "
                      f"{r['loadavg_1m']:.0f} |")
     lines += ["", "Measured on a shared 2-core machine (load = 1-minute load average during the run): absolute "
-              "rates are what was left over, not what the buffer can do alone."]
+              "rates are what was left over, not what the buffer can do alone. The buffer's own RSS and bound are "
+              "its metrics buffer/rss_bytes and buffer/memory_bound_bytes at the end of the run (its connections "
+              "counted by ZeroMQ's socket monitor)."]
     return {"section": "scale", "results": rows, "markdown": "\n".join(lines)}
 
 

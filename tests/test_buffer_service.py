@@ -149,6 +149,24 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
             c.close()
 
 
+def test_memory_metrics_count_trajectory_connections_against_the_bound(tmp_path):
+    cfg = service_cfg()
+    with running(tmp_path, cfg) as svc:
+        control = ControlClient(svc.control_endpoint)
+        senders = [TrajectorySender(svc.trajectory_endpoint) for _ in range(2)]
+        for k, snd in enumerate(senders):
+            assert snd.send(make_traj(f"m{k}", 0, True, run_id=RUN), timeout_s=5)
+        m = wait_stats(control, lambda s: s["metrics"]["buffer/trajectory_connections"] == 2)["metrics"]
+        per_connection = (cfg.transport.trajectory_hwm + 1) * cfg.trajectory_bytes   # make_traj's are smaller
+        assert m["buffer/memory_bound_bytes"] == cfg.buffer.max_bytes + 2 * per_connection
+        assert m["buffer/rss_bytes"] > 10 * 2**20          # this interpreter, its numpy and ZeroMQ at least
+        senders[0].close()
+        m = wait_stats(control, lambda s: s["metrics"]["buffer/trajectory_connections"] == 1)["metrics"]
+        assert m["buffer/memory_bound_bytes"] == cfg.buffer.max_bytes + per_connection
+        senders[1].close()
+        control.close()
+
+
 def test_eta_file_watch(tmp_path):
     cfg = service_cfg(control_poll_s=0.05)
     with running(tmp_path, cfg) as svc:
@@ -219,6 +237,27 @@ def _step_until(svc, pred, what: str):
         if got:
             return got
     raise AssertionError(f"the service never got to: {what}")
+
+
+def test_a_parked_batch_request_is_served_by_the_last_trajectory_even_when_it_comes_while_the_service_idles(tmp_path):
+    # The trajectory completing the batch arrived during step()'s idle wait and then nothing else came: the parked
+    # request was retried only after a busy step's reads, so it waited for its timeout (seen: a 60 s first batch).
+    from test_buffer import FakeClock
+
+    with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, pacing=False) as svc:
+        learner, sender = ControlClient(svc.batch_endpoint), TrajectorySender(svc.trajectory_endpoint)
+        assert sender.send(make_traj("a", 0, True, G=2, run_id=RUN), timeout_s=5)
+        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=60))
+        _step_until(svc, lambda: svc.buffer.received == 1 and svc.metrics()["buffer/parked_requests"] == 1,
+                    "the request parked")
+        late = threading.Timer(0.3, lambda: sender.send(make_traj("a", 1, False, G=2, run_id=RUN), timeout_s=5))
+        late.start()
+        svc.step(wait_s=30.0)          # idle until the last member comes (returns as soon as it did)
+        late.join()
+        got = _step_until(svc, lambda: learner.recv_bundle(0.0), "the batch for the parked request")
+        assert got[0].ready and len(got[1]) == 2
+        learner.close()
+        sender.close()
 
 
 def test_an_early_grant_request_waits_for_the_learners_version_instead_of_being_refused_for_the_old_one(tmp_path):

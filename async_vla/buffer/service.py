@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -111,6 +112,12 @@ class BufferService:
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
         self.batch_endpoint = self.batches.endpoint
+        self._full_poll = zmq.Poller()   # idle with no room: wait for control and batch requests only
+        for sock in (self.control.socket, self.batches.socket):
+            self._full_poll.register(sock, zmq.POLLIN)
+        self._idle_poll = zmq.Poller()
+        for sock in (self.control.socket, self.batches.socket, self.receiver.socket):
+            self._idle_poll.register(sock, zmq.POLLIN)
         self.weights_path = ""
         self.incarnation = uuid.uuid4().hex[:12]
         """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
@@ -145,8 +152,10 @@ class BufferService:
         finally:
             self.write_ledger()
 
-    def step(self, wait_s: float = 0.002, on_status: Optional[Callable[[dict], None]] = None) -> int:
-        """One round of work; blocks at most ``wait_s`` when idle. Returns the number of messages handled."""
+    def step(self, wait_s: float = 0.02, on_status: Optional[Callable[[dict], None]] = None) -> int:
+        """One round of work; when there was none, waits at most ``wait_s`` for input on any socket (returning as
+        soon as some comes: a wait adds no latency, it only bounds how late the timers run). Returns the number of
+        messages handled."""
         work = 0
         for _ in range(CONTROL_BURST):
             got = self.control.recv(0)
@@ -180,18 +189,9 @@ class BufferService:
         if work and self.recorder is not None:
             self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
         self._periodic(now, on_status)
-        if not work:  # idle: block on whichever socket can make progress
-            if self.buffer.has_room():
-                msg = self.receiver.recv(wait_s)
-                self._sync_malformed()
-                if msg is not None:
-                    self._on_trajectory(msg)
-                    work += 1
-            else:   # full: a batch request is what frees room
-                got = self.batches.recv(wait_s)
-                if got is not None:
-                    self._handle_batch(*got)
-                    work += 1
+        if not work:  # idle: wait until a socket that can make progress has input (the next step reads it)
+            poller = self._idle_poll if self.buffer.has_room() else self._full_poll
+            poller.poll(int(wait_s * 1000))
         return work
 
     def _on_trajectory(self, msg) -> None:
@@ -512,9 +512,24 @@ class BufferService:
                 m[f"rollout/success_rate_by_task/{task}"] = succ[task] / n
         return m
 
+    def memory_bound(self, connections: int) -> int:
+        """What this process may hold in trajectories: buffer.max_bytes, plus, per trajectory connection, the
+        transport.trajectory_hwm trajectories its socket queue holds and the one being read, each as large as the
+        longest trajectory the config allows or the largest received (docs/ARCHITECTURE.md). Code and interpreter
+        come on top (bin/bench scale measures that margin)."""
+        traj = max(self.cfg.trajectory_bytes, self.buffer.largest_trajectory_bytes)
+        return self.cfg.buffer.max_bytes + connections * (self.cfg.transport.trajectory_hwm + 1) * traj
+
     def metrics(self) -> dict[str, float]:
-        """Buffer ledger and pacing, actor throughput and success, service counters: one flat dict."""
+        """Buffer ledger and pacing, actor throughput and success, service counters, and the process's memory
+        against its bound (buffer/rss_bytes, Linux only, and buffer/memory_bound_bytes): one flat dict."""
         m = self.buffer.metrics()
+        connections = self.receiver.connections
+        m["buffer/trajectory_connections"] = float(connections)
+        m["buffer/memory_bound_bytes"] = float(self.memory_bound(connections))
+        rss = process_rss_bytes()
+        if rss is not None:
+            m["buffer/rss_bytes"] = float(rss)
         m.update(self.actor_metrics())
         m["buffer/parked_requests"] = float(len(self._parked))
         m["buffer/parked_grant_requests"] = float(len(self._parked_grants))
@@ -566,6 +581,15 @@ class BufferService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def process_rss_bytes() -> Optional[int]:
+    """This process's resident memory now (Linux ``/proc/self/statm``; None where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except FileNotFoundError:
+        return None
 
 
 def _task_of_run(key: str, valid) -> bool:
