@@ -132,15 +132,19 @@ class Trajectory(Message):
             raise MalformedMessage("shape", "wrist_images call count differs")
         if self.group_size < 2:
             raise MalformedMessage("value", f"group_size {self.group_size} < 2")
-        if self.behaviour_version < 0 or (self.chunk_versions < 0).any():
+        # Few numpy calls (this runs on every received trajectory): the min decides both version checks, and the
+        # min and max of the valid log-probs are finite and <= 0 exactly when every one is (NaN propagates).
+        first = int(self.chunk_versions.min())
+        if self.behaviour_version < 0 or first < 0:
             raise MalformedMessage("negative_version")
-        if int(self.chunk_versions.min()) != self.behaviour_version:
+        if first != self.behaviour_version:
             raise MalformedMessage("version_mismatch", "behaviour_version must be min(chunk_versions)")
-        valid = self.behav_logprobs[self.token_mask]
-        if not np.isfinite(valid).all() or (valid > 1e-4).any():
-            raise MalformedMessage("bad_logprob", "behaviour log-probs must be finite and <= 0")
         if not self.token_mask.any():
             raise MalformedMessage("value", "no valid action token")
+        valid = self.behav_logprobs[self.token_mask]
+        lo, hi = float(valid.min()), float(valid.max())
+        if not (math.isfinite(lo) and math.isfinite(hi) and hi <= 1e-4):
+            raise MalformedMessage("bad_logprob", "behaviour log-probs must be finite and <= 0")
         if self.proprio.dtype.kind == "f" and not np.isfinite(self.proprio).all():
             # A simulator blow-up: NaN state would make every learner step on this batch non-finite.
             raise MalformedMessage("bad_proprio", "proprio must be finite")
