@@ -372,18 +372,15 @@ def _check_scalar(cls: type[Message], name: str, value: Any) -> Any:
     return value
 
 
-_ITEMSIZE = {d: np.dtype(d).itemsize for d in ALLOWED_DTYPES}
-# Per class, once: (scalar field, required?) in dataclass order (decode runs per message, hundreds per second).
-_LAYOUT: dict[type, tuple[tuple[str, bool], ...]] = {}
-
-
 def _scalar_layout(cls: type[Message]) -> tuple[tuple[str, bool], ...]:
-    layout = _LAYOUT.get(cls)
-    if layout is None:
-        layout = _LAYOUT[cls] = tuple(
-            (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls) if f.name in cls.SCALARS)
-    return layout
+    """(scalar field, required?) in dataclass order."""
+    return tuple((f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls) if f.name in cls.SCALARS)
+
+
+_ITEMSIZE = {d: np.dtype(d).itemsize for d in ALLOWED_DTYPES}
+# Computed once per class, not per message (decode runs hundreds of times per second).
+_LAYOUT = {cls: _scalar_layout(cls) for cls in MESSAGE_TYPES.values()}
 
 
 def _decode_array(spec: Any, buf: memoryview, expected: ArraySpec, max_bytes: int) -> tuple[str, np.ndarray]:
@@ -450,7 +447,7 @@ def _decode(frames: Sequence[Frame], max_bytes: int) -> Message:
         unknown = set(fields_in) - set(cls.SCALARS)
         raise MalformedMessage("unknown_field", ",".join(sorted(map(str, unknown)))[:64])
     kwargs: dict[str, Any] = {}
-    for name, required in _scalar_layout(cls):
+    for name, required in _LAYOUT[cls]:
         if name in fields_in:
             kwargs[name] = _check_scalar(cls, name, fields_in[name])
         elif required:
