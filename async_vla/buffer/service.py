@@ -65,7 +65,7 @@ ALLOCATOR_MMAP_THRESHOLD = 32 * 1024**2   # glibc's largest allowed value
 def keep_trajectory_memory() -> bool:
     """Have glibc serve trajectory-sized allocations (ZeroMQ's receive buffers: ~4 MB per LIBERO trajectory) from
     the heap, reusing freed ones, instead of a fresh mmap each: a fresh mapping page-faults and zeroes every page
-    the socket read then overwrites (measured: a third fewer page faults and ~10% less buffer CPU per trajectory,
+    the socket read then overwrites (measured: ~40% fewer page faults and ~10% less buffer CPU per trajectory,
     docs/BENCHMARKS.md). Process-wide; bin/buffer calls it once. False where the C library has no ``mallopt`` (not
     glibc): the buffer works the same, with that cost."""
     import ctypes
