@@ -9,6 +9,12 @@ seeds' final episodes (the evaluation noise alone). Nothing here starts processe
 
 Variants are config overrides only, so one that this config cannot take (an override the schema or a cross-field
 check refuses) is *unavailable*: left out of a default selection with a note, an error when asked for by name.
+
+In serial mode (``run.mode=serial``) every run trains at a fixed lag equal to its η (``run.serial_lag =
+buffer.max_staleness``, ``serial_lag_overrides``): the most staleness async mode would admit, made deterministic,
+so the correction × η variants compare what they claim to instead of all training on fresh data. Two variants
+whose resolved configs are equal (k1 and the default, or eta2_none and the default when they coincide) are run
+once and reported as the same runs (``same_config``).
 """
 
 from __future__ import annotations
@@ -53,6 +59,27 @@ VARIANTS: tuple[Variant, ...] = (
     *(Variant(f"k{k}", (f"learner.minibatches={k}",), f"{k} optimizer steps per batch (mini-batches)")
       for k in (1, 2, 4)),
 )
+
+
+def serial_lag_overrides(resolved) -> list[str]:
+    """Extra overrides for a resolved config: in serial mode, a fixed lag of η (see the module docstring)."""
+    if resolved.run.mode != "serial":
+        return []
+    return [f"run.serial_lag={resolved.buffer.max_staleness}"]
+
+
+def same_config(configs: dict[str, dict]) -> dict[str, str]:
+    """{variant: earlier variant with an equal resolved config} (configs: name -> resolved config dump, in run
+    order); those variants are not run again but share the earlier one's runs."""
+    seen: list[tuple[str, dict]] = []
+    out: dict[str, str] = {}
+    for name, conf in configs.items():
+        twin = next((n for n, c in seen if c == conf), None)
+        if twin is None:
+            seen.append((name, conf))
+        else:
+            out[name] = twin
+    return out
 
 
 def available(variant: Variant, validate: Callable[[list[str]], object]) -> Optional[str]:
@@ -187,8 +214,10 @@ def table(results: Sequence[RunResult], threshold: float, budget: str, notes: Se
         eps = sum(r.episodes for r in ok if r.episodes is not None)
         pooled = f"{succ}/{eps} ({_pct_interval(wilson_interval(succ, eps))})" if eps else "—"
         reached = [r for r in ok if r.time_to_threshold_s is not None]
+        twin = next((r.extra["same_as"] for r in runs if r.extra.get("same_as")), None)
+        desc = what.get(name, "") + (f" (resolves to the same config as {twin}: its runs)" if twin else "")
         lines.append("| " + " | ".join([
-            name, what.get(name, ""), str(len(runs)),
+            name, desc, str(len(runs)),
             " ".join(f"{100 * f:.0f}" for f in finals) or "—",
             f"{_fmt(m, True)} ({_pct_interval(iv)})", pooled, _fmt(_mean([r.initial for r in ok]), True),
             _fmt(_mean([r.versions for r in ok])), _fmt(_mean([r.admitted_frac for r in ok]), True),

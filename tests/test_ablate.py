@@ -87,3 +87,53 @@ def test_rows_and_table_from_summaries(tmp_path):
     # pooled 300/400 with its Wilson interval, start, versions, admitted, max lag, reached
     assert cells[2:] == ["2", "90 60", "75% (0–100%)", "300/400 (71–79%)", "50%", "90", "50%", "2", "1/2"]
     assert "Budget 120 s of wall time per run" in md and "| 1 | — |" in rows["nsr_on"] and "nsr_on seed 0: no summary" in md and "- k2 left out" in md
+
+
+def test_serial_mode_trains_each_variant_at_its_eta_and_twins_run_once():
+    from runner.ablate import same_config, serial_lag_overrides
+
+    serial = ["run.mode=serial"]
+    variants = {v.name: v for v in VARIANTS}
+    resolved = {}
+    for name in ("default", "k1", "eta0_mis", "eta2_none", "eta4_tis"):
+        ov = serial + list(variants[name].overrides)
+        ov += serial_lag_overrides(validate(ov))
+        cfg = validate(ov)
+        # the fixed serial lag is the variant's eta: the most staleness async mode would admit
+        assert cfg.run.serial_lag == cfg.buffer.max_staleness
+        resolved[name] = cfg.model_dump(mode="json")
+    assert resolved["eta4_tis"]["run"]["serial_lag"] == 4 and resolved["eta0_mis"]["run"]["serial_lag"] == 0
+    # k1 and eta2_none are the quickstart's own settings: the same config as the default, so they share its runs
+    assert same_config(resolved) == {"k1": "default", "eta2_none": "default"}
+    # outside serial mode lag comes from real concurrency: nothing is added
+    assert serial_lag_overrides(validate([])) == []
+
+
+def test_table_reports_a_twin_as_the_same_runs(tmp_path):
+    from dataclasses import replace
+
+    from runner.ablate import RunResult
+
+    base = [RunResult("default", s, f"r{s}", final=f, successes=int(f * 200), episodes=200) for s, f in
+            enumerate((0.4, 0.5, 0.6))]
+    twins = [replace(r, variant="k1", extra={"same_as": "default"}) for r in base]
+    md = table(base + twins, 0.8, "60 versions")
+    k1_row = next(line for line in md.splitlines() if line.startswith("| k1 |"))
+    assert "same config as default" in k1_row and "40 50 60" in k1_row
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--jobs", "2"], "--jobs > 1 needs run.mode=serial"),
+    (["run.mode=serial", "run.serial_lag=1"], "drop the run.serial_lag override"),
+])
+def test_bin_ablate_refuses_parallel_async_runs_and_a_serial_lag_of_its_own(tmp_path, extra, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(repo / "bin" / "ablate"), str(repo / REPO_CONFIG), *extra,
+                           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "runs").exists()   # refused before anything was made
