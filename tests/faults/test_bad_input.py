@@ -20,7 +20,8 @@ def test_fuzz_buffer_service_10000_frames(tmp_path):
     with running(tmp_path, cfg) as svc:
         client = ControlClient(svc.control_endpoint)
         t0 = time.monotonic()
-        sent = fuzz(svc.trajectory_endpoint, 10_000, RUN, seed=3)
+        sent = fuzz(svc.trajectory_endpoint, 10_000, RUN, seed=3,
+                    until=lambda: stats(client)["received"] >= 10_000)   # then disconnect
         assert set(sent) == set(KINDS) and sum(sent.values()) == 10_000
         assert send_oversize(svc.trajectory_endpoint, 4 * 2**20, count=2) == 2   # 4 MiB > 1 MiB: never read
         good = TrajectorySender(svc.trajectory_endpoint)

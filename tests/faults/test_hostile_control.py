@@ -157,7 +157,8 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         stats(client)
         rss0 = psutil.Process(proc.pid).memory_info().rss
         peak = [rss0]
-        sent = fuzz(eps["trajectory"], 3000, "hostile", seed=5)
+        sent = fuzz(eps["trajectory"], 3000, "hostile", seed=5,
+                    until=lambda: stats(client)["ledger"]["malformed"] >= 3000)   # then disconnect
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
         assert set(forged) == set(CONTROL_KINDS)
