@@ -35,6 +35,7 @@ from async_vla.messages import MalformedMessage, Message, decode, decode_bundle,
 log = logging.getLogger(__name__)
 
 LINGER_MS = 200
+MONITOR_READ_S = 0.1   # the receiver's connection events are read at least this often while it receives
 
 
 @dataclass
@@ -93,6 +94,8 @@ def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
 
 def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context], extra: tuple = ()) -> None:
     with contextlib.suppress(Exception):
+        if extra:   # monitor sockets: stop the events first, or a later one blocks libzmq's I/O thread for good
+            sock.disable_monitor()
         for other in extra:
             other.close(linger=0)
         sock.close(linger=0)
@@ -199,6 +202,7 @@ class TrajectoryReceiver:
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
         self._connections = 0
+        self._monitor_read_at = time.monotonic()
         self.max_bytes = max_bytes
         self.malformed = MalformedCounter()
         self.received = 0
@@ -213,6 +217,7 @@ class TrajectoryReceiver:
         """Peers connected now: accepted minus disconnected, from ZeroMQ's socket monitor (read when asked)."""
         from zmq.utils.monitor import recv_monitor_message
 
+        self._monitor_read_at = time.monotonic()
         while self._monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self._monitor)["event"]
             self._connections += 1 if event == zmq.EVENT_ACCEPTED else -1
@@ -221,6 +226,10 @@ class TrajectoryReceiver:
     def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
         """One valid message, or None after ``timeout_s`` (malformed ones are counted and skipped)."""
         deadline = time.monotonic() + timeout_s
+        if deadline - self._monitor_read_at > MONITOR_READ_S:
+            # libzmq's I/O thread blocks on a full monitor queue (~2,000 events), and with it this socket's intake:
+            # a connect/disconnect storm must not wait for the next metrics report to be read
+            self.connections  # noqa: B018 (reads the events)
         while True:
             try:   # try first, poll only when empty: under load the socket is seldom empty (one syscall saved)
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -239,6 +248,7 @@ class TrajectoryReceiver:
 
     def close(self) -> None:
         self._collect_guard.detach()
+        self.connections  # noqa: B018 (empty the monitor queue: disable_monitor waits while it is full)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close()

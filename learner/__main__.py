@@ -2,7 +2,7 @@
 
 What one rank does: build the policy (same seed on every rank) -> ``DeepSpeedLearner`` (or ``TorchLearner``
 with ``learner.backend=torch``, one rank) -> optionally resume from ``DIR/checkpoints`` -> publish the current
-weights -> loop { ``BatchRequest(rank, world, version)`` to the buffer's control endpoint -> this rank's share
+weights -> loop { ``BatchRequest(rank, world, version)`` to the buffer's batch endpoint -> this rank's share
 of the batch -> ``train_step`` -> (rank 0) publish weights (``learner/publish.py``) every
 ``weights.publish_every`` versions (all ranks join the ZeRO-3 gathers) -> metrics to TensorBoard (rank 0) ->
 checkpoint every ``run.checkpoint_every`` versions } until ``run.max_versions`` or ``run.max_wall_s`` or

@@ -55,7 +55,8 @@ def bad_input(sys_: LiveSystem, n: int = 10_000, n_control: int = 1000, oversize
     s0, pids0, rss0 = sys_.stats(), _alive_pids(sys_), sys_.rss_mb("buffer")
     t0 = time.monotonic()
     sent = fuzz(sys_.trajectory, n, sys_.cfg.run.name, seed=seed, curve_keys=sys_.keys,   # held until counted
-                until=lambda: sys_.stats()["ledger"]["malformed"] - s0["ledger"]["malformed"] >= n)
+                until=lambda: (s := sys_.stats()) is not None
+                and s["ledger"]["malformed"] - s0["ledger"]["malformed"] >= n)
     oversize_bytes = int(16 * sys_.cfg.transport.max_message_mb * 2**20)
     send_oversize(sys_.trajectory, oversize_bytes, oversize, curve_keys=sys_.keys)
     rss_peak = sys_.rss_mb("buffer")

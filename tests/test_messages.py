@@ -79,7 +79,8 @@ def test_bundle_round_trip():
 def test_a_relay_forwards_the_frames_it_received_and_re_encodes_a_changed_copy():
     sent = [bytes(f) for f in M.encode(make_traj(seed=1))]
     got = M.decode(sent)
-    assert all(a is b for a, b in zip(M.frames_of(got), sent))          # forwarded as received: no re-encoding
+    forwarded = M.frames_of(got)
+    assert len(forwarded) == len(sent) and all(a is b for a, b in zip(forwarded, sent))   # as received
     changed = dataclasses.replace(got, reward=0.5)
     assert M.decode([bytes(f) for f in M.frames_of(changed)]).reward == 0.5
     assert M.frames_of(make_traj(seed=2))[0] == M.encode(make_traj(seed=2))[0]   # never received: encoded

@@ -79,3 +79,33 @@ def test_use_ipc_puts_every_endpoint_in_the_run_directory(tmp_path):
     # (the loopback tcp defaults: tests/faults/test_security.py::test_every_default_bind_is_loopback)
     ipc = endpoints(load_config(None, ["transport.use_ipc=true"]).transport, tmp_path)
     assert ipc and all(e.startswith(f"ipc://{tmp_path}") for e in ipc.values()), ipc
+
+
+def test_a_connection_storm_does_not_stall_intake_when_nobody_asks_for_metrics():
+    # libzmq's I/O thread blocks on a full monitor queue (~2,000 events), and trajectory intake with it; the
+    # receiver reads its connection events while it receives, not only when metrics ask for them.
+    import zmq
+
+    rx = TrajectoryReceiver("tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    try:
+        for i in range(3000):                      # 6,000 accept / disconnect events
+            s = ctx.socket(zmq.PUSH)
+            s.linger = 0
+            s.connect(rx.endpoint)
+            s.send(b"x")                           # forces the connection to be accepted
+            s.close()
+            if i % 50 == 0:
+                rx.recv(0)                         # the service's loop: receiving, never metrics
+        tx = TrajectorySender(rx.endpoint)
+        assert tx.send(make_traj(seed=3), timeout_s=30)
+        deadline = time.monotonic() + slack(30)
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = rx.recv(0.5)
+        assert got is not None and got.traj_id == make_traj(seed=3).traj_id
+        assert rx.connections >= 1                 # the sender still connected was counted
+        tx.close()
+    finally:
+        ctx.term()
+        rx.close()

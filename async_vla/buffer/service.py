@@ -105,10 +105,22 @@ class BufferService:
         self._auths = ([Authenticator(c, keys) for c in (ctx, self._ingest_ctx, self._delivery_ctx)]
                        if keys is not None else [])
         max_bytes = int(cfg.transport.max_message_mb * 1024**2)
-        self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.trajectory_hwm,
-                                           max_bytes=max_bytes, ctx=self._ingest_ctx, keys=keys)
-        self.control = ControlServer(control_endpoint, ctx=ctx, keys=keys)
-        self.batches = ControlServer(batch_endpoint, ctx=self._delivery_ctx, keys=keys)
+        built: list = []
+        try:   # a bind that fails (a port in use) must not leave the others' sockets, threads and contexts behind
+            self.receiver = TrajectoryReceiver(trajectory_endpoint, hwm=cfg.transport.trajectory_hwm,
+                                               max_bytes=max_bytes, ctx=self._ingest_ctx, keys=keys)
+            built.append(self.receiver)
+            self.control = ControlServer(control_endpoint, ctx=ctx, keys=keys)
+            built.append(self.control)
+            self.batches = ControlServer(batch_endpoint, ctx=self._delivery_ctx, keys=keys)
+        except BaseException:
+            for part in built:
+                part.close()
+            for auth in self._auths:
+                auth.stop()
+            self._ingest_ctx.term()
+            self._delivery_ctx.term()
+            raise
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
         self.batch_endpoint = self.batches.endpoint
@@ -338,7 +350,8 @@ class BufferService:
                     if r.version > req.version or (req.session and r.session and r.session != req.session)]
             for p, r in void:
                 self.batches.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
-            self._parked = [x for x in self._parked if x[1].version <= req.version]
+            voided = {id(r) for _, r in void}   # all of them: the other session's at or below req.version too
+            self._parked = [x for x in self._parked if id(x[1]) not in voided]
             self.counters["parked_voided"] += len(void)
             self.counters["learner_rollbacks"] += 1
         if not self._try_batch(peer, req):
@@ -588,7 +601,7 @@ def process_rss_bytes() -> Optional[int]:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except FileNotFoundError:
+    except (OSError, ValueError, IndexError):   # a metric: an unreadable /proc must not stop the serve loop
         return None
 
 

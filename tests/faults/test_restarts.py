@@ -118,6 +118,27 @@ def test_the_dead_learners_parked_request_is_voided(tmp_path):
             c.close()
 
 
+def test_a_dead_sessions_request_at_the_resumed_version_is_answered_once_and_unparked(tmp_path):
+    # Learner session "a" asks for batch 5 and dies; its successor "b" resumes at the same version 5. a's request
+    # is void: one not-ready reply, and it must leave the parked list (served later, it would switch the buffer
+    # back to the dead session and roll it back again, and its peer would get a second reply).
+    with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
+        dead, resumed = ControlClient(svc.batch_endpoint), ControlClient(svc.batch_endpoint)
+        control = ControlClient(svc.control_endpoint)
+        assert control.call(ControlCommand("set_learner_version", 5), 10).value == 5
+        dead.send(BatchRequest(rank=0, world=1, version=5, timeout_s=60, session="a"))
+        wait_stats(control, lambda s: s["metrics"]["buffer/parked_requests"] == 1)
+        resumed.send(BatchRequest(rank=0, world=1, version=5, timeout_s=0.5, session="b"))
+        header, _ = dead.recv_bundle(10)
+        assert header is not None and not header.ready and header.version == 5
+        assert not resumed.recv_bundle(10)[0].ready          # b's own, after its 0.5 s
+        s = wait_stats(control, lambda s: s["metrics"]["buffer/parked_requests"] == 0)
+        assert s["metrics"]["buffer/parked_requests"] == 0   # a's is gone too: nothing left to answer it twice
+        assert s["service"]["parked_voided"] == 1 and s["service"]["learner_rollbacks"] == 1
+        for c in (dead, resumed, control):
+            c.close()
+
+
 def test_buffer_restart_keeps_the_old_ledger_and_drains_its_socket(tmp_path):
     cfg = service_cfg()
     write_resolved(cfg, tmp_path)
