@@ -141,6 +141,31 @@ class RunResult:
     lag_max: Optional[int] = None  # the largest policy lag among trained trajectories (<= eta by design)
     error: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    # what the loss saw, averaged over the second half of the run's versions (TensorBoard): whether the clip bound,
+    # how far the behaviour policy was from the proximal one, and the policy's entropy per token
+    clip_frac: Optional[float] = None
+    behav_kl: Optional[float] = None
+    entropy: Optional[float] = None
+
+
+SIGNALS = {"clip_frac": ("loss/clip_frac_low", "loss/clip_frac_high"), "behav_kl": ("offpolicy/behav_kl",),
+           "entropy": ("loss/entropy",)}
+
+
+def training_signals(tb_dir: Path) -> dict[str, Optional[float]]:
+    """``SIGNALS`` from a run's TensorBoard logs: each the mean over the second half of its logged versions (the
+    sum of the tags for clip_frac); None for a signal whose tags are absent (tensorboard off)."""
+    from async_vla.metrics import read_scalars
+
+    out: dict[str, Optional[float]] = {}
+    for name, tags in SIGNALS.items():
+        series = [read_scalars(tb_dir, t) for t in tags]
+        if not all(series):
+            out[name] = None
+            continue
+        means = [statistics.fmean(v for _, v in pts[len(pts) // 2:]) for pts in series]
+        out[name] = sum(means)
+    return out
 
 
 def result_from_summary(variant: str, seed: int, run_dir: Path, threshold: float) -> RunResult:
@@ -166,6 +191,8 @@ def result_from_summary(variant: str, seed: int, run_dir: Path, threshold: float
     res.admitted_frac = groups.get("accepted", 0) / decided if decided else None
     res.lag_max = ledger.get("lag_max")
     res.extra["group_counts"] = dict(groups)
+    for name, value in training_signals(Path(run_dir) / "tb").items():
+        setattr(res, name, value)
     return res
 
 
@@ -193,6 +220,12 @@ def _fmt(v, pct: bool = False) -> str:
     return f"{v:.0f}" if isinstance(v, float) else str(v)
 
 
+def _signal(v: Optional[float], pct: bool = False) -> str:
+    if v is None:
+        return "—"
+    return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
 def _pct_interval(iv: Optional[tuple[float, float]]) -> str:
     return "—" if iv is None else f"{100 * iv[0]:.0f}–{100 * iv[1]:.0f}%"
 
@@ -204,8 +237,8 @@ def table(results: Sequence[RunResult], threshold: float, budget: str, notes: Se
         by_variant.setdefault(r.variant, []).append(r)
     what = {v.name: v.what for v in VARIANTS}
     lines = ["| variant | what differs | seeds | final per seed | final mean (95% t over seeds) | pooled episodes "
-             "(95% Wilson) | start | versions | groups admitted | max lag trained | "
-             f"reached {threshold:.0%} |", "|" + "---|" * 11]
+             "(95% Wilson) | start | versions | groups admitted | max lag trained | clip frac | KL(behav‖prox) | "
+             f"entropy | reached {threshold:.0%} |", "|" + "---|" * 14]
     for name, runs in by_variant.items():
         ok = [r for r in runs if r.error is None and r.final is not None]
         finals = [r.final for r in ok]
@@ -222,11 +255,13 @@ def table(results: Sequence[RunResult], threshold: float, budget: str, notes: Se
             f"{_fmt(m, True)} ({_pct_interval(iv)})", pooled, _fmt(_mean([r.initial for r in ok]), True),
             _fmt(_mean([r.versions for r in ok])), _fmt(_mean([r.admitted_frac for r in ok]), True),
             _fmt(max((r.lag_max for r in ok if r.lag_max is not None), default=None)),
-            f"{len(reached)}/{len(runs)}"]) + " |")
+            _signal(_mean([r.clip_frac for r in ok]), pct=True), _signal(_mean([r.behav_kl for r in ok])),
+            _signal(_mean([r.entropy for r in ok])), f"{len(reached)}/{len(runs)}"]) + " |")
     errors = [r for r in results if r.error]
     out = [f"Budget {budget} per run; final held-out greedy success (the last evaluation, "
            f"at the budget); 'reached' counts runs whose evaluations ever reached {threshold:.0%} (a first "
-           f"crossing, not a result)."]
+           f"crossing, not a result). Clip frac (tokens whose PPO ratio the clip bound, both sides), KL(behaviour‖"
+           f"proximal) and entropy per token: means over the second half of each run's versions, then over seeds."]
     out += [f"- {n}" for n in notes]
     out += [f"- {r.variant} seed {r.seed}: {r.error}" for r in errors]
     return "\n".join(lines + [""] + out)

@@ -85,7 +85,9 @@ def test_rows_and_table_from_summaries(tmp_path):
     cells = [c.strip() for c in rows["default"].split("|")[1:-1]]
     # seeds, per-seed finals, mean (t interval over the 2 seeds: 75 +- 12.706 * 0.212 / sqrt 2, clipped),
     # pooled 300/400 with its Wilson interval, start, versions, admitted, max lag, reached
-    assert cells[2:] == ["2", "90 60", "75% (0–100%)", "300/400 (71–79%)", "50%", "90", "50%", "2", "1/2"]
+    # + clip frac, KL(behaviour || proximal), entropy: "—" without TensorBoard logs
+    assert cells[2:] == ["2", "90 60", "75% (0–100%)", "300/400 (71–79%)", "50%", "90", "50%", "2", "—", "—", "—",
+                         "1/2"]
     assert "Budget 120 s of wall time per run" in md and "| 1 | — |" in rows["nsr_on"] and "nsr_on seed 0: no summary" in md and "- k2 left out" in md
 
 
@@ -137,3 +139,22 @@ def test_bin_ablate_refuses_parallel_async_runs_and_a_serial_lag_of_its_own(tmp_
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "runs").exists()   # refused before anything was made
+
+
+def test_training_signals_are_second_half_means_from_tensorboard(tmp_path):
+    from async_vla.tb_events import EventFileWriter
+
+    d = _summary(tmp_path, "a", [{"wall_s": 1, "success_rate": 0.5}], 3, 1, 4, 0, 100, 200)
+    w = EventFileWriter(d / "tb")
+    for step, (lo, hi, kl, ent) in enumerate([(0.5, 0.5, 9.0, 9.0), (0.5, 0.5, 9.0, 9.0),
+                                              (0.02, 0.01, 0.004, 1.5), (0.04, 0.03, 0.006, 2.5)]):
+        w.scalar("loss/clip_frac_low", lo, step)
+        w.scalar("loss/clip_frac_high", hi, step)
+        w.scalar("offpolicy/behav_kl", kl, step)
+        w.scalar("loss/entropy", ent, step)
+    w.close()
+    r = result_from_summary("k4", 0, d, 0.8)
+    # the first half (steps 0-1) is left out; clip frac sums both sides
+    assert r.clip_frac == pytest.approx(0.05) and r.behav_kl == pytest.approx(0.005) and r.entropy == pytest.approx(2.0)
+    cells = [c.strip() for c in table([r], 0.8, "4 versions").splitlines()[2].split("|")[1:-1]]
+    assert cells[-4:-1] == ["5.0%", "0.005", "2.000"]
