@@ -169,18 +169,13 @@ class BufferService:
         soon as some comes: a wait adds no latency, it only bounds how late the timers run). Returns the number of
         messages handled."""
         work = 0
-        for _ in range(CONTROL_BURST):
-            got = self.control.recv(0)
-            if got is None:
-                break
-            self._handle(*got)
-            work += 1
-        for _ in range(CONTROL_BURST):
-            got = self.batches.recv(0)
-            if got is None:
-                break
-            self._handle_batch(*got)
-            work += 1
+        for server, handle in ((self.control, self._handle), (self.batches, self._handle_batch)):
+            for _ in range(CONTROL_BURST):
+                got = server.recv(0)
+                if got is None:
+                    break
+                handle(*got)
+                work += 1
         added = 0
         for _ in range(TRAJECTORY_BURST):
             if not self.buffer.has_room():
