@@ -55,3 +55,23 @@ def placed(cfg: "Config") -> bool:
     """Whether the config places anything on a GPU (bin/train refuses that on a host without CUDA)."""
     p = cfg.placement
     return p.gpus_learner is not None or p.gpus_actors is not None or p.gpu_evaluator is not None
+
+
+def shared_weight_gpu(cfg: "Config") -> Optional[str]:
+    """Why two members of the weight broadcast group (learner rank 0 and the actors) would use one GPU on this host,
+    or None. NCCL refuses two ranks on one device ("invalid usage", seen on an H200), so weights.backend=auto then
+    broadcasts over gloo. Only a one-host run (launcher local, transport.host loopback) is decided here: the
+    Slurm script and the Ray launcher put actors on other nodes and their own GPUs."""
+    from async_vla.hosts import is_loopback
+
+    if cfg.run.launcher != "local" or not is_loopback(cfg.transport.host):
+        return None
+    p, n = cfg.placement, cfg.actor.num_actors
+    learner_gpu = 0 if p.gpus_learner is None else p.gpus_learner[0]
+    if p.gpus_actors is None:
+        return "placement.gpus_actors is unset: every actor uses GPU 0, as learner rank 0 does"
+    if learner_gpu in p.gpus_actors[:n]:
+        return f"placement.gpus_actors {p.gpus_actors} includes learner rank 0's GPU {learner_gpu}"
+    if n > len(p.gpus_actors):
+        return f"{n} actors (actor.num_actors) share the {len(p.gpus_actors)} GPUs of placement.gpus_actors"
+    return None

@@ -120,5 +120,10 @@ class StandInVLAForActionPrediction(PreTrainedModel):
 
 
 class StandInVLAProcessor(ProcessorMixin):
+    # As PrismaticProcessor declares them: transformers 4.x (the gpu extra's pin) needs the names, 5.x infers them.
+    attributes = ["image_processor", "tokenizer"]
+    image_processor_class = "AutoImageProcessor"
+    tokenizer_class = "AutoTokenizer"
+
     def __init__(self, image_processor=None, tokenizer=None, **kwargs):
         super().__init__(image_processor, tokenizer, **kwargs)

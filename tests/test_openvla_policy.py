@@ -105,9 +105,9 @@ def test_a_checkpoint_directory_loads_through_transformers_remote_code(tmp_path,
     from async_vla.policy import build_policy
     from runner.preflight import preflight
 
-    write_standin_checkpoint(tmp_path / "ckpt", oft=arch == "openvla_oft", norm_stats=STATS)
+    write_standin_checkpoint(tmp_path / f"ckpt_{arch}", oft=arch == "openvla_oft", norm_stats=STATS)
     oft = arch == "openvla_oft"
-    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={tmp_path / 'ckpt'}", "transport.weights_port=0",
+    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={tmp_path / f'ckpt_{arch}'}", "transport.weights_port=0",
                              f"policy.chunk_size={8 if oft else 1}", "transport.trajectory_port=0",
                              f"policy.decoding={'parallel' if oft else 'autoregressive'}", "transport.control_port=0",
                              "transport.batch_port=0"])
@@ -132,8 +132,8 @@ def test_serial_rl_from_an_openvla_oft_checkpoint_exports_one_that_loads_and_eva
     from runner.serial import run_serial
 
     stats = {"builtin": STATS["libero_spatial_no_noops"]}
-    write_standin_checkpoint(tmp_path / "ckpt", oft=True, norm_stats=stats)
-    overrides = ["policy.arch=openvla_oft", f"policy.path={tmp_path / 'ckpt'}", "policy.decoding=parallel",
+    write_standin_checkpoint(tmp_path / "ckpt_oft", oft=True, norm_stats=stats)
+    overrides = ["policy.arch=openvla_oft", f"policy.path={tmp_path / 'ckpt_oft'}", "policy.decoding=parallel",
                  "run.mode=serial", "learner.backend=torch", "learner.lr=1e-3", "buffer.dynamic_sampling=false",
                  "actor.group_size=2", "env.envs_per_actor=2", "buffer.groups_per_batch=1", "run.max_versions=2",
                  "learner.micro_batch_trajectories=2", "env.num_train_init_states=2", "env.num_eval_init_states=1",
@@ -152,3 +152,35 @@ def test_serial_rl_from_an_openvla_oft_checkpoint_exports_one_that_loads_and_eva
                          str(tmp_path / "run"), "--json"], capture_output=True, text=True, timeout=240)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads(ev.stdout)["episodes"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["openvla", "openvla_oft"])
+def test_gpu_bf16_sampled_logprobs_stay_close_to_the_learners(tmp_path, arch):
+    """On a GPU the loader runs a checkpoint in bf16 (load_openvla_policy). The actor's sampled log-probs (KV cache
+    for openvla, one parallel pass for OFT) and the learner's teacher-forced recomputation then go through different
+    kernels and shapes; their gap is where every importance ratio starts, so it must stay far inside the clip
+    (0.2): here the ratio is within 5% of 1 for every token, and the tokens are what the checkpoint decodes."""
+    from async_vla.policy import build_policy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    oft = arch == "openvla_oft"
+    write_standin_checkpoint(tmp_path / f"ckpt_{arch}", oft=oft, norm_stats=STATS)
+    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={tmp_path / f'ckpt_{arch}'}",
+                             f"policy.chunk_size={8 if oft else 1}",
+                             f"policy.decoding={'parallel' if oft else 'autoregressive'}"])
+    pol = build_policy(cfg)
+    assert pol.device.type == "cuda" and next(pol.model.parameters()).dtype == torch.bfloat16
+    images, proprio = _obs()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    toks, logp = pol.act(images, proprio, INSTR, 1.6, gen)
+    assert toks.shape == (3, 56 if oft else 7) and np.all(np.isfinite(logp)) and np.all(logp <= 0)
+    with torch.no_grad():
+        re = pol.token_logprobs(images, proprio, INSTR, torch.from_numpy(toks), 1.6).float().cpu().numpy()
+    gap = np.abs(re - logp)
+    print(f"[gpu] {arch} bf16 behaviour vs learner log-probs: |gap| mean {gap.mean():.2e}, max {gap.max():.2e} "
+          f"over {gap.size} tokens")
+    assert np.abs(np.exp(re - logp) - 1).max() < 0.05, gap.max()
+    greedy, _ = pol.act(images, proprio, INSTR, 0.0)
+    assert np.array_equal(greedy, pol.act(images, proprio, INSTR, 0.0)[0])   # greedy is deterministic on the GPU

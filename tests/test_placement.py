@@ -107,3 +107,39 @@ def test_the_fleet_gives_each_actor_one_gpu_round_robin(tmp_path, monkeypatch):
     lines = [ln for ln in (tmp_path / "commands.txt").read_text().splitlines() if " actor" in ln]
     assert [ln.split(": ", 1)[1].split(" ")[0] for ln in lines] == ["CUDA_VISIBLE_DEVICES=5", "CUDA_VISIBLE_DEVICES=6",
                                                                     "CUDA_VISIBLE_DEVICES=5"]
+
+
+@pytest.mark.parametrize("overrides,shared", [
+    ([], "every actor uses GPU 0"),
+    (["placement.gpus_learner=[0]", "placement.gpus_actors=[0,1]", "actor.num_actors=2"], "learner rank 0's GPU 0"),
+    (["placement.gpus_learner=[0]", "placement.gpus_actors=[1]", "actor.num_actors=2"], "2 actors"),
+    (["placement.gpus_learner=[0,1]", "learner.num_ranks=2", "placement.gpus_actors=[2,3]", "actor.num_actors=2"], None),
+    (["placement.gpus_actors=[1]", "run.launcher=ray"], None),                 # Ray places actors itself
+    (["transport.host=10.0.0.5", "transport.curve=true", "transport.curve_dir=keys",
+      "transport.weights_allowed_peers=[10.0.0.0/24]"], None),              # multi-host (the Slurm script)
+])
+def test_weights_auto_broadcasts_over_gloo_when_two_members_share_a_gpu(overrides, shared):
+    """NCCL refuses two ranks on one device ("invalid usage" on a one-GPU H200 host, learner and actor on GPU 0):
+    weights.backend=auto then takes gloo, nccl only when every member has a GPU of its own."""
+    from async_vla.placement import shared_weight_gpu
+    from async_vla.weights.wire import resolve_backend
+
+    cfg = load_config(None, overrides)
+    reason = shared_weight_gpu(cfg)
+    assert (reason is None) if shared is None else (shared in reason)
+    assert resolve_backend(cfg, cuda_available=True) == ("nccl" if shared is None else "gloo")
+    assert resolve_backend(cfg, cuda_available=False) == "gloo"
+    pinned = load_config(None, overrides + ["weights.backend=nccl"])
+    assert resolve_backend(pinned, cuda_available=True) == "nccl"        # what the user asked for, checked below
+
+
+def test_preflight_refuses_nccl_weights_on_a_shared_gpu(tmp_path):
+    from runner.preflight import preflight
+
+    cfg = load_config(None, ["weights.backend=nccl", "transport.trajectory_port=0", "transport.control_port=0",
+                             "transport.batch_port=0", "transport.weights_port=0"])
+    errors, _ = preflight(cfg, tmp_path / "run", False)
+    assert any("weights.backend=nccl" in e and "placement.gpus_actors" in e for e in errors), errors
+    ok = load_config(None, ["transport.trajectory_port=0", "transport.control_port=0", "transport.batch_port=0",
+                            "transport.weights_port=0"])
+    assert not any("weights.backend" in e for e in preflight(ok, tmp_path / "run", False)[0])

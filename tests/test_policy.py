@@ -237,3 +237,28 @@ def test_openvla_checkpoint_behind_the_interface():
     np.testing.assert_allclose(re.detach().float().cpu().numpy(), logp, atol=1e-3, rtol=0)
     actions = pol.decode_actions(tokens)
     assert actions.shape == (2, chunk, 7) and np.all(np.isfinite(actions))
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_a_bf16_policy_takes_the_same_inputs(decoding):
+    """DeepSpeed's bf16 engine (the learner on a GPU) casts the module's parameters to bf16 and leaves its buffers
+    and inputs alone: uint8 images, float32 proprio, the keypoints' coordinate grids and the Fourier action basis
+    must follow the parameters' dtype (found on an H200: `Input type (float) and bias type (c10::BFloat16) should be
+    the same`, then `expected mat1 and mat2 to have the same dtype`). The bf16 copy then samples, recomputes and
+    back-propagates, and its log-probs stay near the float32 policy's."""
+    import copy
+
+    pol = make(decoding, **{"policy.keypoints": 16, "policy.lang_keypoints": 2, "policy.action_head": "fourier"})
+    half = copy.deepcopy(pol)
+    for p in half.parameters():          # as DeepSpeed's bf16 engine: parameters only
+        p.data = p.data.to(torch.bfloat16)
+    assert any(b.dtype == torch.float32 for b in half.buffers())
+    images, proprio, instr = batch(3)
+    tokens, logp = half.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    assert np.all(np.isfinite(logp)) and tokens.min() >= 31744 and tokens.max() <= 31999
+    re = half.token_logprobs(torch.from_numpy(images), torch.from_numpy(proprio), instr, torch.from_numpy(tokens), 1.6)
+    re.sum().backward()
+    assert half.stem[0].weight.grad is not None and torch.isfinite(half.stem[0].weight.grad.float()).all()
+    full = pol.token_logprobs(torch.from_numpy(images), torch.from_numpy(proprio), instr, torch.from_numpy(tokens), 1.6)
+    gap = (re.detach().float() - full.detach()).abs()
+    assert gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())

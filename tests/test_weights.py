@@ -333,9 +333,11 @@ def test_stopped_actor_is_bounded_by_the_timeout_and_rejoins(world):
 
 
 @pytest.mark.gpu
-def test_nccl_broadcast_to_an_actor_process(world):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def test_nccl_broadcast_to_an_actor_process(world, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (invalid usage, seen on one H200)")
+    torch.zeros(1, device="cuda:0")                  # this process (the publisher) is on GPU 0 ...
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # ... the actor it spawns on GPU 1, as bin/train places them
     pub, actors = world(1, backend="nccl")
     model = {k: v.cuda() for k, v in mixed_model(50).items()}
     st = pub.publish(1, model.items())

@@ -404,7 +404,9 @@ class WeightsConfig(Section):
     for actors without the learner's run directory (other hosts, no shared filesystem; the Ray launcher and the
     Slurm script turn it on)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Weight broadcast to actors over a torch.distributed group: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
+    """Weight broadcast to actors over a torch.distributed group: auto, gloo, nccl. auto = nccl on GPU when every
+    member (learner rank 0, each actor) has a GPU of its own on this host (placement), else gloo: NCCL refuses two
+    ranks on one device. nccl on a shared GPU is refused before the run starts."""
     bucket_mb: float = Field(16.0, gt=0)
     """Size cap of one broadcast bucket in MiB (gloo over loopback measured best at 8-16; 64 was up to 2x
     slower, one flat buffer slower still; NCCL is content with larger)."""

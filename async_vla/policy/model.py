@@ -123,7 +123,8 @@ class TinyVLA(VLAPolicy):
         x = torch.as_tensor(images, device=self.device)
         if x.dtype == torch.uint8:
             x = x.float().div_(127.5).sub_(1.0)
-        return x.permute(0, 3, 1, 2)  # [B, H, W, 3] -> [B, 3, H, W]
+        # In the parameters' dtype: DeepSpeed's bf16 engine (a GPU learner) casts the module, not its inputs.
+        return x.to(self.stem[0].weight.dtype).permute(0, 3, 1, 2)  # [B, H, W, 3] -> [B, 3, H, W]
 
     def _instruction_embeds(self, instructions: Sequence[str]) -> Tensor:
         rows1, rows2 = [], []
@@ -151,7 +152,7 @@ class TinyVLA(VLAPolicy):
         if x.shape[1] > self.max_patches:
             raise ValueError(f"too many image patches ({x.shape[1]} > {self.max_patches}); raise patch_size")
         x = x + self.patch_pos[: x.shape[1]]
-        prop = torch.as_tensor(proprio, device=self.device, dtype=torch.float32)
+        prop = torch.as_tensor(proprio, device=self.device, dtype=self.proprio_proj.weight.dtype)
         if prop.shape[-1] != self.policy_cfg.proprio_dim:
             raise ValueError(f"proprio has {prop.shape[-1]} dims, the policy expects {self.policy_cfg.proprio_dim}")
         prop = self.proprio_proj(prop)
@@ -179,8 +180,8 @@ class TinyVLA(VLAPolicy):
         """``maps [B, M, H*W]`` -> ``[B, M, 3]``: expected x, expected y and peak activation of each map."""
         hh, ww = hw
         attn = torch.softmax(maps * torch.exp(-log_temp)[:, None], dim=-1)
-        grid_x = torch.linspace(-1.0, 1.0, ww, device=maps.device).repeat(hh)
-        grid_y = torch.linspace(1.0, -1.0, hh, device=maps.device).repeat_interleave(ww)  # row 0 = far edge (+y)
+        grid_x = torch.linspace(-1.0, 1.0, ww, device=maps.device, dtype=maps.dtype).repeat(hh)
+        grid_y = torch.linspace(1.0, -1.0, hh, device=maps.device, dtype=maps.dtype).repeat_interleave(ww)  # row 0 = far edge (+y)
         # Scaled so a quarter-table shift is a unit change: small input variations make Adam learn the
         # dependence on them several times slower (measured).
         return torch.stack([4.0 * (attn * grid_x).sum(-1), 4.0 * (attn * grid_y).sum(-1), maps.amax(-1) / 10.0],
@@ -189,7 +190,8 @@ class TinyVLA(VLAPolicy):
     def _action_table(self) -> Tensor:
         """``[num_bins, hidden]`` embeddings of the action tokens (also the output rows of the action head)."""
         if self.policy_cfg.action_head == "fourier":
-            return self.action_basis @ self.action_proj
+            # The basis is a buffer: DeepSpeed's bf16 engine casts parameters, not buffers.
+            return self.action_basis.to(self.action_proj.dtype) @ self.action_proj
         return self.llm.lm_head.weight[FIRST_ACTION_ROW:]
 
     def _action_head(self, hidden: Tensor) -> Tensor:

@@ -69,7 +69,7 @@ class WeightPublisher:
     def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None):
         self.cfg = cfg.weights
         self.timeout_s = float(world_timeout_s or cfg.weights.timeout_s)
-        self.backend = resolve_backend(cfg.weights.backend)
+        self.backend = resolve_backend(cfg)
         on_gpu = self.backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.weights_dir = Path(run_dir) / "weights"

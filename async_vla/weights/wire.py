@@ -12,6 +12,7 @@ then the publisher's verdict broadcast to all, after which each receiver counts 
 from __future__ import annotations
 
 import contextlib
+import logging
 import datetime
 import ipaddress
 import os
@@ -32,6 +33,8 @@ from async_vla.weights.buckets import (
 from async_vla.weights.shm import ShmUnreadable
 from async_vla.weights.shm_reader import ShmReader
 
+log = logging.getLogger(__name__)
+
 MAGIC = 0x5745494748      # "WEIGH"
 # What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not
 # join). 2: the verification-shares header slot; 3: split verification ends at the verdict + a release count;
@@ -43,10 +46,21 @@ INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header i
 ACK_TAG = 7
 
 
-def resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return name
+def resolve_backend(cfg, cuda_available: Optional[bool] = None) -> str:
+    """weights.backend -> "nccl" or "gloo". auto: nccl on GPU unless two members of the group would share a GPU of
+    this host (async_vla.placement.shared_weight_gpu: NCCL refuses that), gloo otherwise."""
+    from async_vla.placement import shared_weight_gpu
+
+    name = cfg.weights.backend
+    if name != "auto":
+        return name
+    if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
+        return "gloo"
+    shared = shared_weight_gpu(cfg)
+    if shared is not None:
+        log.info("weights.backend=auto: broadcasting over gloo, not NCCL: %s", shared)
+        return "gloo"
+    return "nccl"
 
 
 def port_open(host: str, port: int) -> bool:
