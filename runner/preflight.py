@@ -63,7 +63,15 @@ def _placement(cfg: Any, gpus_dir: Path = Path("/proc/driver/nvidia/gpus")) -> l
 
     from async_vla.placement import VISIBLE, placed
 
-    if not placed(cfg) or cfg.run.mode == "serial":
+    if cfg.run.mode == "serial":
+        return []
+    from async_vla.placement import shared_weight_gpu
+
+    shared = shared_weight_gpu(cfg) if cfg.weights.backend == "nccl" else None
+    if shared is not None:
+        return [f"weights.backend=nccl, but {shared}; NCCL cannot run two ranks on one GPU: give the actors GPUs of "
+                "their own (placement.gpus_actors) or set weights.backend=auto (gloo then)"]
+    if not placed(cfg):
         return []
     count = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
     visible = os.environ.get(VISIBLE)
