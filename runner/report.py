@@ -183,6 +183,63 @@ class RunRecorder:
         return summary
 
 
+def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> dict:
+    """Add an evaluation of version ``version``'s export, made after the run (``bin/eval RUN --versions N
+    --record``), to the run's record: progress.json, summary.json's ``eval`` list, TensorBoard's
+    ``eval/success_rate`` at that version and success.png. Returns the point.
+
+    Why: on a CPU-bound simulator an evaluation during the run takes the actors' cores (a 50-episode LIBERO
+    eval is ~7,000 env steps); a run with ``run.eval_every=0`` and ``weights.export_keep`` large enough trains
+    on the whole machine and its curve is filled in afterwards. The point's ``wall_s`` is the run's wall time
+    at its first train point at or past that version (within a status interval of when the learner made it), so
+    the curve is drawn against training time; it is marked ``after_run``. ``final_eval`` stays the run's own evaluation of its final policy.
+    """
+    run_dir = Path(run_dir)
+    split = res.get("split", "eval")
+    progress = _run_progress(run_dir)
+    if version in evaluated_during_run(run_dir, split):
+        raise ValueError(f"version {version} was evaluated on the {split} split during the run already; "
+                         f"its figure stays the run's own")
+    evals = progress.get("eval", [])
+    made = [p["wall_s"] for p in progress.get("train", []) if p["version"] >= version]
+    point = eval_point(version, min(made) if made else float("nan"), res)
+    point["after_run"] = True
+    evals = [p for p in evals if not (p["version"] == version and p.get("split", "eval") == split)] + [point]
+    evals.sort(key=lambda p: p["version"])
+    progress["eval"] = evals
+    tmp = run_dir / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps(progress, default=float))
+    tmp.replace(run_dir / PROGRESS_FILE)
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        summary["eval"] = evals
+        summary["best_eval_success"] = max(p["success_rate"] for p in evals)
+        summary_file.write_text(json.dumps(summary, indent=2, default=float))
+    monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
+    monitor.scalar("eval/success_rate", res["success_rate"], version)
+    for task, rate in res.get("by_task", {}).items():
+        monitor.scalar(f"eval/success_rate_by_task/{task}", rate, version)
+    monitor.close()
+    plot_success(run_dir / "success.png", [p for p in evals if p["wall_s"] == p["wall_s"]],
+                 progress.get("train", []))
+    return point
+
+
+def evaluated_during_run(run_dir: Path, split: str = "eval") -> set[int]:
+    """Versions the run itself evaluated on ``split`` (raises ValueError when ``run_dir`` has no run record)."""
+    return {int(p["version"]) for p in _run_progress(Path(run_dir)).get("eval", [])
+            if p.get("split", "eval") == split and not p.get("after_run")}
+
+
+def _run_progress(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / PROGRESS_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{run_dir / PROGRESS_FILE}: no run record to add to ({exc}); --record needs a directory "
+                         f"bin/train wrote") from exc
+
+
 def eval_videos(cfg: Any) -> int:
     """Episodes to film per evaluation: ``logging.eval_videos``, 0 when TensorBoard is off (nowhere to put them)."""
     return cfg.logging.eval_videos if cfg.logging.tensorboard else 0

@@ -75,7 +75,8 @@ def test_demo_roundtrip_in_trajectory_format(env, tmp_path):
 
 @pytest.mark.timeout(1800)
 def test_pipeline_demos_sft_rl_eval(tmp_path):
-    """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> one async GRPO version -> bin/eval."""
+    """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> two async GRPO versions (the run evaluates
+    v0 and v2) -> the after-run curve evaluates v1's export and adds it to the run's record."""
     import json
     import os
     import subprocess
@@ -85,12 +86,12 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     overrides = ["env.task_ids=[0]", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
                  "env.envs_per_actor=2", "actor.num_actors=1", "actor.group_size=2", "buffer.groups_per_batch=1",
-                 "buffer.dynamic_sampling=false", "run.max_versions=1", "run.eval_every=0", "run.eval_envs=1",
+                 "buffer.dynamic_sampling=false", "run.max_versions=2", "run.eval_every=0", "run.eval_envs=1",
                  "learner.micro_batch_trajectories=2", "transport.trajectory_port=0", "transport.control_port=0",
                  "transport.batch_port=0",
                  "transport.weights_port=0"]
     argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
-            "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2"]
+            "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2", "--curve-every", "1"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=repo,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -103,5 +104,6 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     assert len(calls) == 1 and calls[0] >= 10          # the expert's shortest success is ~96 steps: 12 calls
     assert sft["eval_episodes"] == 1 and sft["sft"]["samples"] == calls[0]   # one SFT sample per decision point
     summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
-    assert summary["final_version"] >= 1
-    assert "[eval]" in proc.stdout and "$ " in proc.stdout  # the final bin/eval ran, commands were printed
+    assert summary["final_version"] == 2
+    assert [(p["version"], bool(p.get("after_run"))) for p in summary["eval"]] == [(0, False), (1, True), (2, False)]
+    assert "--versions 1 --record" in proc.stdout   # the after-run bin/eval's command was printed

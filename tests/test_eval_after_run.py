@@ -1,0 +1,102 @@
+"""`bin/eval RUN --versions A,B --record`: a run trained without evaluations (run.eval_every=0, exports kept) gets
+its curve afterwards; the points land in summary.json, progress.json, TensorBoard and success.png, marked
+after_run, at the wall time the version was made; the run's own evaluations and its final figure stay as they are.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from async_vla.config import dump_config, load_config
+from async_vla.metrics import Monitor, read_scalars
+from async_vla.policy import build_policy
+from async_vla.weights.export import export_weights
+from runner.report import RunRecorder
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["env.num_train_init_states=2", "env.num_eval_init_states=2", "env.task_ids=[0,1]", "actor.group_size=2",
+         "policy.hidden_size=32", "policy.num_heads=2", "policy.num_layers=1", "policy.intermediate_size=64",
+         "run.eval_every=0", "run.eval_envs=2", "weights.export_keep=100"]
+
+
+def _fake_run(run_dir: Path) -> dict:
+    """What bin/train leaves behind for a 3-version run evaluated at v0 and v3 only, with every export kept."""
+    cfg = load_config(None, SMALL)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    recorder = RunRecorder(cfg, run_dir, Monitor(run_dir))
+    recorder.eval_result(0, {"success_rate": 0.25, "successes": 1, "episodes": 4, "split": "eval",
+                             "by_task": {0: 0.5, 1: 0.0}})
+    for v in range(4):
+        torch.manual_seed(v)
+        export_weights(run_dir / "weights", v, build_policy(cfg).state_dict(), 0.0, keep=100)
+        recorder.train_points.append({"version": v, "wall_s": 10.0 * v + 1, "success_rate": 0.5})
+    recorder.eval_result(3, {"success_rate": 0.75, "successes": 3, "episodes": 4, "split": "eval",
+                             "by_task": {0: 1.0, 1: 0.5}})
+    summary = recorder.finish(3, {})
+    recorder.monitor.close()
+    return summary
+
+
+def _bin_eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "bin" / "eval"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
+def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
+    run = tmp_path / "run"
+    before = _fake_run(run)
+    png_before = (run / "success.png").read_bytes()
+
+    proc = _bin_eval(str(run), "--versions", "1,2", "--record", "--json")
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads("[" + proc.stdout.replace("}\n{", "},\n{") + "]")
+    assert [r["version"] for r in printed] == [1, 2] and all(r["episodes"] == 4 for r in printed)
+
+    # the same figure as evaluating that export on its own: the record holds v2's weights' result
+    alone = _bin_eval(str(run / "weights" / "v2.safetensors"), str(run / "config.yaml"), "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout)["successes"] == printed[1]["successes"]
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert [p["version"] for p in summary["eval"]] == [0, 1, 2, 3]
+    assert [bool(p.get("after_run")) for p in summary["eval"]] == [False, True, True, False]
+    assert [p["wall_s"] for p in summary["eval"][1:3]] == [11.0, 21.0]   # when the learner made v1 and v2
+    assert summary["final_eval"] == before["final_eval"] and summary["final_version"] == 3
+    assert summary["best_eval_success"] == max(p["success_rate"] for p in summary["eval"])
+    progress = json.loads((run / "progress.json").read_text())
+    assert progress["eval"] == summary["eval"]
+    steps = [s for s, _ in read_scalars(run / "tb", "eval/success_rate")]
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert (run / "success.png").read_bytes() != png_before
+
+    # recording v2 again replaces its after-run point rather than adding a second one
+    assert _bin_eval(str(run), "--versions", "2", "--record").returncode == 0
+    again = json.loads((run / "summary.json").read_text())
+    assert [p["version"] for p in again["eval"]] == [0, 1, 2, 3]
+
+
+def test_bad_requests_are_refused_before_any_evaluation(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    record = (run / "summary.json").read_text()
+
+    missing = _bin_eval(str(run), "--versions", "2,7")
+    assert missing.returncode == 2 and "weights/v7.safetensors" in missing.stderr
+    assert "weights.export_keep" in missing.stderr
+
+    own = _bin_eval(str(run), "--versions", "3", "--record")     # the run evaluated v3 itself
+    assert own.returncode == 2 and "[3]" in own.stderr and "--versions" in own.stderr
+
+    no_versions = _bin_eval(str(run), "--record")
+    assert no_versions.returncode == 2 and "--versions" in no_versions.stderr
+
+    not_a_run = _bin_eval(str(run / "weights"), "--versions", "1")
+    assert not_a_run.returncode == 2 and "run directory" in not_a_run.stderr
+
+    garbled = _bin_eval(str(run), "--versions", "one,two")
+    assert garbled.returncode == 2 and "comma-separated" in garbled.stderr
+    assert (run / "summary.json").read_text() == record                # nothing was written by any of these
