@@ -363,9 +363,12 @@ class LaunchedRun:
             # Its weights were evaluated when the last part ended there; otherwise the first eval of this part
             # is the next periodic one (the exports on disk may be of updates the checkpoint does not have).
             self.evaluator.version = start
-        else:
+        elif self.cfg.run.eval_at_start:
             _, res = self.evaluator.evaluate(use_latest=False)
             self.recorder.eval_result(self.evaluator.version, res)
+        else:
+            print("[train] run.eval_at_start=false: training starts without evaluating the initial policy; score "
+                  f"it afterwards with bin/eval {self.run_dir} --versions 0 --record", flush=True)
         self.evaluator.ask_for_milestones()
         if not self.cfg.weights.export:
             print("[train] weights.export=false: no evaluation during the run (it loads the exported versions); "

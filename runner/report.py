@@ -215,6 +215,7 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
         summary = json.loads(summary_file.read_text())
         summary["eval"] = evals
         summary["best_eval_success"] = max(p["success_rate"] for p in evals)
+        summary["initial_eval_success"] = evals[0]["success_rate"]   # run.eval_at_start=false: v0 comes later
         summary_file.write_text(json.dumps(summary, indent=2, default=float))
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
     monitor.scalar("eval/success_rate", res["success_rate"], version)

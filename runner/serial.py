@@ -112,7 +112,8 @@ class SerialRun:
             version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm"))
 
     def evaluate_start(self) -> None:
-        if self.recorder.last_eval_version() != self.learner.version:   # resumed: the last part ended with this eval
+        resumed = self.recorder.last_eval_version() == self.learner.version   # the last part ended with this eval
+        if not resumed and (self.cfg.run.eval_at_start or self.learner.version > 0):
             self.evaluate(self.learner.version)
         self.last_status = time.perf_counter()
 

@@ -100,3 +100,18 @@ def test_bad_requests_are_refused_before_any_evaluation(tmp_path):
     garbled = _bin_eval(str(run), "--versions", "one,two")
     assert garbled.returncode == 2 and "comma-separated" in garbled.stderr
     assert (run / "summary.json").read_text() == record                # nothing was written by any of these
+
+
+def test_without_a_start_evaluation_training_starts_at_once_and_the_final_policy_is_scored(tmp_path):
+    """run.eval_at_start=false: no evaluation of the initial weights (serial mode here; the async launcher's
+    path is exercised by the LIBERO pipeline test, whose config sets it), the final one still happens."""
+    from runner.serial import run_serial
+
+    overrides = SMALL + ["run.mode=serial", "run.max_versions=2", "buffer.groups_per_batch=1",
+                         "buffer.dynamic_sampling=false", "learner.backend=torch", "env.envs_per_actor=2",
+                         "learner.micro_batch_trajectories=2", "logging.tensorboard=false"]
+    without = run_serial(load_config(None, overrides + ["run.eval_at_start=false"]), tmp_path / "without")
+    assert [p["version"] for p in without["eval"]] == [2]
+    assert without["initial_eval_success"] == without["final_eval_success"]   # the only figure there is
+    with_start = run_serial(load_config(None, overrides), tmp_path / "with")
+    assert [p["version"] for p in with_start["eval"]] == [0, 2]

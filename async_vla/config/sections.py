@@ -42,6 +42,11 @@ class RunConfig(Section):
     async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's
     evaluator has scored it, so evals land on exactly these versions; an evaluator that falls behind scores the
     newest one waiting and skips the older ones."""
+    eval_at_start: bool = True
+    """Evaluate the initial policy before training starts. False: training starts at once, and the initial
+    weights are scored afterwards from their export (async/sync keep ``weights/v0.safetensors`` while
+    weights.export_keep allows: ``bin/eval RUN --versions 0 --record``); for a simulator-bound run whose
+    evaluation would hold up the start. Serial mode keeps no exports, so there the initial figure is lost."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every this many versions (0 = only at the end)."""
     pin_cores: bool = False
