@@ -521,8 +521,12 @@ def status_line(recorder: RunRecorder, stats: dict) -> str:
     # "--": the actors' first stats are not in yet (they report every actor.stats_every_s)
     # The buffer says 0 until the learner's first request; a resumed part's learner starts at its checkpoint.
     version = max(int(stats.get("learner_version", 0) or 0), recorder.resumed_at[-1] if recorder.resumed_at else 0)
+    # The actors' latest stats windows (actor.stats_every_s) hold a handful of episodes on a slow simulator:
+    # say how many, so 1.00 over 2 episodes does not read like a run-level figure.
+    episodes = m.get("rollout/episodes")
+    over = f" ({episodes:.0f} ep)" if episodes else ""
     return (f"[{recorder.wall():6.0f}s] learner v{version}"
-            f" | rollout success {fmt_rate(m.get('rollout/success_rate'))} | best eval {fmt_rate(best)}"
+            f" | rollout success {fmt_rate(m.get('rollout/success_rate'))}{over} | best eval {fmt_rate(best)}"
             f" | received {stats.get('received', '?')} trained {led.get('trained', '?')}"
             f" uniform {led.get('filtered_uniform', '?')} stale {led.get('stale', '?')}"
             f" | lag {'--' if lag is None or lag != lag else f'{lag:.2f}'}"

@@ -121,6 +121,7 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         s = wait_stats(actor, lambda s: s["ledger"]["malformed"] == 1 and "rollout/success_rate" in s["metrics"])
         m = s["metrics"]
         assert m["rollout/success_rate"] == 0.75 and m["rollout/success_rate_by_task/0"] == 0.5
+        assert m["rollout/episodes"] == 4.0     # what the rate is over
         assert m["perf/env_steps_per_s"] == 150.0
         assert s["received"] == sum(s["ledger"].values()) == 7
         for c in (actor, *ranks, sender):

@@ -113,6 +113,17 @@ def test_a_stalled_run_says_why_once_it_is_clear():
     assert "single outcome" in stall_hint(cfg, stats(0, STALL_GROUPS * g, float("nan")))
 
 
+def test_the_status_line_says_how_many_episodes_the_rollout_rate_is_over(tmp_path):
+    from runner.launch import status_line
+    from runner.report import RunRecorder
+    from async_vla.metrics import Monitor
+
+    recorder = RunRecorder(load_config(None, SMALL), tmp_path, Monitor(tmp_path, enabled=False))
+    line = status_line(recorder, {"metrics": {"rollout/success_rate": 1.0, "rollout/episodes": 2.0}, "ledger": {}})
+    assert "rollout success 1.00 (2 ep)" in line
+    assert "rollout success -- |" in status_line(recorder, {"metrics": {}, "ledger": {}})   # no stats yet
+
+
 def test_ctrl_c_while_the_buffer_starts_returns_at_once_with_what_was_started(tmp_path, monkeypatch):
     import time
 

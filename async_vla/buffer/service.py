@@ -515,6 +515,7 @@ class BufferService:
         m = {"perf/actors_alive": float(len(alive)), "perf/env_steps_per_s": steps_per_s}
         if sum(eps.values()):
             m["rollout/success_rate"] = sum(succ.values()) / sum(eps.values())
+            m["rollout/episodes"] = float(sum(eps.values()))   # what that rate is over: the actors' last windows
         for task, n in sorted(eps.items()):
             if n:
                 m[f"rollout/success_rate_by_task/{task}"] = succ[task] / n
