@@ -112,7 +112,10 @@ class EnvConfig(Section):
     """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
     hard_reset: bool = False
     """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default, ~5x slower resets). The init
-    state sets qpos/qvel fully, so a soft reset gives the same episode (checked in tests/test_libero.py)."""
+    state sets qpos/qvel fully, so a soft reset gives the same physical state (checked in tests/test_libero.py).
+    Either way LIBERO re-places its static fixtures (a cabinet, a stove: model body poses, not part of an init
+    state) at every reset, so one init state's scene differs by up to about a centimetre between episodes;
+    greedy evaluations of the same weights vary with it (docs/LIBERO.md)."""
     gripper_convention: Literal["openvla", "libero"] = "openvla"
     """LIBERO action[6]: openvla = [0, 1] with 1 open (converted to LIBERO's -1 open / +1 close);
     libero = already in LIBERO's [-1, 1], +1 close."""
