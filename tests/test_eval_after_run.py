@@ -97,6 +97,11 @@ def test_bad_requests_are_refused_before_any_evaluation(tmp_path):
     not_a_run = _bin_eval(str(run / "weights"), "--versions", "1")
     assert not_a_run.returncode == 2 and "run directory" in not_a_run.stderr
 
+    (run / "summary.json").rename(run / "summary.json.bak")        # a run still going has no summary yet
+    going = _bin_eval(str(run), "--versions", "1", "--record")
+    assert going.returncode == 2 and "still going" in going.stderr
+    (run / "summary.json.bak").rename(run / "summary.json")
+
     garbled = _bin_eval(str(run), "--versions", "one,two")
     assert garbled.returncode == 2 and "comma-separated" in garbled.stderr
     assert (run / "summary.json").read_text() == record                # nothing was written by any of these
