@@ -73,8 +73,11 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
     assert sorted(steps) == [0, 1, 2, 3]
     assert (run / "success.png").read_bytes() != png_before
 
-    # recording v2 again replaces its after-run point rather than adding a second one
-    assert _bin_eval(str(run), "--versions", "2", "--record").returncode == 0
+    # recording v2 again replaces its after-run point rather than adding a second one; an override without a
+    # config file applies to the run's own config.yaml
+    again = _bin_eval(str(run), "run.eval_envs=1", "--versions", "2", "--record")
+    assert again.returncode == 0, again.stderr
+    assert f"config: {run / 'config.yaml'}" in again.stdout
     again = json.loads((run / "summary.json").read_text())
     assert [p["version"] for p in again["eval"]] == [0, 1, 2, 3]
 
