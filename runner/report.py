@@ -197,7 +197,7 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
     run_dir = Path(run_dir)
     split = res.get("split", "eval")
     progress = _run_progress(run_dir)
-    if version in evaluated_during_run(run_dir, split):
+    if version in _evaluated_during_run(progress, split):
         raise ValueError(f"version {version} was evaluated on the {split} split during the run already; "
                          f"its figure stays the run's own")
     evals = progress.get("eval", [])
@@ -229,7 +229,11 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
 
 def evaluated_during_run(run_dir: Path, split: str = "eval") -> set[int]:
     """Versions the run itself evaluated on ``split`` (raises ValueError when ``run_dir`` has no run record)."""
-    return {int(p["version"]) for p in _run_progress(Path(run_dir)).get("eval", [])
+    return _evaluated_during_run(_run_progress(Path(run_dir)), split)
+
+
+def _evaluated_during_run(progress: dict, split: str) -> set[int]:
+    return {int(p["version"]) for p in progress.get("eval", [])
             if p.get("split", "eval") == split and not p.get("after_run")}
 
 
