@@ -3,8 +3,9 @@
 Each component is a Ray actor (``ProcessHost``) that runs the same command as the local launcher (bin/buffer,
 bin/learner, bin/actors) as its child process, with the resources of the ``ray`` config section:
 
-- buffer and learner: pinned to the driver's node (bin/train's), so the run directory, TensorBoard, evaluation,
-  ``summary.json`` and the buffer's ports are where they are with the local launcher. The learner's ranks are
+- buffer and learner (its rank 0 with ``per_rank``, below): pinned to the driver's node (bin/train's), so the run
+  directory, TensorBoard, evaluation, ``summary.json`` and the buffer's ports are where they are with the local
+  launcher. The learner's ranks are
   torchrun-style DeepSpeed programs (``bin/learner`` reading RANK / WORLD_SIZE / MASTER_ADDR ...), not run under
   Ray Train: a rank already is a torchrun/DeepSpeed program (process group, ZeRO, checkpoints, its own batch
   fetching from the buffer), and Ray Train's TorchTrainer would own the process group, the loop and checkpointing

@@ -115,20 +115,32 @@ class RankGroup:
         if self.proc.returncode is not None:
             return False
         states = [r.state() for r in self.ranks]   # a list: poll every rank
-        for k, (r, state) in enumerate(zip(self.ranks, states)):
-            if state == "dead" or (state == "exited" and r.proc.returncode != 0):
-                what = "was lost (its actor or node died)" if state == "dead" else \
-                    f"exited with code {r.proc.returncode}"
-                print(f"[train] learner rank {k} on node {self.node_of(k)} {what}: stopping the other ranks "
-                      "(Ray restarts no learner rank; the run ends)", flush=True)
-                self.failed_rank = k
-                self.stop(timeout_s=30)
-                self.proc.returncode = r.proc.returncode if state == "exited" else 1
-                return False
+        failed = [k for k, (r, state) in enumerate(zip(self.ranks, states))
+                  if state == "dead" or (state == "exited" and r.proc.returncode != 0)]
+        if failed:
+            # A lost rank first: the others' errors (a collective with it broke) follow from it.
+            k = min(failed, key=lambda k: (states[k] != "dead", k))
+            r = self.ranks[k]
+            what = "was lost (its actor or node died)" if states[k] == "dead" else \
+                f"exited with code {r.proc.returncode}"
+            others = "; ".join(f"rank {j} on node {self.node_of(j)}: {self.describe(j, states[j])}"
+                               for j in range(len(self.ranks)) if j != k and states[j] != "running")
+            print(f"[train] learner rank {k} on node {self.node_of(k)} {what}"
+                  f"{f' ({others})' if others else ''}: stopping the other ranks (Ray restarts no learner rank; the "
+                  "run ends)", flush=True)
+            self.failed_rank = k
+            self.stop(timeout_s=30)
+            self.proc.returncode = r.proc.returncode if states[k] == "exited" else 1
+            return False
         if all(state == "exited" for state in states):
             self.proc.returncode = 0
             return False
         return True
+
+    def describe(self, rank: int, state: str) -> str:
+        if state == "exited":
+            return f"exited with code {self.ranks[rank].proc.returncode}"
+        return {"dead": "lost", "restarting": "not answering (its node may be lost)"}.get(state, state)
 
     def tail(self, n: int = 20) -> str:
         order = sorted(range(len(self.ranks)), key=lambda k: k != self.failed_rank)   # the failed rank's first
@@ -179,8 +191,8 @@ def rank_files(cfg: Config, rank_cfg: Config, workdir: str, key_files: dict[str,
 def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[str, bytes], run_dir: Path,
                 resume: bool, driver_node: str, driver_ip: str, host_cls: Any) -> RankGroup:
     """Reserve the ranks' placement group (bundle 0 on the driver's node), start one ProcessHost per rank in it,
-    and wait until every rank runs (``check_rank_placement`` has passed: main_ray checks before starting anything). Raises RuntimeError (everything started is stopped) if that does not happen
-    within PLACEMENT_TIMEOUT_S."""
+    and wait until every rank runs; RuntimeError (everything started is stopped) if that does not happen within
+    PLACEMENT_TIMEOUT_S. main_ray has run ``check_rank_placement`` before starting anything."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group

@@ -183,3 +183,41 @@ def test_ray_learner_ranks_on_two_nodes(tmp_path, two_learner_nodes):
     assert rank1_dir != rd and (rank1_dir / "config.yaml").is_file()
     assert "stopped at version 3" in (rank1_dir / "logs" / "learner_rank1.log").read_text()
     assert "stopped at version 3" in (rd / "logs" / "learner_rank0.log").read_text()
+
+
+def batches_trained(path: Path) -> int:
+    try:
+        return len(trained_versions(path))
+    except (OSError, ValueError):   # not there yet, or a line being written
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_losing_a_learner_ranks_node_ends_the_run_naming_the_rank(tmp_path, two_learner_nodes):
+    """Ray restarts no learner rank: rank 1's node goes, the run ends (rank 0 stopped), failed, and says which."""
+    c, other = two_learner_nodes
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+            f"run.out_dir={tmp_path}", "run.name=lost", "run.mode=async", "run.max_versions=1000", *SMALL,
+            "run.eval_at_start=false", "learner.num_ranks=2", "run.launcher=ray", f"ray.address={c.address}",
+            "ray.learner_placement=per_rank", "ray.learner_resources={learner_node: 1}", "ray.fleets=1",
+            "actor.num_actors=1", "ray.fleet_resources={actor_node: 1}", "ray.buffer_memory_gb=0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    rd = tmp_path / "lost"
+    try:
+        wait_for(lambda: batches_trained(rd / "learner_lags_rank1.jsonl"), slack(400), proc, "a first trained batch")
+        c.remove_node(other)                                   # rank 1's node goes away mid-run
+        out, _ = proc.communicate(timeout=slack(400))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out[-6000:]
+    # Rank 1 is named with its node: as lost, or (when rank 0's broken collective is seen first) beside rank 0's
+    # error as lost / not answering.
+    failure = next(line for line in out.splitlines() if "[train] learner rank" in line)
+    assert f"rank 1 on node {other.node_id[:12]}" in failure, out[-6000:]
+    assert "lost" in failure or "not answering" in failure, failure
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["failed"] and summary["stopped_on"] == "failed"

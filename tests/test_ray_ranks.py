@@ -138,3 +138,11 @@ def test_a_rank_exiting_with_an_error_ends_the_run_with_its_code(capsys):
     g = group(FakeRank("rank0", "exited", 0), FakeRank("rank1", "exited", 3))
     assert not g.alive() and g.proc.returncode == 3
     assert "learner rank 1 on node node11111111 (hostx) exited with code 3" in capsys.readouterr().out
+
+
+def test_a_lost_rank_is_named_before_the_errors_it_caused(capsys):
+    g = group(FakeRank("rank0", "exited", 1), FakeRank("rank1", "dead"))   # rank 0's collective with rank 1 broke
+    assert not g.alive() and g.proc.returncode == 1
+    out = capsys.readouterr().out
+    assert "learner rank 1 on node node11111111 (hostx) was lost" in out
+    assert "rank 0 on node node00000000 (hostx): exited with code 1" in out
