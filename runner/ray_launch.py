@@ -5,11 +5,11 @@ bin/learner, bin/actors) as its child process, with the resources of the ``ray``
 
 - buffer and learner (its rank 0 with ``per_rank``, below): pinned to the driver's node (bin/train's), so the run
   directory, TensorBoard, evaluation, ``summary.json`` and the buffer's ports are where they are with the local
-  launcher. The learner's ranks are
-  torchrun-style DeepSpeed programs (``bin/learner`` reading RANK / WORLD_SIZE / MASTER_ADDR ...), not run under
-  Ray Train: a rank already is a torchrun/DeepSpeed program (process group, ZeRO, checkpoints, its own batch
-  fetching from the buffer), and Ray Train's TorchTrainer would own the process group, the loop and checkpointing
-  instead; it would also pull in ``ray[train]``. ``ray.learner_placement`` says how they are placed:
+  launcher. The learner's ranks are torchrun-style DeepSpeed programs (``bin/learner`` reading RANK / WORLD_SIZE
+  / MASTER_ADDR ...), not run under Ray Train: a rank already is a torchrun/DeepSpeed program (process group, ZeRO,
+  checkpoints, its own batch fetching from the buffer), and Ray Train's TorchTrainer would own the process group,
+  the loop and checkpointing instead; it would also pull in ``ray[train]``. ``ray.learner_placement`` says how
+  they are placed:
   ``one_actor`` (default): one Ray actor on the driver's node starts all ranks itself (``bin/learner --ranks N``);
   ``per_rank``: one Ray actor per rank, rank 0 on the driver's node and the others wherever their resources are
   (other GPU nodes), reserved together as a placement group (runner/ray_ranks.py).

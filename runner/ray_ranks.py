@@ -12,14 +12,17 @@ MASTER_ADDR, MASTER_PORT; ``rank_env``), so DeepSpeed, ZeRO and checkpoints work
 - Rank 0 runs on the driver's node (bin/train's) with the run directory: TensorBoard, the weight publisher, the
   exported policy, checkpoints' ``latest`` and summary.json are written there as with the local launcher.
   MASTER_ADDR is the driver node's address (what Ray knows it by), MASTER_PORT ``ray.learner_master_port``
-  (0: a free one, picked and checked on this node at start like the transport's ports).
+  (0: a free one, picked and checked on this node at start like the transport's ports). Its rendezvous store is
+  torch's TCPStore, without authentication, as under torchrun: that port should be reachable from the cluster's
+  network only.
 - Ranks 1.. get their config (the buffer's address as seen from elsewhere, ``transport.connect_host``), the client
   side of the CURVE keys and any ``learner.deepspeed_config`` file shipped into a node-local directory, as actor
   fleets do. They write their outputs (their ZeRO partition of each checkpoint, ``rng_rank<k>.pt``,
-  ``learner_lags_rank<k>.jsonl``) under the run directory's path on their own node, created there if absent: as
-  with torchrun on several nodes, a ``--resume`` needs every rank's checkpoint files back in its run directory
-  (a shared filesystem for the run directory, or the same ranks on the same nodes). The checkout and
-  ``policy.path`` must exist at the same paths on every node (README "Multi-host").
+  ``learner_lags_rank<k>.jsonl``) under the run directory's path on their own node, created there if absent. As
+  with torchrun on several nodes, a ``--resume`` needs the whole checkpoint (rank 0's model states and ``latest``
+  included) in every rank's run directory: a shared filesystem for it, or the files copied there; bin/learner
+  stops all ranks, saying so, when they find different checkpoints. The checkout and ``policy.path`` must exist
+  at the same paths on every node (README "Multi-host").
 - LOCAL_RANK is 0 and LOCAL_WORLD_SIZE 1 for every rank: Ray gives each rank actor its own GPU
   (CUDA_VISIBLE_DEVICES), which the rank sees as device 0, even when two ranks share a node.
 
