@@ -226,6 +226,8 @@ class RankRun:
         from learner.core import latest_tag
 
         ckpt_dir = self.ckpt_dir
+        if resume and self.world > 1:   # before any rank loads: a rank alone at v0 would hang the others
+            check_ranks_agree_on_checkpoint(latest_tag(ckpt_dir), ckpt_dir, self._agree)
         if resume and latest_tag(ckpt_dir) is not None:
             tag = latest_tag(ckpt_dir)
             extra = self.learner.load_checkpoint(ckpt_dir)
@@ -355,6 +357,22 @@ class RankRun:
         close_publisher(self.publisher)
         self.monitor.close()
         log.info("stopped at version %d (%d skipped steps)", self.learner.version, self.learner.skipped_steps)
+
+
+def check_ranks_agree_on_checkpoint(tag: Optional[str], ckpt_dir: Path, agree: Any) -> None:
+    """Every rank must resume from the same checkpoint. Ranks on several nodes each read ``ckpt_dir`` on their own
+    node: without a shared run directory they see different ones (or none). ``agree(flags, "max")`` is the ranks'
+    all-reduce; SystemExit on every rank alike (none is left waiting in a collective) when they differ."""
+    version = float(tag[1:]) if tag and tag[1:].isdigit() else -1.0
+    newest, minus_oldest = agree([version, -version], "max")
+    if newest != -minus_oldest:
+        def name(v: float) -> str:
+            return f"v{int(v)}" if v >= 0 else "none"
+        raise SystemExit(
+            f"--resume: the learner ranks find different checkpoints in {ckpt_dir} (newest {name(newest)}, oldest "
+            f"{name(-minus_oldest)}; this rank {name(version)}): ranks on several nodes read the run directory on "
+            "their own node, so resuming needs it on a shared filesystem, or each rank's checkpoint files copied back "
+            "to that path on its node")
 
 
 def write_resume_report(run_dir: Path, ckpt: Path, rank: int, version: int, loaded: dict) -> None:

@@ -1,8 +1,10 @@
-"""The Ray actor that runs one of our commands on the node Ray placed it (runner/ray_launch.py). Standard library
-only at import: a Ray worker imports this module to build the actor."""
+"""The Ray actor that runs one of our commands on the node Ray placed it (``ProcessHost``), and the launcher's
+handle on it (``RayProcess``; runner/ray_launch.py, runner/ray_ranks.py). Standard library only at import: a Ray
+worker imports this module to build the actor."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -11,9 +13,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("runner.ray_host")
+CALL_TIMEOUT_S = 10.0   # a ProcessHost that does not answer a poll within this is being restarted (or gone)
 
 
 class ProcessHost:
@@ -78,4 +82,73 @@ class ProcessHost:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+        return self.proc.returncode
+
+
+class ReturnCode:
+    def __init__(self) -> None:
+        self.returncode: Optional[int] = None
+
+
+class RayProcess:
+    """The launcher's handle on a ProcessHost, with the interface of runner.launch.Child (alive, stop, tail,
+    proc.returncode). ``alive()`` is True while Ray restarts it; False once it exited (learner) or Ray gave up."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name, self.handle = name, handle
+        self.proc = ReturnCode()
+        self.dead = False
+        self.nodes: list[str] = []   # the nodes it has run on, in order (a restart elsewhere adds one)
+        self.host = ""               # the host name of the last one
+        self.workdir = ""
+
+    def state(self) -> str:
+        """running | restarting | exited | dead."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if self.dead:
+            return "dead"
+        if self.proc.returncode is not None:
+            return "exited"
+        try:
+            code, where = ray.get([self.handle.poll.remote(), self.handle.where.remote()], timeout=CALL_TIMEOUT_S)
+        except GetTimeoutError:
+            return "restarting"
+        except RayActorError as exc:
+            if type(exc).__name__ == "ActorUnavailableError":
+                return "restarting"
+            self.dead = True
+            return "dead"
+        if not self.nodes or self.nodes[-1] != where["node_id"]:
+            if self.nodes:
+                print(f"[train] {self.name} restarted by Ray on node {where['node_id'][:12]} ({where['host']})",
+                      flush=True)
+            self.nodes.append(where["node_id"])
+            self.host, self.workdir = where["host"], where["workdir"]
+        if code is not None:
+            self.proc.returncode = code
+            return "exited"
+        return "running"
+
+    def alive(self) -> bool:
+        return self.state() in ("running", "restarting")
+
+    def tail(self, n: int = 20) -> str:
+        import ray
+
+        try:
+            return ray.get(self.handle.tail.remote(n), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:   # noqa: BLE001 - a lost actor's log is gone with it: say so, do not raise
+            return f"(no log: {type(exc).__name__})"
+
+    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
+        import ray
+
+        try:
+            code = ray.get(self.handle.stop.remote(timeout_s), timeout=timeout_s + CALL_TIMEOUT_S)
+            self.proc.returncode = code if self.proc.returncode is None else self.proc.returncode
+        except Exception as exc:   # noqa: BLE001 - stopping what is already gone is not an error
+            log.info("%s: stop found it gone (%s)", self.name, type(exc).__name__)
+        ray.kill(self.handle, no_restart=True)
         return self.proc.returncode

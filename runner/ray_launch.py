@@ -3,19 +3,25 @@
 Each component is a Ray actor (``ProcessHost``) that runs the same command as the local launcher (bin/buffer,
 bin/learner, bin/actors) as its child process, with the resources of the ``ray`` config section:
 
-- buffer and learner: pinned to the driver's node (bin/train's), so the run directory, TensorBoard, evaluation,
-  ``summary.json`` and the buffer's ports are where they are with the local launcher. The learner runs its ranks
-  itself (``bin/learner --ranks N``: torchrun-style variables, DeepSpeed inside), not under Ray Train: the rank
-  already is a torchrun/DeepSpeed program (process group, ZeRO, checkpoints, its own batch fetching from the
-  buffer), and Ray Train's TorchTrainer would own the process group, the loop and checkpointing instead; it would
-  also pull in ``ray[train]``. A Ray actor per rank (ranks on several nodes) is the next step, not done here.
+- buffer and learner (its rank 0 with ``per_rank``, below): pinned to the driver's node (bin/train's), so the run
+  directory, TensorBoard, evaluation, ``summary.json`` and the buffer's ports are where they are with the local
+  launcher. The learner's ranks are torchrun-style DeepSpeed programs (``bin/learner`` reading RANK / WORLD_SIZE
+  / MASTER_ADDR ...), not run under Ray Train: a rank already is a torchrun/DeepSpeed program (process group, ZeRO,
+  checkpoints, its own batch fetching from the buffer), and Ray Train's TorchTrainer would own the process group,
+  the loop and checkpointing instead; it would also pull in ``ray[train]``. ``ray.learner_placement`` says how
+  they are placed:
+  ``one_actor`` (default): one Ray actor on the driver's node starts all ranks itself (``bin/learner --ranks N``);
+  ``per_rank``: one Ray actor per rank, rank 0 on the driver's node and the others wherever their resources are
+  (other GPU nodes), reserved together as a placement group (runner/ray_ranks.py).
 - actor fleets: anywhere their resources are (SPREAD by default), each with a node-local directory (config, CURVE
   client keys, logs): nothing is read from a shared filesystem. Weights come over the learner's broadcast group, and
   at start or after missed broadcasts as the newest export from the buffer's weights file server (weights.fetch).
 
 Failures: a buffer or fleet whose process exits with an error, or whose node is lost, is restarted by Ray
 (``ray.max_restarts``; a fleet on another node if its own is gone). The learner is not restarted: its exit ends
-the run, as with the local launcher. The cluster is joined by address (``ray.address``), never started here.
+the run, as with the local launcher; with ``per_rank`` a rank that exits with an error or whose node is lost ends
+it too, all other ranks stopped, with a message naming the rank and its node. Where each component runs (and ran)
+is in ``<run>/ray.json``. The cluster is joined by address (``ray.address``), never started here.
 """
 
 from __future__ import annotations
@@ -31,79 +37,11 @@ from async_vla.config import Config, dump_config, load_config, write_resolved
 from async_vla.transport import endpoints
 from async_vla.placement import placed
 from runner.launch import LaunchedRun, resolve_ports, start_tensorboard, stop_on_signals
-from runner.ray_host import ProcessHost
+from runner.ray_host import ProcessHost, RayProcess, ReturnCode
+from runner.ray_ranks import RankGroup, check_rank_placement, start_ranks
 
 log = logging.getLogger("runner.ray_launch")
 REPO = Path(__file__).resolve().parent.parent
-CALL_TIMEOUT_S = 10.0   # a ProcessHost that does not answer a poll within this is being restarted (or gone)
-
-
-class _ReturnCode:
-    def __init__(self) -> None:
-        self.returncode: Optional[int] = None
-
-
-class RayProcess:
-    """The launcher's handle on a ProcessHost, with the interface of runner.launch.Child (alive, stop, tail,
-    proc.returncode). ``alive()`` is True while Ray restarts it; False once it exited (learner) or Ray gave up."""
-
-    def __init__(self, name: str, handle: Any):
-        self.name, self.handle = name, handle
-        self.proc = _ReturnCode()
-        self.dead = False
-        self.nodes: list[str] = []   # the nodes it has run on, in order (a restart elsewhere adds one)
-        self.workdir = ""
-
-    def state(self) -> str:
-        """running | restarting | exited | dead."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        if self.dead:
-            return "dead"
-        if self.proc.returncode is not None:
-            return "exited"
-        try:
-            code, where = ray.get([self.handle.poll.remote(), self.handle.where.remote()], timeout=CALL_TIMEOUT_S)
-        except GetTimeoutError:
-            return "restarting"
-        except RayActorError as exc:
-            if type(exc).__name__ == "ActorUnavailableError":
-                return "restarting"
-            self.dead = True
-            return "dead"
-        if not self.nodes or self.nodes[-1] != where["node_id"]:
-            if self.nodes:
-                print(f"[train] {self.name} restarted by Ray on node {where['node_id'][:12]} ({where['host']})",
-                      flush=True)
-            self.nodes.append(where["node_id"])
-            self.workdir = where["workdir"]
-        if code is not None:
-            self.proc.returncode = code
-            return "exited"
-        return "running"
-
-    def alive(self) -> bool:
-        return self.state() in ("running", "restarting")
-
-    def tail(self, n: int = 20) -> str:
-        import ray
-
-        try:
-            return ray.get(self.handle.tail.remote(n), timeout=CALL_TIMEOUT_S)
-        except Exception as exc:   # noqa: BLE001 - a lost actor's log is gone with it: say so, do not raise
-            return f"(no log: {type(exc).__name__})"
-
-    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
-        import ray
-
-        try:
-            code = ray.get(self.handle.stop.remote(timeout_s), timeout=timeout_s + CALL_TIMEOUT_S)
-            self.proc.returncode = code if self.proc.returncode is None else self.proc.returncode
-        except Exception as exc:   # noqa: BLE001 - stopping what is already gone is not an error
-            log.info("%s: stop found it gone (%s)", self.name, type(exc).__name__)
-        ray.kill(self.handle, no_restart=True)
-        return self.proc.returncode
 
 
 class Fleets:
@@ -112,7 +50,7 @@ class Fleets:
     def __init__(self, fleets: list[RayProcess]):
         self.fleets = fleets
         self.name = "actors"
-        self.proc = _ReturnCode()
+        self.proc = ReturnCode()
 
     def alive(self) -> bool:
         return any([f.alive() for f in self.fleets])   # a list: poll every fleet (restart notices)
@@ -143,8 +81,9 @@ def join_cluster(cfg: Config) -> Any:
 
 
 def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
-    """The config the fleets run: connect to the driver's node. A loopback buffer is reachable only from nodes on
-    the driver's host: with nodes elsewhere that is an error naming the fix."""
+    """The config the fleets (and learner ranks off the driver's node) run: connect to the driver's node. A
+    loopback buffer is reachable only from nodes on the driver's host: with nodes elsewhere that is an error
+    naming the fix."""
     from async_vla.hosts import is_loopback
 
     t = cfg.transport
@@ -170,26 +109,43 @@ def with_fetch(cfg: Config) -> Config:
     return out
 
 
+def driver_address() -> tuple[str, str]:
+    """(node id, address) of the driver's node: where the buffer and the learner (rank 0) run."""
+    import ray
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    return driver_node, next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == driver_node)
+
+
+def client_key_files(cfg: Config) -> dict[str, bytes]:
+    """The client side of the CURVE keys, for a node-local keys/ directory (never server.key_secret)."""
+    if not cfg.transport.curve:
+        return {}
+    keys = Path(cfg.transport.curve_dir)
+    return {f"keys/{name}": (keys / name).read_bytes() for name in ("server.key", "client.key", "client.key_secret")}
+
+
 def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool) -> dict[str, Any]:
-    """Buffer and learner on the driver's node, fleets where their resources are; the buffer is waited for."""
+    """Buffer and learner (rank 0) on the driver's node, fleets (and other ranks) where their resources are; the
+    buffer is waited for."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from runner.launch import buffer_stats, client_keys
 
     rc = cfg.ray
-    driver_node = ray.get_runtime_context().get_node_id()
+    driver_node, driver_ip = driver_address()
     nodes = [n for n in ray.nodes() if n["Alive"]]
-    driver_ip = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == driver_node)
-    fleet_cfg = with_fetch(fleet_transport(cfg, driver_ip, {n["NodeManagerAddress"] for n in nodes}))
+    remote_cfg = fleet_transport(cfg, driver_ip, {n["NodeManagerAddress"] for n in nodes})
+    fleet_cfg = with_fetch(remote_cfg)
     here = NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False)
     host_cls = ray.remote(ProcessHost)
     gib = 1024**3
 
     def on_driver(name: str, argv: list[str], cpus: float, gpus: float, memory_gb: Optional[float],
-                  restarts: int) -> RayProcess:
-        opts: dict = dict(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=here, max_restarts=restarts,
-                          max_task_retries=-1)
+                  restarts: int, resources: Optional[dict] = None) -> RayProcess:
+        opts: dict = dict(num_cpus=cpus, num_gpus=gpus, resources=dict(resources or {}), scheduling_strategy=here,
+                          max_restarts=restarts, max_task_retries=-1)
         if memory_gb:
             opts["memory"] = int(memory_gb * gib)
         handle = host_cls.options(**opts).remote(name, argv, str(run_dir), {}, {}, restarts > 0)
@@ -206,10 +162,14 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
         while buffer_stats(control, 0.5, keys) is None:
             if children["buffer"].state() in ("dead", "exited") or time.time() > deadline:
                 raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
-        learner_argv = ["{python}", str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir),
-                        "--ranks", str(cfg.learner.num_ranks)] + (["--resume"] if resume else [])
-        children["learner"] = on_driver("learner", learner_argv, rc.learner_cpus, rc.learner_gpus,
-                                        rc.learner_memory_gb, 0)
+        if rc.learner_placement == "per_rank":
+            children["learner"] = start_ranks(cfg, cfg_path, remote_cfg, client_key_files(cfg), run_dir, resume,
+                                              driver_node, driver_ip, host_cls)
+        else:
+            learner_argv = ["{python}", str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir),
+                            "--ranks", str(cfg.learner.num_ranks)] + (["--resume"] if resume else [])
+            children["learner"] = on_driver("learner", learner_argv, rc.learner_cpus, rc.learner_gpus,
+                                            rc.learner_memory_gb, 0, rc.learner_resources)
         children["actors"] = Fleets(start_fleets(cfg, fleet_cfg, host_cls))
         if cfg.logging.serve_tensorboard:
             children["tensorboard"] = start_tensorboard(cfg, run_dir)
@@ -221,21 +181,21 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
 
 
 def placement(children: dict[str, Any]) -> dict:
-    """The nodes each component has run on (``ray list nodes`` names them); pending ones have none yet."""
-    fleets = children["actors"].fleets
-    return {"buffer": children["buffer"].nodes, "learner": children["learner"].nodes,
-            "fleets": [f.nodes for f in fleets], "fleet_dirs": [f.workdir for f in fleets]}
+    """The nodes each component has run on (``ray list nodes`` names them); pending ones have none yet. With
+    per-rank learner placement ``learner`` is rank 0's and ``learner_ranks`` / ``learner_dirs`` every rank's."""
+    fleets, learner = children["actors"].fleets, children["learner"]
+    out = {"buffer": children["buffer"].nodes, "learner": learner.nodes if not isinstance(learner, RankGroup)
+           else learner.ranks[0].nodes, "fleets": [f.nodes for f in fleets], "fleet_dirs": [f.workdir for f in fleets]}
+    if isinstance(learner, RankGroup):
+        out.update(learner_ranks=[r.nodes for r in learner.ranks], learner_dirs=[r.workdir for r in learner.ranks])
+    return out
 
 
 def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProcess]:
     """``ray.fleets`` fleets of ``actor.num_actors`` actors (ids i*n ..), each in a node-local directory holding
     the config and the client side of the CURVE keys."""
     rc, n = cfg.ray, cfg.actor.num_actors
-    files = {"config.yaml": dump_config(fleet_cfg).encode()}
-    if cfg.transport.curve:
-        keys = Path(cfg.transport.curve_dir)
-        for name in ("server.key", "client.key", "client.key_secret"):
-            files[f"keys/{name}"] = (keys / name).read_bytes()   # never server.key_secret
+    files = {"config.yaml": dump_config(fleet_cfg).encode(), **client_key_files(cfg)}
     eps = endpoints(fleet_cfg.transport, None, side="connect")
     fleets, token = [], uuid.uuid4().hex[:8]   # this launch's fleets never reuse an earlier one's directory
     for i in range(rc.fleets):
@@ -272,6 +232,19 @@ class RayRun(LaunchedRun):
         return not self.failed
 
 
+def resolve_master_port(cfg: Config, driver_ip: str) -> Config:
+    """``ray.learner_master_port``: 0 becomes a free port of the driver's node (rank 0's); a given one must be
+    free there. Checked here, as the transport's ports are by bin/train's preflight."""
+    from runner.launch import free_port
+    from runner.preflight import busy_ports
+
+    if cfg.ray.learner_master_port == 0:
+        cfg.ray.learner_master_port = free_port(driver_ip)
+    elif problems := busy_ports(driver_ip, [("ray.learner_master_port", cfg.ray.learner_master_port)]):
+        raise RuntimeError("; ".join(problems))
+    return cfg
+
+
 def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]:
     """Async / sync run on a Ray cluster; evaluated and reported from this host as by runner.launch.main_launch."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -282,6 +255,10 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
         print("[train] run.launcher=ray: the placement section is ignored (Ray assigns the devices)", flush=True)
         cfg = cfg.model_copy(update={"placement": type(cfg.placement)()})
     cfg = resolve_ports(cfg)
+    if cfg.ray.learner_placement == "per_rank":   # before anything starts: can the cluster hold the ranks at all?
+        driver_node, driver_ip = driver_address()
+        check_rank_placement(cfg, ray.nodes(), driver_node)
+        cfg = resolve_master_port(cfg, driver_ip)
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)
     stop, restore_signals = stop_on_signals()
@@ -305,9 +282,11 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     finally:
         run.stop_children()
         restore_signals()
-    fleets = run.children.get("actors")
+    fleets, learner = run.children.get("actors"), run.children.get("learner")
     where = {"fleet_nodes": [f.nodes for f in fleets.fleets], "fleet_restarts": fleets.restarts()} \
         if isinstance(fleets, Fleets) else {}
+    if isinstance(learner, RankGroup):
+        where["learner_rank_nodes"] = [r.nodes for r in learner.ranks]
     summary = run.finish(extra={"launcher": "ray", "ray": where})
     ray.shutdown()
     return summary

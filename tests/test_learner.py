@@ -229,3 +229,18 @@ def test_openvla_checkpoint_under_zero3_exports_a_checkpoint_that_reloads(dist_e
     reloaded = build_policy(load_config(None, base + [f"policy.path={tmp_path / 'out'}"])).state_dict()
     assert reloaded.keys() == full.keys() and all(torch.equal(reloaded[k], full[k]) for k in full)
     assert tensors_digest(ds.full_state_items()) == tensors_digest(full.items())   # shards untouched
+
+
+def test_resuming_ranks_must_find_the_same_checkpoint(tmp_path):
+    """Ranks on several nodes read the run directory on their own node: one that finds another checkpoint (or
+    none) stops every rank with the reason, before any loads (a rank alone at v0 would hang the others)."""
+    from learner.__main__ import check_ranks_agree_on_checkpoint
+
+    def all_reduce_over(*tags):   # what the ranks' all-reduce (max) returns when they found these tags
+        versions = [float(t[1:]) if t else -1.0 for t in tags]
+        return lambda flags, op: [max(versions), -min(versions)]
+
+    check_ranks_agree_on_checkpoint("v00000004", tmp_path, all_reduce_over("v00000004", "v00000004"))
+    check_ranks_agree_on_checkpoint(None, tmp_path, all_reduce_over(None, None))   # none anywhere: start at 0
+    with pytest.raises(SystemExit, match=r"newest v4, oldest none; this rank v4\).*shared filesystem"):
+        check_ranks_agree_on_checkpoint("v00000004", tmp_path, all_reduce_over("v00000004", None))

@@ -1,7 +1,8 @@
 """run.launcher=ray on a local multi-node Ray cluster (several raylets with distinct resources on this machine):
 buffer and learner on the driver's node, two actor fleets spread over two actor nodes; one actor node is removed
 mid-run, Ray restarts its fleet on the other, whose actor fetches the current weights export from the buffer's
-node (no shared run directory), training goes on, and a Ctrl-C ends the run with summary and ledger intact."""
+node (no shared run directory), training goes on, and a Ctrl-C ends the run with summary and ledger intact. And a
+learner of two ranks placed one Ray actor per rank (ray.learner_placement=per_rank) on two nodes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
+
+from timing import slack
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -125,3 +128,96 @@ def run_and_lose_a_node(c, actor_nodes, proc, rd: Path):
     ledger = json.loads((rd / "ledger.json").read_text())
     assert ledger["received"] == sum(ledger["ledger"].values())
     assert ledger["ledger"]["trained"] >= summary["final_version"] * 2 * 4
+
+
+@pytest.fixture
+def two_learner_nodes():
+    """The driver's (head) node and one more, each with one learner_node slot: a rank asking for one per rank
+    puts rank 0 on the head (the driver's node) and rank 1 on the other, where the actor fleet runs too."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "memory": 3 * GIB,
+                                                      "resources": {"learner_node": 1}})
+    other = c.add_node(num_cpus=2, memory=2 * GIB, resources={"learner_node": 1, "actor_node": 1})
+    c.wait_for_nodes()
+    try:
+        yield c, other
+    finally:
+        c.shutdown()
+
+
+def trained_versions(path: Path) -> list[tuple[int, str]]:
+    """(version, session) of each batch a rank trained, from its learner_lags_rank<k>.jsonl."""
+    return [(r["version"], r["session"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)   # a Ray cluster of two raylets, a buffer, two ranks and a fleet on this 2-core machine
+def test_ray_learner_ranks_on_two_nodes(tmp_path, two_learner_nodes):
+    c, other = two_learner_nodes
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+            f"run.out_dir={tmp_path}", "run.name=ranks", "run.mode=async", "run.max_versions=3", *SMALL,
+            "run.eval_at_start=false", "learner.num_ranks=2", "run.launcher=ray", f"ray.address={c.address}",
+            "ray.learner_placement=per_rank", "ray.learner_resources={learner_node: 1}", "ray.fleets=1",
+            "actor.num_actors=1", "ray.fleet_resources={actor_node: 1}", "ray.buffer_memory_gb=0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    try:
+        out, _ = proc.communicate(timeout=slack(600))   # the run ends itself at run.max_versions
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            out, _ = proc.communicate()
+    rd = tmp_path / "ranks"
+    assert proc.returncode == 0, out[-6000:]
+    where = json.loads((rd / "ray.json").read_text())
+    rank_nodes = [nodes[-1] for nodes in where["learner_ranks"]]
+    assert rank_nodes == [where["driver_node"], other.node_id], where   # rank 0 with the run directory
+    assert where["learner"] == where["learner_ranks"][0]
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["final_version"] == 3 and summary["launcher"] == "ray"
+    assert [nodes[-1] for nodes in summary["ray"]["learner_rank_nodes"]] == rank_nodes
+    # Both ranks trained the same batches, versions 0, 1, 2, in one session (their lock-step all-reduces).
+    rank0, rank1 = (trained_versions(rd / f"learner_lags_rank{k}.jsonl") for k in (0, 1))
+    assert [v for v, _ in rank0] == [0, 1, 2] and rank1 == rank0
+    # Rank 1 ran from its node-local directory (config shipped there) and stopped cleanly, checkpointed.
+    rank1_dir = Path(where["learner_dirs"][1])
+    assert rank1_dir != rd and (rank1_dir / "config.yaml").is_file()
+    assert "stopped at version 3" in (rank1_dir / "logs" / "learner_rank1.log").read_text()
+    assert "stopped at version 3" in (rd / "logs" / "learner_rank0.log").read_text()
+
+
+def batches_trained(path: Path) -> int:
+    try:
+        return len(trained_versions(path))
+    except (OSError, ValueError):   # not there yet, or a line being written
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_losing_a_learner_ranks_node_ends_the_run_naming_the_rank(tmp_path, two_learner_nodes):
+    """Ray restarts no learner rank: rank 1's node goes, the run ends (rank 0 stopped), failed, and says which."""
+    c, other = two_learner_nodes
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+            f"run.out_dir={tmp_path}", "run.name=lost", "run.mode=async", "run.max_versions=1000", *SMALL,
+            "run.eval_at_start=false", "learner.num_ranks=2", "run.launcher=ray", f"ray.address={c.address}",
+            "ray.learner_placement=per_rank", "ray.learner_resources={learner_node: 1}", "ray.fleets=1",
+            "actor.num_actors=1", "ray.fleet_resources={actor_node: 1}", "ray.buffer_memory_gb=0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    rd = tmp_path / "lost"
+    try:
+        wait_for(lambda: batches_trained(rd / "learner_lags_rank1.jsonl"), slack(400), proc, "a first trained batch")
+        c.remove_node(other)                                   # rank 1's node goes away mid-run
+        out, _ = proc.communicate(timeout=slack(400))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out[-6000:]
+    # Rank 1 is named with its node: as lost, or (when rank 0's broken collective is seen first) beside rank 0's
+    # error as lost / not answering.
+    failure = next(line for line in out.splitlines() if "[train] learner rank" in line)
+    assert f"rank 1 on node {other.node_id[:12]}" in failure, out[-6000:]
+    assert "lost" in failure or "not answering" in failure, failure
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["failed"] and summary["stopped_on"] == "failed"

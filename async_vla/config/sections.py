@@ -533,9 +533,10 @@ class PlacementConfig(Section):
 
 
 class RayConfig(Section):
-    """Placement on a Ray cluster (run.launcher=ray). The buffer and the learner ranks run on the node of the
-    driver (bin/train), so the run directory, TensorBoard, evaluation and summary.json are where they are with
-    the local launcher; actor fleets go wherever their resources are, each with a node-local directory."""
+    """Placement on a Ray cluster (run.launcher=ray). The buffer and the learner (its rank 0 with
+    learner_placement=per_rank) run on the node of the driver (bin/train), so the run directory, TensorBoard,
+    evaluation and summary.json are where they are with the local launcher; actor fleets (and with per_rank the
+    other learner ranks) go wherever their resources are, each with a node-local directory."""
 
     address: str = "auto"
     """Cluster to join (ray.init address): auto = RAY_ADDRESS or the cluster this host belongs to (ray start);
@@ -553,12 +554,26 @@ class RayConfig(Section):
     ``ray start --resources '{"actor_node": 4}'``."""
     fleet_spread: bool = True
     """Place fleets with Ray's SPREAD strategy (one node's loss costs the fewest fleets)."""
+    learner_placement: Literal["one_actor", "per_rank"] = "one_actor"
+    """How the learner's learner.num_ranks ranks are placed. one_actor = one Ray actor on the driver's node that
+    starts all ranks itself (bin/learner --ranks N). per_rank = one Ray actor per rank, each running one rank with
+    torchrun-style variables: rank 0 on the driver's node, ranks 1.. reserved together as a placement group
+    (PACK) wherever their resources are, e.g. on other GPU nodes."""
     learner_cpus: float = Field(1.0, gt=0)
-    """CPUs requested for the learner (all its ranks: they run on the driver's node)."""
+    """CPUs requested for the learner: for its one actor (all ranks) with learner_placement=one_actor, for each
+    rank with per_rank."""
     learner_gpus: float = Field(0.0, ge=0)
-    """GPUs requested for the learner (set learner.num_ranks on a GPU node)."""
+    """GPUs requested for the learner: for its one actor (all ranks; set it to learner.num_ranks on a GPU node)
+    with learner_placement=one_actor, for each rank (0 or 1) with per_rank."""
     learner_memory_gb: Optional[float] = Field(None, gt=0)
-    """Memory requested for the learner in GiB (None = no request)."""
+    """Memory requested for the learner in GiB, as learner_cpus (None = no request)."""
+    learner_resources: Dict[str, float] = Field(default_factory=dict)
+    """Custom resources for the learner, as learner_cpus, e.g. {learner_node: 1} with per_rank to put one rank
+    on each node started with ``ray start --resources '{"learner_node": 1}'`` (the driver's node included: rank
+    0 runs there)."""
+    learner_master_port: int = Field(0, ge=0, le=65535)
+    """With learner_placement=per_rank: the port of rank 0's rendezvous (MASTER_PORT) on the driver's node, which
+    the other ranks' nodes must reach; 0 = a free one picked at start."""
     buffer_cpus: float = Field(1.0, gt=0)
     """CPUs requested for the buffer."""
     buffer_memory_gb: Optional[float] = Field(None, gt=0)
@@ -566,6 +581,15 @@ class RayConfig(Section):
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a dead buffer or fleet (its process exited with an error, or its node was lost) before
     the run fails. The learner is not restarted: its exit ends the run, as with the local launcher."""
+
+    @model_validator(mode="after")
+    def _learner_per_rank(self) -> "RayConfig":
+        if self.learner_placement == "per_rank" and self.learner_gpus not in (0, 1):
+            # NCCL runs one rank per device, and a rank drives one device (LOCAL_RANK 0 of what Ray hands it).
+            raise ValueError(f"ray.learner_gpus={self.learner_gpus} with ray.learner_placement=per_rank asks for "
+                             "that many GPUs per rank, but a rank drives exactly one (and NCCL cannot put two "
+                             "ranks on one GPU): set ray.learner_gpus=1 (or 0 for CPU ranks)")
+        return self
 
 
 class LoggingConfig(Section):

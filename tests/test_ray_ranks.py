@@ -1,0 +1,148 @@
+"""Per-rank learner placement on Ray (runner/ray_ranks.py), the parts that need no cluster: each rank's torchrun-style
+variables, its resource request, the placement check against the cluster's nodes, what a rank off the driver's
+node is shipped, and how the rank group reports a failed or lost rank. The run itself: tests/test_ray_launcher.py."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from async_vla.config import ConfigError, load_config
+from runner.ray_ranks import RankGroup, check_rank_placement, rank_env, rank_files, rank_request, ranks_that_fit
+
+GIB = 1024**3
+
+
+def per_rank(*overrides: str):
+    return load_config(None, ["run.launcher=ray", "ray.learner_placement=per_rank", "learner.num_ranks=2",
+                              "buffer.groups_per_batch=2", *overrides])
+
+
+def node(node_id: str, **resources: float) -> dict:
+    return {"NodeID": node_id, "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": resources}
+
+
+def test_rank_env_is_torchrun_style_for_rank_k():
+    assert rank_env(1, 4, "10.0.0.7", 29512) == {
+        "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",   # its own GPU is device 0
+        "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29512"}
+
+
+def test_default_is_one_learner_actor():
+    assert load_config(None, []).ray.learner_placement == "one_actor"
+
+
+def test_rank_request_leaves_out_what_is_not_asked_for():
+    cfg = per_rank("ray.learner_cpus=2", "ray.learner_gpus=1", "ray.learner_memory_gb=1.5",
+                   "ray.learner_resources={learner_node: 1}")
+    assert rank_request(cfg) == {"CPU": 2, "GPU": 1, "memory": 1.5 * GIB, "learner_node": 1}
+    assert rank_request(per_rank()) == {"CPU": 1.0}   # Ray refuses zero amounts in a placement-group bundle
+
+
+def test_per_rank_with_more_than_one_gpu_per_rank_names_the_field_and_the_fix():
+    with pytest.raises(ConfigError, match=r"ray.learner_gpus=2.*ray.learner_gpus=1"):
+        per_rank("ray.learner_gpus=2")
+    with pytest.raises(ConfigError, match="ray.learner_gpus"):   # half a GPU: two ranks could share one
+        per_rank("ray.learner_gpus=0.5")
+    assert load_config(None, ["ray.learner_gpus=4"]).ray.learner_gpus == 4   # one actor for all ranks: fine
+
+
+def test_ranks_that_fit_a_node():
+    assert ranks_that_fit({"CPU": 1, "GPU": 1}, {"CPU": 16, "GPU": 8}) == 8
+    assert ranks_that_fit({"CPU": 1, "learner_node": 1}, {"CPU": 16}) == 0
+    assert ranks_that_fit({"CPU": 0.5}, {"CPU": 1.5}) == 3
+
+
+def test_placement_fits_one_rank_per_node():
+    cfg = per_rank("ray.learner_resources={learner_node: 1}")
+    check_rank_placement(cfg, [node("head", CPU=3, learner_node=1), node("b", CPU=2, learner_node=1)], "head")
+
+
+def test_placement_needs_rank_0_on_the_drivers_node():
+    cfg = per_rank("ray.learner_gpus=1")
+    nodes = [node("cpuhead", CPU=8), node("gpu1", CPU=8, GPU=8)]
+    with pytest.raises(ValueError, match=r"rank 0 on the driver's node.*GPU=1.*run bin/train on a node"):
+        check_rank_placement(cfg, nodes, "cpuhead")
+    check_rank_placement(cfg, nodes, "gpu1")
+
+
+def test_placement_that_the_cluster_cannot_hold_names_the_fields_and_the_fix():
+    cfg = per_rank("learner.num_ranks=4", "buffer.groups_per_batch=4", "ray.learner_gpus=1")
+    nodes = [node("head", CPU=8, GPU=1), node("b", CPU=8, GPU=2)]
+    with pytest.raises(ValueError, match=r"learner.num_ranks=4.*ray.learner_gpus.*hold 3.*lower learner.num_ranks"):
+        check_rank_placement(cfg, nodes, "head")
+    dead = dict(node("c", CPU=8, GPU=4), Alive=False)   # a dead node holds nothing
+    with pytest.raises(ValueError, match="hold 3"):
+        check_rank_placement(cfg, nodes + [dead], "head")
+    check_rank_placement(cfg, nodes + [node("c", CPU=8, GPU=1)], "head")
+
+
+def test_a_rank_elsewhere_gets_its_config_keys_and_deepspeed_json_in_its_own_directory(tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
+    cfg = per_rank("transport.curve=true", f"transport.curve_dir={keys}", f"learner.deepspeed_config={ds}")
+    remote = cfg.model_copy(deep=True)
+    remote.transport.connect_host = "10.0.0.7"   # what fleet_transport makes of it
+    key_files = {"keys/client.key": b"c", "keys/server.key": b"s", "keys/client.key_secret": b"x"}
+    files, rank_cfg = rank_files(cfg, remote, "/tmp/w-rank1", key_files)
+    assert set(files) == {"config.yaml", "deepspeed.json", *key_files}
+    shipped = yaml.safe_load(files["config.yaml"])
+    assert shipped["transport"]["curve_dir"] == "/tmp/w-rank1/keys"
+    assert shipped["transport"]["connect_host"] == "10.0.0.7"
+    assert shipped["learner"]["deepspeed_config"] == "/tmp/w-rank1/deepspeed.json"
+    assert shipped["learner"]["num_ranks"] == 2
+    assert cfg.transport.curve_dir == str(keys)   # the launcher's own config is untouched
+
+
+class FakeRank:
+    """A RayProcess as RankGroup sees it."""
+
+    def __init__(self, name: str, state: str = "running", code=None):
+        self.name, self._state, self.nodes, self.host = name, state, ["node" + name[-1] * 11], "hostx"
+        self.proc = type("P", (), {"returncode": code})()
+
+    def state(self) -> str:
+        return self._state
+
+    def tail(self, n: int = 20) -> str:
+        return f"log of {self.name}"
+
+
+def group(*ranks: FakeRank) -> RankGroup:
+    g = RankGroup(list(ranks), None, {})
+    g.stopped_with: list = []
+    g.stop = lambda timeout_s=30.0: g.stopped_with.append(timeout_s)   # no Ray here
+    return g
+
+
+def test_rank_group_runs_until_every_rank_exited_0():
+    r0, r1 = FakeRank("rank0"), FakeRank("rank1", "exited", 0)
+    g = group(r0, r1)
+    assert g.alive()                          # rank 1 finished first: rank 0 is still writing the export
+    r0._state, r0.proc.returncode = "exited", 0
+    assert not g.alive() and g.proc.returncode == 0 and g.stopped_with == []
+
+
+def test_a_lost_rank_ends_the_run_naming_the_rank_and_its_node(capsys):
+    g = group(FakeRank("rank0"), FakeRank("rank1", "dead"))
+    assert not g.alive()
+    assert g.proc.returncode == 1 and g.stopped_with   # the other ranks are stopped
+    out = capsys.readouterr().out
+    assert "learner rank 1 on node node11111111 (hostx) was lost" in out
+    assert g.tail().startswith("--- rank 1 on node")   # the failed rank's log first
+
+
+def test_a_rank_exiting_with_an_error_ends_the_run_with_its_code(capsys):
+    g = group(FakeRank("rank0", "exited", 0), FakeRank("rank1", "exited", 3))
+    assert not g.alive() and g.proc.returncode == 3
+    assert "learner rank 1 on node node11111111 (hostx) exited with code 3" in capsys.readouterr().out
+
+
+def test_a_lost_rank_is_named_before_the_errors_it_caused(capsys):
+    g = group(FakeRank("rank0", "exited", 1), FakeRank("rank1", "dead"))   # rank 0's collective with rank 1 broke
+    assert not g.alive() and g.proc.returncode == 1
+    out = capsys.readouterr().out
+    assert "learner rank 1 on node node11111111 (hostx) was lost" in out
+    assert "rank 0 on node node00000000 (hostx): exited with code 1" in out
