@@ -75,8 +75,9 @@ def test_demo_roundtrip_in_trajectory_format(env, tmp_path):
 
 @pytest.mark.timeout(1800)
 def test_pipeline_demos_sft_rl_eval(tmp_path):
-    """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> two async GRPO versions (the run evaluates
-    v2) -> the after-run curve evaluates v0's and v1's exports and adds them to the run's record."""
+    """bin/libero-cpu end to end at toy sizes: one expert demo -> SFT -> two async GRPO versions through real LIBERO
+    actors, the buffer and the learner (the run evaluates v2) -> the after-run curve evaluates v0's and v1's exports
+    and adds them to the run's record."""
     import json
     import os
     import subprocess
@@ -103,8 +104,14 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     calls = [int(m) for m in re.findall(r"\[demos\] demo task 0 init \d+: \d+ steps, (\d+) decision points", proc.stdout)]
     assert len(calls) == 1 and calls[0] >= 10          # the expert's shortest success is ~96 steps: 12 calls
     assert sft["eval_episodes"] == 1 and sft["sft"]["samples"] == calls[0]   # one SFT sample per decision point
-    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    rl = tmp_path / "rl"
+    summary = json.loads((rl / "summary.json").read_text())
     assert summary["final_version"] == 2
+    # real LIBERO actors' groups reached the buffer and the learner trained on them, every one accounted for
+    ledger = json.loads((rl / "ledger.json").read_text())
+    assert ledger["ledger"]["trained"] >= 2 * 2  # 2 versions x 1 group x G=2 real LIBERO trajectories
+    assert ledger["received"] == sum(ledger["ledger"].values())
+    assert json.loads((rl / "versions.json").read_text())["libero_stack"]["mujoco"] == "2.3.7"
     # the config evaluates only the final version during the run; v0 and v1 are scored afterwards from their exports
     assert [(p["version"], bool(p.get("after_run"))) for p in summary["eval"]] == [(0, True), (1, True), (2, False)]
     assert summary["initial_eval_success"] == summary["eval"][0]["success_rate"]
