@@ -124,6 +124,42 @@ def test_soft_reset_equals_hard_reset(env):
     np.testing.assert_allclose(soft_obs.proprio, hard_obs.proprio, atol=1e-6)
 
 
+def _fixture_poses(e) -> dict:
+    inner = e.raw_env.env
+    return {name: np.array(inner.sim.model.body_pos[inner.sim.model.body_name2id(obj.root_body)])
+            for name, obj in inner.fixtures_dict.items()}
+
+
+@pytest.mark.slow
+def test_pinned_fixtures_make_an_init_states_scene_independent_of_the_workers_history(env):
+    """env.pin_fixtures: an init state's scene (fixture poses, hence the image) is the same in a fresh env with
+    another seed as in one that ran other episodes first; without it LIBERO re-places the fixtures."""
+    from async_vla.envs.libero import LiberoEnv
+
+    env.reset(0, 10)
+    for _ in range(3):
+        env.step(_act(OPEN))
+    unpinned = env.reset(0, 5), _fixture_poses(env)
+    again = env.reset(0, 5), _fixture_poses(env)
+    assert any(np.abs(unpinned[1][n] - again[1][n]).max() > 1e-4 for n in unpinned[1])   # LIBERO's own behaviour
+    pinned = []
+    for seed, history in ((0, [(0, 10), (1, 4)]), (7, [])):
+        e = LiberoEnv(_cfg("env.pin_fixtures=true").env, seed=seed)
+        try:
+            for task, init in history:
+                e.reset(task, init)
+                e.step(_act(CLOSE))
+            pinned.append((e.reset(0, 5), _fixture_poses(e)))
+        finally:
+            e.close()
+    (a, poses_a), (b, poses_b) = pinned
+    assert poses_a.keys() == poses_b.keys() and len(poses_a) >= 1
+    for name in poses_a:
+        np.testing.assert_array_equal(poses_a[name], poses_b[name])
+    np.testing.assert_array_equal(a.image, b.image)
+    np.testing.assert_array_equal(a.proprio, b.proprio)
+
+
 @pytest.mark.slow
 def test_osmesa_worker_matches_physics(env):
     """The other GL backend, in an isolated worker: same physics as the in-process env, a sane image."""

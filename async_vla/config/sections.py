@@ -115,7 +115,13 @@ class EnvConfig(Section):
     state sets qpos/qvel fully, so a soft reset gives the same physical state (checked in tests/test_libero.py).
     Either way LIBERO re-places its static fixtures (a cabinet, a stove: model body poses, not part of an init
     state) at every reset, so one init state's scene differs by up to about a centimetre between episodes;
-    greedy evaluations of the same weights vary with it (docs/LIBERO.md)."""
+    greedy evaluations of the same weights vary with it (docs/LIBERO.md), unless pin_fixtures."""
+    pin_fixtures: bool = False
+    """LIBERO: draw the static fixtures' placement from a seed of (suite, task, init state) at every reset, so an
+    init state always shows the same scene: evaluations of the same weights reproduce whatever the number of
+    eval envs, two versions are compared on the same scenes, and a group's rollouts differ only by the policy's
+    samples. False = LIBERO's own behaviour (what published evaluations include): a fresh placement at every
+    reset from numpy's global stream, which depends on the worker's history."""
     gripper_convention: Literal["openvla", "libero"] = "openvla"
     """LIBERO action[6]: openvla = [0, 1] with 1 open (converted to LIBERO's -1 open / +1 close);
     libero = already in LIBERO's [-1, 1], +1 close."""

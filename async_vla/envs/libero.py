@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -273,6 +274,11 @@ class LiberoEnv(Env):
         if not 0 <= init_state_id < states.shape[0]:
             raise ValueError(f"init state id must be in 0..{states.shape[0] - 1}, got {init_state_id}")
         env = self._env_for(task_id)
+        if self.cfg.pin_fixtures:
+            # LIBERO's placement samplers draw from numpy's global stream (robosuite/LIBERO samplers), which
+            # building an env re-seeds and every earlier reset advances: seeding it here, after any build, makes
+            # the fixtures' placement a function of the init state alone.
+            np.random.seed(fixture_seed(self.cfg.suite, task_id, init_state_id))
         env.reset()
         # robosuite integrates gripper commands into gripper.current_action and only a hard reset (a new model)
         # zeroes it: without this a soft reset would start with the last episode's gripper command.
@@ -440,6 +446,12 @@ class LiberoEnv(Env):
                                   raw["robot0_gripper_qpos"]]).astype(np.float32)
         wrist = self._image(raw["robot0_eye_in_hand_image"]) if self.cfg.wrist_camera else None
         return Observation(image=self._image(raw["agentview_image"]), proprio=proprio, wrist_image=wrist)
+
+
+def fixture_seed(suite: str, task_id: int, init_state_id: int) -> int:
+    """The seed of the fixtures' placement for one init state under env.pin_fixtures (stable across processes
+    and Python versions, unlike hash())."""
+    return zlib.crc32(f"{suite}/{task_id}/{init_state_id}".encode())
 
 
 def make_libero_env(cfg: "Config", seed: int) -> LiberoEnv:
