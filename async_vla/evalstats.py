@@ -46,3 +46,26 @@ def rate_summary(successes: int, episodes: int) -> dict:
     lo, hi = wilson_interval(successes, episodes)
     return {"success": successes / episodes if episodes else None, "successes": int(successes),
             "episodes": int(episodes), "interval95": [lo, hi]}
+
+
+def paired_changes(before: dict, after: dict) -> tuple[int, int, int]:
+    """``(gained, lost, both)`` over the episodes two evaluations share: ``before`` / ``after`` map an episode
+    key (task id, init state id) to success. gained = failed before and succeeded after, lost = the reverse,
+    both = the number of shared episodes."""
+    shared = before.keys() & after.keys()
+    gained = sum(1 for k in shared if after[k] and not before[k])
+    lost = sum(1 for k in shared if before[k] and not after[k])
+    return gained, lost, len(shared)
+
+
+def mcnemar_one_sided_p(gained: int, lost: int) -> float:
+    """One-sided exact McNemar test p-value of "after succeeds more often than before" on paired episodes.
+
+    Only the discordant pairs count: under the null each is equally likely to be a gain or a loss, so the number
+    of gains among ``gained + lost`` is Binomial(n, 1/2) and the p-value is P(X >= gained). Pairing on the same
+    scenes removes the between-episode spread that an unpaired test (``fisher_one_sided_p``) has to carry.
+    """
+    if gained < 0 or lost < 0:
+        raise ValueError(f"counts must be >= 0, got gained={gained}, lost={lost}")
+    n = gained + lost
+    return sum(math.comb(n, x) for x in range(gained, n + 1)) / 2 ** n

@@ -239,7 +239,8 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
 
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
     Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
-    "wall_s"}``, plus with ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with
+    "wall_s", "outcomes": [[task_id, init_state_id, success], ...]}`` (per episode, for paired comparisons of
+    two evaluations: ``evalstats.paired_changes``), plus with ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with
     task_id, init_state_id, success and frames (uint8 [chunks + 1, H, W, 3]).
     """
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
@@ -258,7 +259,8 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
     out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
            "successes": int(sum(r.success for r in results)), "episodes": len(results), "split": split,
-           "env_steps": int(sum(r.env_steps for r in results)), "wall_s": time.perf_counter() - t0}
+           "env_steps": int(sum(r.env_steps for r in results)), "wall_s": time.perf_counter() - t0,
+           "outcomes": [[r.task_id, r.init_state_id, bool(r.success)] for r in results]}
     if film:
         out["videos"] = [{"task_id": r.task_id, "init_state_id": r.init_state_id, "success": r.success,
                           "frames": np.stack(r.frames)} for r in results if r.frames]

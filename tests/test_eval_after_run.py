@@ -56,6 +56,16 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
     printed = json.loads("[" + proc.stdout.replace("}\n{", "},\n{") + "]")
     assert [r["version"] for r in printed] == [1, 2] and all(r["episodes"] == 4 for r in printed)
 
+    # per-episode outcomes, and the paired comparison of each later version against the first on the same episodes
+    assert all(len(r["outcomes"]) == 4 and sum(s for _, _, s in r["outcomes"]) == r["successes"] for r in printed)
+    from async_vla.evalstats import mcnemar_one_sided_p, paired_changes
+
+    gained, lost, shared = paired_changes(*({(t, i): s for t, i, s in r["outcomes"]} for r in printed))
+    text = _bin_eval(str(run), "--versions", "1,2")
+    assert text.returncode == 0, text.stderr
+    assert (f"version 2 vs version 1 on the same {shared} episodes: {gained} gained, {lost} lost (one-sided exact "
+            f"McNemar p = {mcnemar_one_sided_p(gained, lost):.3g})") in text.stdout, text.stdout
+
     # the same figure as evaluating that export on its own: the record holds v2's weights' result
     alone = _bin_eval(str(run / "weights" / "v2.safetensors"), str(run / "config.yaml"), "--json")
     assert alone.returncode == 0, alone.stderr

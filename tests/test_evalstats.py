@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from async_vla.evalstats import fisher_one_sided_p, rate_summary, wilson_interval
+from async_vla.evalstats import (fisher_one_sided_p, mcnemar_one_sided_p, paired_changes, rate_summary,
+                                 wilson_interval)
 
 
 def test_wilson_known_values():
@@ -46,3 +47,24 @@ def test_rate_summary():
     s = rate_summary(180, 200)
     assert s["success"] == 0.9 and s["episodes"] == 200 and s["successes"] == 180
     assert s["interval95"][0] < 0.9 < s["interval95"][1]
+
+
+def test_mcnemar_against_enumeration_of_the_discordant_pairs():
+    """Every sign pattern of n discordant pairs is equally likely under the null: the p-value is the share of
+    patterns with at least as many gains."""
+    import itertools
+
+    for gained, lost in [(0, 0), (3, 0), (0, 3), (5, 2), (2, 5), (7, 4), (6, 6)]:
+        n = gained + lost
+        patterns = list(itertools.product((0, 1), repeat=n))
+        ref = sum(1 for p in patterns if sum(p) >= gained) / len(patterns)
+        assert mcnemar_one_sided_p(gained, lost) == pytest.approx(ref, rel=1e-12)
+    assert mcnemar_one_sided_p(5, 0) == pytest.approx(1 / 32)   # five gains, no loss
+    with pytest.raises(ValueError):
+        mcnemar_one_sided_p(-1, 2)
+
+
+def test_paired_changes_count_only_the_shared_episodes():
+    before = {(0, 40): True, (0, 41): False, (1, 40): False, (1, 41): True, (2, 40): True}
+    after = {(0, 40): True, (0, 41): True, (1, 40): False, (1, 41): False, (3, 40): True}
+    assert paired_changes(before, after) == (1, 1, 4)
