@@ -15,6 +15,11 @@ from typing import Any
 POLICY_MARKERS = {"tiny": "async_vla_policy.json", "openvla": "config.json", "openvla_oft": "config.json"}
 
 
+class CannotStart(Exception):
+    """A check that needs the launcher's own context (e.g. the Ray cluster's nodes) failed before anything
+    started: bin/train prints it as a preflight error ("cannot start:", exit code 2), not as a traceback."""
+
+
 def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[str]]:
     """(errors, warnings) for this config on this host. Errors mean the run cannot start; warnings are printed."""
     errors: list[str] = []

@@ -37,6 +37,7 @@ from async_vla.config import Config, dump_config, load_config, write_resolved
 from async_vla.transport import endpoints
 from async_vla.placement import placed
 from runner.launch import LaunchedRun, resolve_ports, start_tensorboard, stop_on_signals
+from runner.preflight import CannotStart
 from runner.ray_host import ProcessHost, RayProcess, ReturnCode
 from runner.ray_ranks import RankGroup, check_rank_placement, start_ranks
 
@@ -257,8 +258,12 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     cfg = resolve_ports(cfg)
     if cfg.ray.learner_placement == "per_rank":   # before anything starts: can the cluster hold the ranks at all?
         driver_node, driver_ip = driver_address()
-        check_rank_placement(cfg, ray.nodes(), driver_node)
-        cfg = resolve_master_port(cfg, driver_ip)
+        try:
+            check_rank_placement(cfg, ray.nodes(), driver_node)
+            cfg = resolve_master_port(cfg, driver_ip)
+        except (ValueError, RuntimeError) as exc:
+            ray.shutdown()
+            raise CannotStart(str(exc)) from None
     cfg_path = write_resolved(cfg, run_dir)
     load_config(cfg_path)
     stop, restore_signals = stop_on_signals()

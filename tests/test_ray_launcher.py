@@ -159,6 +159,12 @@ def test_ray_learner_ranks_on_two_nodes(tmp_path, two_learner_nodes):
             "ray.learner_placement=per_rank", "ray.learner_resources={learner_node: 1}", "ray.fleets=1",
             "actor.num_actors=1", "ray.fleet_resources={actor_node: 1}", "ray.buffer_memory_gb=0.5"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # A per-rank request that no node can hold for rank 0 is refused before anything starts, as a preflight error.
+    too_big = subprocess.run(argv + ["run.name=too_big", "ray.learner_resources={learner_node: 2}"],
+                             capture_output=True, text=True, cwd=REPO, env=env, timeout=slack(300))
+    assert too_big.returncode == 2, too_big.stdout[-3000:] + too_big.stderr[-3000:]
+    assert "cannot start:" in too_big.stderr and "ray.learner_resources" in too_big.stderr, too_big.stderr[-3000:]
+    assert "Traceback" not in too_big.stderr
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     try:
         out, _ = proc.communicate(timeout=slack(600))   # the run ends itself at run.max_versions
