@@ -115,6 +115,9 @@ def test_bad_requests_are_refused_before_any_evaluation(tmp_path):
     assert going.returncode == 2 and "still going" in going.stderr
     (run / "summary.json.bak").rename(run / "summary.json")
 
+    other_policy = _bin_eval(str(run), "policy.path=/elsewhere/sft", "--versions", "1")   # not what it trained from
+    assert other_policy.returncode == 2 and "policy.path" in other_policy.stderr, other_policy.stderr
+
     garbled = _bin_eval(str(run), "--versions", "one,two")
     assert garbled.returncode == 2 and "comma-separated" in garbled.stderr
     assert (run / "summary.json").read_text() == record                # nothing was written by any of these
