@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.gpu_check import BUCKET_BYTES, Row, _buckets, layer_like_sizes, libero_episode, table
+from runner.gpu_check import BUCKET_BYTES, Row, _buckets, gpu_test_files, layer_like_sizes, libero_episode, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,3 +35,14 @@ def test_table_and_the_episode_row_without_a_checkpoint():
     lines = text.splitlines()
     assert lines[0].split() == ["check", "status", "detail"] and len(lines) == 4
     assert lines[3].startswith("greedy LIBERO episode") and "skipped" in lines[3]
+
+
+def test_the_gpu_tests_are_collected_from_the_files_that_mark_them(tmp_path):
+    files = gpu_test_files()
+    assert "tests/test_weights.py" in files and "tests/test_vllm_backend.py" in files
+    assert "tests/test_ray_launcher.py" not in files          # needs Ray, which a GPU host may lack
+    assert "tests/test_gpu_check.py" not in files             # names the mark in a string only
+    (tmp_path / "test_marked.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    (tmp_path / "test_module_mark.py").write_text("import pytest\n\npytestmark = [pytest.mark.gpu]\n")
+    (tmp_path / "test_mentions.py").write_text("# pytest.mark.gpu is what bin/gpu-check looks for\n")
+    assert [Path(f).name for f in gpu_test_files(tmp_path, root=tmp_path)] == ["test_marked.py", "test_module_mark.py"]
