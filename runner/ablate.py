@@ -58,6 +58,11 @@ VARIANTS: tuple[Variant, ...] = (
     # PPO mini-batches per batch (each size must divide buffer.groups_per_batch / learner.num_ranks).
     *(Variant(f"k{k}", (f"learner.minibatches={k}",), f"{k} optimizer steps per batch (mini-batches)")
       for k in (1, 2, 4)),
+    # AReaL's pairing: the decoupled loss (tis / mis clips around the proximal policy) needs several optimizer steps
+    # per batch before its clip binds; against PPO around the sampler (none) at the same k, at staleness 4.
+    *(Variant(f"k{k}_eta4_{corr}", ("buffer.max_staleness=4", f"loss.correction={corr}", f"learner.minibatches={k}"),
+              f"{k} optimizer steps per batch, staleness up to 4, correction {corr}")
+      for k in (2, 4) for corr in ("none", "tis", "mis")),
 )
 
 

@@ -24,16 +24,19 @@ class ProcessHost:
     """Runs one command as a child process on the node Ray placed it, and exits with it: a child that dies with an
     error (``restart_on_error``) takes this actor down, so Ray restarts it (its constructor runs again and starts
     the command again). ``files`` (path relative to ``workdir`` -> bytes) are written first: how a node without the
-    run directory gets the config and keys."""
+    run directory gets the config and keys. ``stop`` removes them again (the client CURVE secret must not outlive
+    the run in a node's /tmp); the logs stay."""
 
     def __init__(self, name: str, argv: list[str], workdir: str, files: dict[str, bytes], env: dict[str, str],
                  restart_on_error: bool):
         self.name, self.workdir = name, Path(workdir)
+        self.shipped: list[Path] = []
         for rel, data in files.items():
             path = self.workdir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             path.chmod(0o600)
+            self.shipped.append(path)
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "logs" / f"{name}.log"
         self._log = open(self.log_path, "ab")
@@ -82,7 +85,17 @@ class ProcessHost:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+        self.remove_shipped()
         return self.proc.returncode
+
+    def remove_shipped(self) -> None:
+        """Delete the files written at start (config, client keys) once the command has ended, and their folders
+        if that leaves them empty."""
+        for path in self.shipped:
+            path.unlink(missing_ok=True)
+        for folder in sorted({p.parent for p in self.shipped}, key=lambda d: len(d.parts), reverse=True):
+            if folder != self.workdir and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 class ReturnCode:

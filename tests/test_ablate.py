@@ -19,12 +19,16 @@ def test_variants_cover_the_seeds_claims_and_are_valid_configs():
     assert len(names) == len(VARIANTS)
     assert {"default", "no_dynamic_sampling", "symmetric_clip", "nsr_on", "k1", "k2", "k4"} <= names
     assert {f"eta{e}_{c}" for e in (0, 2, 4) for c in ("none", "tis", "mis")} <= names
+    assert {f"k{k}_eta4_{c}" for k in (2, 4) for c in ("none", "tis", "mis")} <= names
     chosen, notes = select(None, validate)
     for v in chosen:
         cfg = validate(list(v.overrides))
         if v.name.startswith("eta"):
             eta, corr = v.name[3:].split("_")
             assert cfg.buffer.max_staleness == int(eta) and cfg.loss.correction == corr
+        if v.name.startswith("k") and "_eta4_" in v.name:
+            k, corr = v.name[1:].split("_eta4_")
+            assert (cfg.learner.minibatches, cfg.buffer.max_staleness, cfg.loss.correction) == (int(k), 4, corr)
     assert not validate(list(select(["no_dynamic_sampling"])[0][0].overrides)).buffer.dynamic_sampling
     assert validate(list(select(["symmetric_clip"])[0][0].overrides)).loss.eps_high == 0.2
     assert validate(list(select(["nsr_on"])[0][0].overrides)).loss.nsr == "band"
