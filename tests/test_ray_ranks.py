@@ -186,3 +186,28 @@ def test_when_restarts_are_used_up_the_run_ends_naming_the_rank_and_its_node():
 def test_without_restarts_a_failed_rank_ends_the_run_as_before():
     restart, line = restart_decision(LOST, 0, 0, 4)
     assert not restart and "the run ends (ray.learner_restarts=0: Ray restarts no learner rank)" in line
+
+
+def test_a_restart_rewinds_the_run_record_and_the_milestones_to_the_checkpoint(tmp_path):
+    """What died with the failed ranks - updates past the checkpoint - leaves the record and the evaluator's queue;
+    the next milestone past the checkpoint is scored even where a dropped one had been."""
+    from runner.ray_launch import RayRun
+
+    run = RayRun(per_rank("run.eval_every=2", "logging.tensorboard=false", "run.eval_envs=1"), tmp_path, False)
+    try:
+        for v in (0, 2, 4, 6):
+            run.recorder.eval_result(v, {"success_rate": 0.5, "successes": 1, "episodes": 2})
+        run.evaluator.version = 6
+        milestones = tmp_path / "weights" / "milestones"
+        milestones.mkdir(parents=True)
+        for v in (4, 8):
+            (milestones / f"v{v}.safetensors").write_bytes(b"")
+        run.rewind(4)
+        assert [p["version"] for p in run.recorder.eval_points] == [0, 2, 4]
+        assert run.recorder.resumed_at == [4]
+        assert sorted(p.name for p in milestones.iterdir()) == ["v4.safetensors"]   # v8: a dead learner's
+        (milestones / "v6.safetensors").write_bytes(b"")   # the restarted learner's v6 is scored again
+        assert run.evaluator.next_milestone() == milestones / "v6.safetensors"
+    finally:
+        run.evaluator.close()
+        run.monitor.close()
