@@ -18,10 +18,12 @@ bin/learner, bin/actors) as its child process, with the resources of the ``ray``
   at start or after missed broadcasts as the newest export from the buffer's weights file server (weights.fetch).
 
 Failures: a buffer or fleet whose process exits with an error, or whose node is lost, is restarted by Ray
-(``ray.max_restarts``; a fleet on another node if its own is gone). The learner is not restarted: its exit ends
-the run, as with the local launcher; with ``per_rank`` a rank that exits with an error or whose node is lost ends
-it too, all other ranks stopped, with a message naming the rank and its node. Where each component runs (and ran)
-is in ``<run>/ray.json``. The cluster is joined by address (``ray.address``), never started here.
+(``ray.max_restarts``; a fleet on another node if its own is gone). A ``one_actor`` learner is not restarted: its
+exit ends the run, as with the local launcher. With ``per_rank`` a rank that exits with an error or whose node is
+lost stops all other ranks, with a message naming the rank and its node; then the whole group is started again
+from the latest checkpoint while ``ray.learner_restarts`` allows (``RayRun.restart_ranks``; runner/ray_ranks.py),
+else the run ends. Where each component runs (and ran) is in ``<run>/ray.json``, the restarts in summary.json.
+The cluster is joined by address (``ray.address``), never started here.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from async_vla.placement import placed
 from runner.launch import LaunchedRun, resolve_ports, start_tensorboard, stop_on_signals
 from runner.preflight import CannotStart
 from runner.ray_host import ProcessHost, RayProcess, ReturnCode
-from runner.ray_ranks import RankGroup, check_rank_placement, start_ranks
+from runner.ray_ranks import RankGroup, check_rank_placement, restart_decision, start_ranks
 
 log = logging.getLogger("runner.ray_launch")
 REPO = Path(__file__).resolve().parent.parent
@@ -218,12 +220,75 @@ def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProce
 
 
 class RayRun(LaunchedRun):
-    """LaunchedRun whose buffer and fleets Ray restarts: the run fails only when the learner fails, or Ray gave
-    up on the buffer or on every fleet."""
+    """LaunchedRun whose buffer and fleets Ray restarts, and whose per-rank learner it starts again
+    (``restart_ranks``): the run fails only when the learner fails past its restarts, or Ray gave up on the buffer
+    or on every fleet."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool):
+        super().__init__(cfg, run_dir, resume)
+        self.rank_restarts: list[dict] = []          # summary.json's ray.learner_restarts
+        self.ranks_started_at: Optional[float] = None   # time.monotonic() when the first rank group ran
+
+    def learner_stopped(self) -> bool:
+        learner = self.children["learner"]
+        if isinstance(learner, RankGroup) and not learner.alive() and learner.failure is not None:
+            self.restart_ranks(learner)   # a new group in children["learner"], or the run ends with this one
+        return super().learner_stopped()
+
+    def restart_ranks(self, failed: RankGroup) -> None:
+        """Start the failed group's ranks again (``failed.start_again``: --resume, a new placement group) if
+        ``ray.learner_restarts`` allows; its ranks are already stopped and its placement group released. The run
+        record follows the learner back to the checkpoint, as at a ``bin/train --resume``."""
+        import ray
+
+        from learner.checkpoint_files import latest_tag
+
+        tag = latest_tag(self.run_dir / "checkpoints")   # what rank 0 (on this node, the run directory) resumes
+        version = int(tag[1:]) if tag else None
+        restart, line = restart_decision(failed.failure, len(self.rank_restarts), self.cfg.ray.learner_restarts,
+                                         version)
+        print(line, flush=True)
+        if not restart or failed.start_again is None:
+            return
+        self.rank_restarts.append({"rank": failed.failure.rank, "node": failed.failure.node,
+                                   "what": failed.failure.what, "from_version": version or 0,
+                                   "wall_s": round(self.recorder.wall(), 1)})
+        self.rewind(version or 0)
+        try:
+            # The nodes left must hold the ranks at all; waiting out the placement timeout would not change that.
+            check_rank_placement(self.cfg, ray.nodes(), ray.get_runtime_context().get_node_id())
+            self.children["learner"] = failed.start_again()
+        except (ValueError, RuntimeError) as exc:   # the run ends with the failed group (its return code)
+            print(f"[train] the learner's ranks could not be started again: {exc}", flush=True)
+
+    def rewind(self, version: int) -> None:
+        """The learner goes on from its checkpoint at ``version``: eval and train points past it leave the record
+        (``RunRecorder.mark_resumed``), and so do the milestone exports past it - both of updates that died with
+        the failed ranks; the evaluator scores the next milestone past ``version`` even where a dropped one had
+        been scored."""
+        from async_vla.weights.export import milestones
+
+        self.recorder.mark_resumed(version)
+        self.recorder.save_progress(force=True)
+        for v, path in milestones(self.run_dir / "weights"):
+            if v > version:
+                path.unlink(missing_ok=True)
+        self.evaluator.version = min(self.evaluator.version, version)
+
+    def out_of_time(self) -> bool:
+        """After a restart: ``run.max_wall_s`` is over, counted from the first rank group's start. The learner
+        counts it from its own start, so a restarted group alone would grant itself the whole budget again."""
+        if not self.rank_restarts or self.ranks_started_at is None:
+            return False   # the learner's own clock ends the run, as with every launcher
+        if time.monotonic() - self.ranks_started_at <= self.cfg.run.max_wall_s:
+            return False
+        print(f"[train] run.max_wall_s={self.cfg.run.max_wall_s:g} reached (counted from the learner's first "
+              "start, before its restart): stopping the run", flush=True)
+        return True
 
     def children_healthy(self) -> bool:
         children = self.children
-        if self.learner_stopped():
+        if self.learner_stopped() or self.out_of_time():
             return False
         for name in ("buffer", "actors"):
             if not children[name].alive():
@@ -274,6 +339,7 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
         print(f"[train] Ray cluster {cfg.ray.address}: {len([n for n in ray.nodes() if n['Alive']])} nodes, "
               f"{resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs", flush=True)
         run.children = start_ray_children(cfg, run_dir, cfg_path, resume)
+        run.ranks_started_at = time.monotonic()
         driver_node = ray.get_runtime_context().get_node_id()
         last_where: dict = {}
 
@@ -290,8 +356,8 @@ def main_ray(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]
     fleets, learner = run.children.get("actors"), run.children.get("learner")
     where = {"fleet_nodes": [f.nodes for f in fleets.fleets], "fleet_restarts": fleets.restarts()} \
         if isinstance(fleets, Fleets) else {}
-    if isinstance(learner, RankGroup):
-        where["learner_rank_nodes"] = [r.nodes for r in learner.ranks]
+    if isinstance(learner, RankGroup):   # the last group's ranks; each restart: which rank failed, where, from
+        where.update(learner_rank_nodes=[r.nodes for r in learner.ranks], learner_restarts=run.rank_restarts)
     summary = run.finish(extra={"launcher": "ray", "ray": where})
     ray.shutdown()
     return summary

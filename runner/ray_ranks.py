@@ -26,18 +26,28 @@ MASTER_ADDR, MASTER_PORT; ``rank_env``), so DeepSpeed, ZeRO and checkpoints work
 - LOCAL_RANK is 0 and LOCAL_WORLD_SIZE 1 for every rank: Ray gives each rank actor its own GPU
   (CUDA_VISIBLE_DEVICES), which the rank sees as device 0, even when two ranks share a node.
 
-Failures: Ray restarts no rank (``max_restarts=0``). A rank that exits with an error, or whose node is lost, ends
-the run: the other ranks are stopped (SIGTERM; SIGKILL after the timeout, since a rank blocked in a collective with
-the lost one never reaches its stop check) and the message names the rank and its node. Ranks exiting 0 (the end
-of the run, reached in lock-step) end it normally once all have.
+Failures: Ray restarts no single rank (``max_restarts=0``): a world of torchrun-style ranks cannot take one new
+member mid-collective. A rank that exits with an error, or whose node is lost, fails the whole group: the other
+ranks are stopped (SIGTERM; SIGKILL after the timeout, since a rank blocked in a collective with the lost one never
+reaches its stop check), the placement group is released, and a line names the rank and its node. Then, while
+``ray.learner_restarts`` allows (``restart_decision``; runner/ray_launch.py ``RayRun.restart_ranks``), the whole
+group starts again as torchrun's elastic agent would: a new placement group (Ray places the ranks on the nodes
+alive, rank 0 again on the driver's node), every rank with ``--resume`` from the run's latest checkpoint (version 0
+when there is none yet), while the buffer and fleets keep running and follow the learner back to it. That needs
+every rank to find the same checkpoint under the run directory's path on its node: a shared filesystem for the
+run directory (bin/learner stops all ranks, saying so, when they find different ones). With no restarts left the
+run ends, naming the rank and its node. Ranks exiting 0 (the end of the run, reached in lock-step) end it
+normally once all have.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from async_vla.config import Config, dump_config
 from runner.ray_host import CALL_TIMEOUT_S, RayProcess, ReturnCode
@@ -97,17 +107,48 @@ def check_rank_placement(cfg: Config, nodes: list[dict], driver_node: str) -> No
             "(buffer.groups_per_batch must stay a multiple of it), ask for less per rank, or add nodes")
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """The rank that failed a rank group, its node (``RankGroup.node_of``) and what happened to it."""
+    rank: int
+    node: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"learner rank {self.rank} on node {self.node} {self.what}"
+
+
+def restart_decision(failure: RankFailure, done: int, allowed: int,
+                     checkpoint: Optional[int]) -> tuple[bool, str]:
+    """Whether a failed rank group starts again, after ``done`` of ``allowed`` restarts (``ray.learner_restarts``),
+    from the run's latest checkpoint ``checkpoint`` (its version; None: none written yet), and the line that says
+    so. Without a checkpoint it starts from version 0: the run (buffer, fleets, evaluation) goes on, and what is
+    lost - fewer than run.checkpoint_every versions, or with checkpoint_every=0 the learner's whole progress - is
+    what a resume of the run would lose too; ending the run instead would throw all of it away."""
+    if done >= allowed:
+        why = f"ray.learner_restarts={allowed} used up" if allowed else \
+            "ray.learner_restarts=0: Ray restarts no learner rank"
+        return False, f"[train] {failure}: the run ends ({why})"
+    start = f"checkpoint v{checkpoint}" if checkpoint is not None else \
+        "the start, version 0 (no checkpoint written yet)"
+    return True, (f"[train] {failure}: restarting the learner's ranks (restart {done + 1} of {allowed}) from "
+                  f"{start}, in a new placement group; the buffer and fleets keep running")
+
+
 class RankGroup:
     """The learner's ranks as one child of the launcher (runner.launch.LaunchedRun's ``learner``: alive, stop,
     tail, proc.returncode). Alive until every rank exited 0, or until one failed or was lost: then the others are
-    stopped and ``proc.returncode`` is the failed rank's code (1 for a lost one)."""
+    stopped, ``failure`` says which rank it was, and ``proc.returncode`` is its code (1 for a lost one).
+    ``start_again`` (set by ``start_ranks``) starts a new group of the same ranks with ``--resume``."""
 
     def __init__(self, ranks: list[Any], pg: Any, bundle_nodes: dict[int, str]):
         self.ranks, self.pg, self.bundle_nodes = ranks, pg, bundle_nodes
         self.name = "learner"
         self.proc = ReturnCode()
         self.failed_rank: Optional[int] = None
+        self.failure: Optional[RankFailure] = None
         self.stopped = False
+        self.start_again: Optional[Callable[[], "RankGroup"]] = None
 
     def node_of(self, rank: int) -> str:
         r = self.ranks[rank]
@@ -129,9 +170,8 @@ class RankGroup:
             others = "; ".join(f"rank {j} on node {self.node_of(j)}: {self.describe(j, states[j])}"
                                for j in range(len(self.ranks)) if j != k and states[j] != "running")
             print(f"[train] learner rank {k} on node {self.node_of(k)} {what}"
-                  f"{f' ({others})' if others else ''}: stopping the other ranks (Ray restarts no learner rank; the "
-                  "run ends)", flush=True)
-            self.failed_rank = k
+                  f"{f' ({others})' if others else ''}: stopping the other ranks", flush=True)
+            self.failed_rank, self.failure = k, RankFailure(k, self.node_of(k), what)
             self.stop(timeout_s=30)
             self.proc.returncode = r.proc.returncode if states[k] == "exited" else 1
             return False
@@ -241,4 +281,8 @@ def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[s
         group.stop(timeout_s=10)
         raise RuntimeError(f"learner ranks did not all start within {PLACEMENT_TIMEOUT_S:.0f} s "
                            f"({type(exc).__name__}: {exc}):\n{group.tail()}") from exc
+    # A restart is this launch again, resumed: same config, ports (MASTER_PORT: rank 0 runs on this node again)
+    # and files; a new placement group and new node-local directories.
+    group.start_again = functools.partial(start_ranks, cfg, cfg_path, rank_cfg, key_files, run_dir, True,
+                                          driver_node, driver_ip, host_cls)
     return group

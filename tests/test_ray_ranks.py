@@ -1,6 +1,7 @@
 """Per-rank learner placement on Ray (runner/ray_ranks.py), the parts that need no cluster: each rank's torchrun-style
 variables, its resource request, the placement check against the cluster's nodes, what a rank off the driver's
-node is shipped, and how the rank group reports a failed or lost rank. The run itself: tests/test_ray_launcher.py."""
+node is shipped, how the rank group reports a failed or lost rank, and whether a failed group starts again
+(ray.learner_restarts). The run itself: tests/test_ray_launcher.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import yaml
 
 from async_vla.config import ConfigError, load_config
-from runner.ray_ranks import RankGroup, check_rank_placement, rank_env, rank_files, rank_request, ranks_that_fit
+from runner.ray_ranks import (RankFailure, RankGroup, check_rank_placement, rank_env, rank_files, rank_request,
+                              ranks_that_fit, restart_decision)
 
 GIB = 1024**3
 
@@ -122,7 +124,7 @@ def test_rank_group_runs_until_every_rank_exited_0():
     g = group(r0, r1)
     assert g.alive()                          # rank 1 finished first: rank 0 is still writing the export
     r0._state, r0.proc.returncode = "exited", 0
-    assert not g.alive() and g.proc.returncode == 0 and g.stopped_with == []
+    assert not g.alive() and g.proc.returncode == 0 and g.stopped_with == [] and g.failure is None
 
 
 def test_a_lost_rank_ends_the_run_naming_the_rank_and_its_node(capsys):
@@ -132,6 +134,7 @@ def test_a_lost_rank_ends_the_run_naming_the_rank_and_its_node(capsys):
     out = capsys.readouterr().out
     assert "learner rank 1 on node node11111111 (hostx) was lost" in out
     assert g.tail().startswith("--- rank 1 on node")   # the failed rank's log first
+    assert g.failure == RankFailure(1, "node11111111 (hostx)", "was lost (its actor or node died)")
 
 
 def test_a_rank_exiting_with_an_error_ends_the_run_with_its_code(capsys):
@@ -146,3 +149,65 @@ def test_a_lost_rank_is_named_before_the_errors_it_caused(capsys):
     out = capsys.readouterr().out
     assert "learner rank 1 on node node11111111 (hostx) was lost" in out
     assert "rank 0 on node node00000000 (hostx): exited with code 1" in out
+
+
+LOST = RankFailure(1, "node11111111 (hostx)", "was lost (its actor or node died)")
+
+
+def test_learner_restarts_default_to_none_and_need_per_rank_placement():
+    assert per_rank().ray.learner_restarts == 0   # a failed rank ends the run unless restarts are asked for
+    assert per_rank("ray.learner_restarts=2").ray.learner_restarts == 2
+    with pytest.raises(ConfigError, match=r"ray.learner_restarts=1 .*set ray.learner_placement=per_rank"):
+        load_config(None, ["ray.learner_restarts=1"])   # one actor starts all ranks itself: nothing restarts them
+
+
+def test_a_failed_group_restarts_from_the_latest_checkpoint_while_restarts_remain():
+    restart, line = restart_decision(LOST, 0, 2, 4)
+    assert restart
+    assert line.startswith("[train] learner rank 1 on node node11111111 (hostx) was lost (its actor or node died)")
+    assert "restart 1 of 2" in line and "from checkpoint v4" in line
+    restart, line = restart_decision(LOST, 1, 2, 6)
+    assert restart and "restart 2 of 2" in line and "from checkpoint v6" in line
+
+
+def test_a_group_that_failed_before_any_checkpoint_restarts_from_version_0():
+    restart, line = restart_decision(RankFailure(0, "head00000000", "exited with code 3"), 0, 1, None)
+    assert restart and "learner rank 0 on node head00000000 exited with code 3" in line
+    assert "from the start, version 0 (no checkpoint written yet)" in line
+
+
+def test_when_restarts_are_used_up_the_run_ends_naming_the_rank_and_its_node():
+    restart, line = restart_decision(LOST, 2, 2, 4)
+    assert not restart
+    assert "learner rank 1 on node node11111111 (hostx) was lost" in line and "the run ends" in line
+    assert "ray.learner_restarts=2 used up" in line and "restarting" not in line
+
+
+def test_without_restarts_a_failed_rank_ends_the_run_as_before():
+    restart, line = restart_decision(LOST, 0, 0, 4)
+    assert not restart and "the run ends (ray.learner_restarts=0: Ray restarts no learner rank)" in line
+
+
+def test_a_restart_rewinds_the_run_record_and_the_milestones_to_the_checkpoint(tmp_path):
+    """What died with the failed ranks - updates past the checkpoint - leaves the record and the evaluator's queue;
+    the next milestone past the checkpoint is scored even where a dropped one had been."""
+    from runner.ray_launch import RayRun
+
+    run = RayRun(per_rank("run.eval_every=2", "logging.tensorboard=false", "run.eval_envs=1"), tmp_path, False)
+    try:
+        for v in (0, 2, 4, 6):
+            run.recorder.eval_result(v, {"success_rate": 0.5, "successes": 1, "episodes": 2})
+        run.evaluator.version = 6
+        milestones = tmp_path / "weights" / "milestones"
+        milestones.mkdir(parents=True)
+        for v in (4, 8):
+            (milestones / f"v{v}.safetensors").write_bytes(b"")
+        run.rewind(4)
+        assert [p["version"] for p in run.recorder.eval_points] == [0, 2, 4]
+        assert run.recorder.resumed_at == [4]
+        assert sorted(p.name for p in milestones.iterdir()) == ["v4.safetensors"]   # v8: a dead learner's
+        (milestones / "v6.safetensors").write_bytes(b"")   # the restarted learner's v6 is scored again
+        assert run.evaluator.next_milestone() == milestones / "v6.safetensors"
+    finally:
+        run.evaluator.close()
+        run.monitor.close()

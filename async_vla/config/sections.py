@@ -586,7 +586,18 @@ class RayConfig(Section):
     """Memory requested for the buffer in GiB (None = buffer.max_bytes + 1 GiB for socket queues)."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a dead buffer or fleet (its process exited with an error, or its node was lost) before
-    the run fails. The learner is not restarted: its exit ends the run, as with the local launcher."""
+    the run fails. The learner is restarted only with learner_placement=per_rank (learner_restarts); otherwise
+    its exit ends the run, as with the local launcher."""
+    learner_restarts: int = Field(0, ge=0)
+    """With learner_placement=per_rank: times the learner's ranks are started again when one exits with an error
+    or its node is lost. The other ranks are stopped and the whole group is placed anew (a new placement group:
+    rank 0 on the driver's node, the others on the nodes alive) with --resume from the run's latest checkpoint,
+    or from version 0 if none was written yet; the buffer and fleets keep running and follow it back. Every
+    rank reads that checkpoint under the run directory's path on its own node, so this needs the run directory
+    on a filesystem all learner nodes share. Default 0 (a failed rank ends the run), as torchrun's
+    --max-restarts: a restart discards the updates since the last checkpoint (up to run.checkpoint_every
+    versions), repeats a deterministic failure (a bug, an out-of-memory) as often as it is allowed, and without
+    a shared run directory fails at the ranks' checkpoint check; ask for it where nodes can be lost."""
 
     @model_validator(mode="after")
     def _learner_per_rank(self) -> "RayConfig":
@@ -595,6 +606,10 @@ class RayConfig(Section):
             raise ValueError(f"ray.learner_gpus={self.learner_gpus} with ray.learner_placement=per_rank asks for "
                              "that many GPUs per rank, but a rank drives exactly one (and NCCL cannot put two "
                              "ranks on one GPU): set ray.learner_gpus=1 (or 0 for CPU ranks)")
+        if self.learner_restarts and self.learner_placement != "per_rank":
+            # One actor starts all ranks itself (bin/learner --ranks N); nothing would restart them: say so.
+            raise ValueError(f"ray.learner_restarts={self.learner_restarts} restarts learner ranks placed one Ray "
+                             "actor each: set ray.learner_placement=per_rank, or ray.learner_restarts=0")
         return self
 
 
