@@ -34,6 +34,9 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
                 log.info("wall-time budget reached")
                 break
             groups = run.next_batch()        # roll out groups until the buffer forms a batch
+            if groups is None:
+                log.info("wall-time budget reached while rolling out (no batch formed)")
+                break
             metrics = run.train(groups)      # one learner step; the actor gets the weights it should sample with
             run.recorder.learner_step(run.learner.version, metrics, run.buffer)
             if run.evaluate_if_due():        # True: run.target_success reached
@@ -117,11 +120,15 @@ class SerialRun:
             self.evaluate(self.learner.version)
         self.last_status = time.perf_counter()
 
-    def next_batch(self) -> list:
-        """Grant, roll out and feed groups to the buffer (through the wire encoding) until it forms a batch."""
+    def next_batch(self) -> Optional[list]:
+        """Grant, roll out and feed groups to the buffer (through the wire encoding) until it forms a batch; None
+        once ``run.max_wall_s`` is over first. A collapsed policy under dynamic sampling fills almost no group, so
+        one batch can take thousands of rollouts: the budget must hold inside it too."""
         t0 = time.perf_counter()
         groups = None
         while groups is None:
+            if self.out_of_time():
+                break
             self.buffer.expire()
             got = self.buffer.take_batch(self.learner.version)
             if got is not None:

@@ -56,3 +56,17 @@ def test_eval_split_val_and_target_rules():
         load_config(None, ["run.eval_split=val", "run.target_success=0.9"])
     with pytest.raises(ConfigError, match="run.eval_split=val needs"):
         load_config(None, ["env.kind=libero", "run.eval_split=val"])
+
+
+def test_the_wall_budget_ends_a_run_whose_batch_never_forms(tmp_path, monkeypatch):
+    """A collapsed policy under dynamic sampling can need thousands of rollouts per batch: run.max_wall_s must end
+    the run inside next_batch too. Here no group can ever be admitted (success rates of 2 rollouts are 0, 0.5 or 1,
+    none strictly inside the difficulty mask), so without that check the run would roll out forever."""
+    calls = []
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy", scripted([0.0, 0.0], [], calls))
+    cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}", "buffer.difficulty_mask=[0.6,0.9]",
+                                     "run.max_wall_s=2"])
+    s = run_serial(cfg, tmp_path / "run")
+    assert s["final_version"] == 0 and s["stopped_on"] == "budget"
+    ledger = s["ledger"]
+    assert ledger["received"] > 0 and ledger.get("trained", 0) == 0, ledger
