@@ -69,4 +69,6 @@ def test_the_wall_budget_ends_a_run_whose_batch_never_forms(tmp_path, monkeypatc
     s = run_serial(cfg, tmp_path / "run")
     assert s["final_version"] == 0 and s["stopped_on"] == "budget"
     ledger = s["ledger"]
-    assert ledger["received"] > 0 and ledger.get("trained", 0) == 0, ledger
+    # rollouts went on until the budget, every complete group was filtered by the mask, no batch was formed
+    assert ledger["received"] > 0 and ledger["batches_formed"] == 0, ledger
+    assert ledger["ledger"]["trained"] == 0 and ledger["ledger"]["filtered_difficulty"] > 0, ledger
