@@ -12,9 +12,10 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from async_vla.config import Config, write_resolved
 from async_vla.metrics import Monitor
@@ -25,17 +26,24 @@ log = logging.getLogger("runner.serial")
 
 
 def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
-    """Train until ``run.max_versions``, ``run.max_wall_s`` or ``run.target_success``; returns the summary."""
+    """Train until ``run.max_versions``, ``run.max_wall_s``, ``run.target_success`` or SIGINT / SIGTERM / SIGHUP;
+    returns the summary. A signal ends the run as the budget does, between two groups or two versions: a final
+    evaluation, checkpoint, policy and summary (``stopped_on: signal``), as in async mode. Signal handlers can only
+    be set from the main thread; called from another thread, signals keep their default actions."""
+    from runner.launch import stop_on_signals
+
     run = SerialRun(cfg, run_dir, resume)
+    stop, restore_signals = stop_on_signals() if threading.current_thread() is threading.main_thread() \
+        else ({"flag": False}, lambda: None)
+    run.stop_requested = lambda: stop["flag"]
     try:
         run.evaluate_start()
         while run.learner.version < cfg.run.max_versions:
-            if run.out_of_time():
-                log.info("wall-time budget reached")
+            if run.stopping():
                 break
             groups = run.next_batch()        # roll out groups until the buffer forms a batch
-            if groups is None:
-                log.info("wall-time budget reached while rolling out (no batch formed)")
+            if groups is None:               # the budget ran out or a signal came while rolling out
+                run.stopping()
                 break
             metrics = run.train(groups)      # one learner step; the actor gets the weights it should sample with
             run.recorder.learner_step(run.learner.version, metrics, run.buffer)
@@ -45,6 +53,7 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
             run.status_if_due()
         return run.finish()
     finally:
+        restore_signals()
         run.close()
 
 
@@ -91,6 +100,7 @@ class SerialRun:
         self.t_start = time.perf_counter()
         self.rollout_s = self.train_s = 0.0
         self.last_status = time.perf_counter()
+        self.stop_requested: Callable[[], bool] = lambda: False   # run_serial sets the signal flag's reader
 
     def _snapshot(self) -> None:
         self.snapshots.append((self.learner.version,
@@ -98,6 +108,17 @@ class SerialRun:
 
     def out_of_time(self) -> bool:
         return time.perf_counter() - self.t_start > self.cfg.run.max_wall_s
+
+    def stopping(self) -> bool:
+        """True (and the summary's reason noted) once a stop signal came or the wall-time budget is spent."""
+        if self.stop_requested():
+            log.info("stop signal: finishing at version %d", self.learner.version)
+            self.recorder.stopped_on = "signal"
+            return True
+        if self.out_of_time():
+            log.info("wall-time budget reached at version %d", self.learner.version)
+            return True
+        return False
 
     def evaluate(self, version: int) -> float:
         from async_vla.sft import evaluate_greedy
@@ -122,12 +143,12 @@ class SerialRun:
 
     def next_batch(self) -> Optional[list]:
         """Grant, roll out and feed groups to the buffer (through the wire encoding) until it forms a batch; None
-        once ``run.max_wall_s`` is over first. A collapsed policy under dynamic sampling fills almost no group, so
+        once ``run.max_wall_s`` is over or a stop signal came first. A collapsed policy under dynamic sampling fills almost no group, so
         one batch can take thousands of rollouts: the budget must hold inside it too."""
         t0 = time.perf_counter()
         groups = None
         while groups is None:
-            if self.out_of_time():
+            if self.stop_requested() or self.out_of_time():
                 break
             self.buffer.expire()
             got = self.buffer.take_batch(self.learner.version)

@@ -1,6 +1,9 @@
 """The run's evaluation record: the final evaluation with its episodes and interval, and a stop on
 run.target_success only once a second, disjoint held-out set confirms it (serial mode, scripted evaluations)."""
 
+import os
+import signal
+
 import pytest
 
 import async_vla.sft
@@ -72,3 +75,47 @@ def test_the_wall_budget_ends_a_run_whose_batch_never_forms(tmp_path, monkeypatc
     # rollouts went on until the budget, every complete group was filtered by the mask, no batch was formed
     assert ledger["received"] > 0 and ledger["batches_formed"] == 0, ledger
     assert ledger["ledger"]["trained"] == 0 and ledger["ledger"]["filtered_difficulty"] > 0, ledger
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_a_serial_run_with_its_final_record(tmp_path, monkeypatch, signum):
+    """Ctrl-C or a scheduler's SIGTERM ends a serial run as the budget does (final checkpoint, policy, summary),
+    not with a traceback and nothing since the last checkpoint; the previous handlers are back afterwards."""
+    calls = []
+    evaluate = scripted([0.0, 0.5, 1.0], [], calls)
+
+    def signalled_at_version_2(policy, envs, task_ids=None, split="eval", **kw):
+        result = evaluate(policy, envs, task_ids, split, **kw)
+        if len(calls) == 3:     # evaluations of v0, v1, v2
+            os.kill(os.getpid(), signum)
+        return result
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy", signalled_at_version_2)
+    before = signal.getsignal(signum)
+    cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}", "run.max_versions=100"])
+    s = run_serial(cfg, tmp_path / "run")
+    assert s["stopped_on"] == "signal" and s["final_version"] == 2 and calls == ["eval"] * 3
+    assert s["final_eval"]["version"] == 2 and s["final_eval"]["success"] == 1.0
+    assert (tmp_path / "run" / "policy" / "async_vla_policy.json").is_file()
+    assert any((tmp_path / "run" / "checkpoints").iterdir())
+    assert signal.getsignal(signum) is before
+
+
+def test_a_stop_signal_ends_rollouts_whose_batch_never_forms(tmp_path, monkeypatch):
+    """The signal is seen between two groups too: here no batch can form (as in the wall-budget test above), and a
+    SIGINT during the third group's rollouts ends the run with no version trained and the run's record written."""
+    from actors.actor import SerialActor
+
+    calls, groups = [], []
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy", scripted([0.0, 0.0], [], calls))
+    run_one_group = SerialActor.run_one_group
+
+    def signalled_at_group_3(self, *args, **kw):
+        groups.append(1)
+        if len(groups) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return run_one_group(self, *args, **kw)
+    monkeypatch.setattr(SerialActor, "run_one_group", signalled_at_group_3)
+    cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}", "buffer.difficulty_mask=[0.6,0.9]"])
+    s = run_serial(cfg, tmp_path / "run")
+    assert s["stopped_on"] == "signal" and s["final_version"] == 0 and len(groups) == 3
+    assert s["ledger"]["batches_formed"] == 0 and s["ledger"]["received"] == 3 * 2

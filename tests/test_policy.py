@@ -210,6 +210,19 @@ def test_save_load_round_trip(tmp_path):
         load_policy(tmp_path / "missing")
 
 
+def test_a_checkpoint_keeps_its_own_architecture_and_says_which_config_fields_it_overrode(tmp_path):
+    pol = make("parallel", **{"policy.patch_size": 4})
+    save_policy(pol, tmp_path / "ckpt")
+    cfg = load_config(None, [f"policy.path={tmp_path / 'ckpt'}", "policy.patch_size=8"])
+    with pytest.warns(UserWarning, match=r"\['patch_size'\] differ from the config"):
+        built = build_policy(cfg)
+    assert built.policy_cfg.patch_size == 4
+    images, proprio, instr = batch(2)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    re = built.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+
+
 def test_build_policy_is_seeded():
     a = build_policy(load_config(None, ["run.seed=3"]))
     b = build_policy(load_config(None, ["run.seed=3"]))

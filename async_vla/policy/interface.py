@@ -134,6 +134,13 @@ def default_tokenizer(policy_cfg: "PolicyConfig", env_kind: str = "builtin") -> 
                            stats={key: ActionStats.identity(policy_cfg.action_dim)}, unnorm_key=key)
 
 
+# The policy fields a saved tiny checkpoint fixes: when the config names other values, the checkpoint's are used
+# (with a warning), since its weights only fit its own shapes.
+ARCHITECTURE_FIELDS = ("decoding", "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
+                       "num_bins", "chunk_size", "action_dim", "proprio_dim", "max_instruction_tokens", "keypoints",
+                       "lang_keypoints", "action_head", "action_head_freqs")
+
+
 def build_policy(cfg: "Config") -> VLAPolicy:
     """A tiny random policy, or the checkpoint at ``cfg.policy.path`` (ours, or an OpenVLA/OFT HF dir)."""
     pcfg = cfg.policy
@@ -143,8 +150,7 @@ def build_policy(cfg: "Config") -> VLAPolicy:
         return load_openvla_policy(pcfg)
     if pcfg.path is not None:
         policy = load_policy(pcfg.path)
-        mismatched = [k for k in ("decoding", "hidden_size", "num_layers", "chunk_size", "action_dim", "proprio_dim")
-                      if getattr(policy.policy_cfg, k) != getattr(pcfg, k)]
+        mismatched = [k for k in ARCHITECTURE_FIELDS if getattr(policy.policy_cfg, k) != getattr(pcfg, k)]
         if mismatched:
             warnings.warn(f"policy.path={pcfg.path}: the checkpoint's {mismatched} differ from the config; "
                           f"the checkpoint's values are used", stacklevel=2)
