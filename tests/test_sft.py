@@ -90,9 +90,11 @@ def test_bin_sft_writes_checkpoint(tmp_path):
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert "held-out" in proc.stdout
+    # by default it evaluates val and train layouts only: choosing a recipe with bin/sft never shows held-out
+    assert "greedy success, val:" in proc.stdout and "greedy success, train" in proc.stdout, proc.stdout
+    assert "held-out" not in proc.stdout, proc.stdout
     report = json.loads((out / "sft_metrics.json").read_text())
-    assert 0.0 <= report["eval_success"] <= 1.0 and report["demos_per_task"] == 1
+    assert 0.0 <= report["val_success"] <= 1.0 and report["demos_per_task"] == 1 and "eval_success" not in report
     pol = load_policy(out)
     assert pol.policy_cfg.hidden_size == 64
     # bin/eval on the directory evaluates on the tasks it was made on (its config.yaml), not the defaults
@@ -112,6 +114,20 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "policy.nope=1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "policy.nope" in bad.stderr
+    bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "--eval-splits", "val,heldout", "--out",
+                          str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and "--eval-splits" in bad.stderr and "heldout" in bad.stderr, bad.stderr
+
+
+def test_bin_sft_evaluates_held_out_only_when_asked(tmp_path):
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, str(REPO / "bin" / "sft"), *SMALL, "env.task_ids=[4]", "--demos", "1", "--epochs", "1",
+           "--eval-splits", "eval", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "greedy success, held-out:" in proc.stdout and "val:" not in proc.stdout, proc.stdout
+    report = json.loads((out / "sft_metrics.json").read_text())
+    assert 0.0 <= report["eval_success"] <= 1.0 and "val_success" not in report
 
 
 def test_eval_videos_of_the_builtin_env_reach_tensorboard(tmp_path):
