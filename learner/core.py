@@ -70,6 +70,23 @@ def rollout_temperature(cfg: Config) -> float:
     return 1.0 if cfg.actor.temperature == 0 else float(cfg.actor.temperature)
 
 
+def prox_from_step_forward(cfg: Config) -> bool:
+    """Whether pi_prox's log-probs come from the optimizer step's own forward (learner.proximal_pass=auto): one
+    step per batch, so the weights at batch start are the ones that forward runs with, and a loss mask that does
+    not need pi_prox before the loss (correction none or tis; mis masks tokens by pi_prox / pi_behav)."""
+    lc = cfg.learner
+    return (lc.proximal_pass == "auto" and lc.minibatches == 1 and lc.steps_per_batch == 1
+            and cfg.loss.correction in ("none", "tis"))
+
+
+def _entropy_sums(mb: TrainBatch, ent: Optional[Tensor]) -> Tensor:
+    """[sum of the per-token entropy over mb's valid tokens, their count] (zeros when the policy gives none)."""
+    if ent is None:
+        return torch.zeros(2, dtype=torch.float64)
+    ent = mb.layout(ent.float())
+    return torch.tensor([float(torch.where(mb.mask, ent, 0.0).sum()), float(mb.mask.sum())], dtype=torch.float64)
+
+
 # --------------------------------------------------------------------------------------- the learner
 class Learner(abc.ABC):
     """Interface (docs/CONTRACTS.md) plus the GRPO step; backends implement the hooks at the bottom."""
@@ -115,19 +132,24 @@ class Learner(abc.ABC):
         flat = [mb for mbs in minis for mb in mbs]
         mini_of = [j for j, mbs in enumerate(minis) for _ in mbs]
 
-        with torch.no_grad():  # pi_prox: the weights at batch start, once per batch (and the reference's)
-            prox, entropy = [], torch.zeros(2, dtype=torch.float64)
-            for mb in flat:
-                logp, ent = self._logprobs_entropy(mb)
-                prox.append(mb.layout(logp.float()))
-                if ent is not None:   # per-token entropy of pi_prox: actor/entropy
-                    ent = mb.layout(ent.float())
-                    entropy += torch.tensor([float(torch.where(mb.mask, ent, 0.0).sum()), float(mb.mask.sum())],
-                                            dtype=torch.float64)
+        # pi_prox: the weights at batch start. With one optimizer step per batch they are the weights every
+        # micro-batch's forward below runs with, so (learner.proximal_pass=auto) that forward's detached log-probs
+        # are pi_prox's and the no-grad pass is skipped; otherwise one no-grad pass before the first step.
+        reuse = prox_from_step_forward(cfg)
+        entropy = torch.zeros(2, dtype=torch.float64)   # per-token entropy of pi_prox (actor/entropy): sum, count
+        prox: list[Optional[Tensor]] = [None] * len(flat)
+        with torch.no_grad():
+            if not reuse:
+                for i, mb in enumerate(flat):
+                    logp, ent = self._logprobs_entropy(mb)
+                    prox[i] = mb.layout(logp.float())
+                    entropy += _entropy_sums(mb, ent)
             refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in flat] if self.uses_reference
                     else [None] * len(flat))
         t_prox = time.perf_counter() - t0
-        loss_masks = [loss_token_mask(p, mb.behav_logprobs, mb.mask, cfg.loss) for p, mb in zip(prox, flat)]
+        # (reuse: the mask does not depend on pi_prox for none / tis, so the behaviour log-probs stand in for it)
+        loss_masks = [loss_token_mask(mb.behav_logprobs if p is None else p, mb.behav_logprobs, mb.mask, cfg.loss)
+                      for p, mb in zip(prox, flat)]
         units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
         # Each optimizer step minimises its global mini-batch's loss: units over that mini-batch on every rank.
         local_units = torch.zeros(len(minis), dtype=torch.float64)
@@ -147,7 +169,13 @@ class Learner(abc.ABC):
             for pos, i in enumerate(idx):
                 mb, p, ref, lm, w, u = flat[i], prox[i], refs[i], loss_masks[i], weights[i], units[i]
                 self._begin_micro_batch(pos == len(idx) - 1)
-                logp = mb.layout(self._logprobs(mb).float())
+                if reuse:
+                    logp, ent = self._logprobs_entropy(mb)
+                    logp = mb.layout(logp.float())
+                    p = logp.detach()
+                    entropy += _entropy_sums(mb, None if ent is None else ent.detach())
+                else:
+                    logp = mb.layout(self._logprobs(mb).float())
                 loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
                                            generator=self.loss_generator, ref_logp=ref)
                 # A non-finite log-prob of a real token is a broken forward even where the loss clamps it into a
@@ -253,8 +281,9 @@ class Learner(abc.ABC):
         """Per-call token log-probs [C, T] under the current weights at ``self.temperature``."""
 
     def _logprobs_entropy(self, mb: TrainBatch) -> tuple[Tensor, Optional[Tensor]]:
-        """(log-probs, per-token entropy [C, T] of the action distribution) under the current weights, no
-        gradient needed; entropy None when the policy cannot give it (``token_logprobs_entropy``)."""
+        """(log-probs, per-token entropy [C, T] of the action distribution) under the current weights, with or
+        without gradient (the caller's grad mode); entropy None when the policy cannot give it
+        (``token_logprobs_entropy``)."""
         return self._logprobs(mb), None
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor:

@@ -167,3 +167,56 @@ def test_batch_reward_stats_of_a_uniform_batch_give_zero_advantages():
     assert stats.uniform and (grpo.group_advantages(torch.ones(2, 2), cfg, stats) == 0).all()
     with pytest.raises(ValueError, match="adv_norm=batch"):
         grpo.group_advantages(torch.ones(2, 2), small_cfg().loss, stats)
+
+
+class _CountingPolicy(StandInPolicy):
+    """StandInPolicy that counts its forward passes (token_logprobs_entropy calls token_logprobs: one pass)."""
+
+    def __init__(self, seed):
+        super().__init__(seed=seed)
+        self.forwards = 0
+
+    def token_logprobs(self, *args):
+        self.forwards += 1
+        return super().token_logprobs(*args)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_one_step_per_batch_takes_pi_prox_from_its_own_forward_with_the_same_update(correction):
+    """learner.proximal_pass=auto: with one optimizer step per batch, pi_prox's log-probs and entropy come from
+    the step's own forward (one pass per micro-batch instead of two); the update and the logged signals equal
+    those of the separate no-grad pass (always)."""
+    runs = {}
+    for mode in ("auto", "always"):
+        cfg = small_cfg(f"learner.proximal_pass={mode}", "buffer.groups_per_batch=4", f"loss.correction={correction}",
+                        "learner.micro_batch_trajectories=3", "learner.lr=0.05")
+        policy = _CountingPolicy(seed=3)
+        groups = _groups(policy=policy, behav_noise=0.2)
+        learner = TorchLearner(cfg, policy)
+        policy.forwards = 0
+        m = learner.train_step(groups)
+        runs[mode] = (m, policy.forwards, {n: p.detach().clone() for n, p in learner.full_state_items()})
+    (m_auto, n_auto, w_auto), (m_always, n_always, w_always) = runs["auto"], runs["always"]
+    assert m_auto["learner/micro_batches"] == m_always["learner/micro_batches"] == 3
+    assert (n_auto, n_always) == (3, 6)
+    for name, want in w_always.items():
+        torch.testing.assert_close(w_auto[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    for tag in ("loss/policy", "actor/entropy", "offpolicy/behav_kl", "offpolicy/is_weight_mean", "learner/grad_norm",
+                "loss/clip_frac_low", "loss/clip_frac_high"):
+        assert m_auto[tag] == pytest.approx(m_always[tag], rel=1e-5, abs=1e-8), tag
+
+
+def test_mis_and_several_steps_keep_the_proximal_pass():
+    """mis masks tokens by pi_prox / pi_behav before the loss, and with k > 1 steps the weights move after the
+    first: both need pi_prox from a pass of its own, whatever learner.proximal_pass says."""
+    for extra in (["loss.correction=mis"], ["loss.correction=none", "learner.minibatches=2"],
+                  ["loss.correction=tis", "learner.steps_per_batch=2"]):
+        cfg = small_cfg("buffer.groups_per_batch=4", "learner.micro_batch_trajectories=8", *extra)
+        policy = _CountingPolicy(seed=4)
+        groups = _groups(policy=policy, behav_noise=0.2)
+        learner = TorchLearner(cfg, policy)
+        policy.forwards = 0
+        m = learner.train_step(groups)
+        steps = int(m["learner/steps_applied"])
+        # one no-grad pass over every micro-batch, then one forward per micro-batch per optimizer step
+        assert policy.forwards == m["learner/micro_batches"] * (1 + (steps // m["learner/minibatches"])), extra

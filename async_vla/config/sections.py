@@ -321,6 +321,12 @@ class LearnerConfig(Section):
     steps_per_batch: int = Field(1, ge=1)
     """Passes over each batch (verl's ppo_epochs): each pass takes learner.minibatches optimizer steps; all
     against the batch-start proximal log-probs, one version per batch."""
+    proximal_pass: Literal["auto", "always"] = "auto"
+    """pi_prox's log-probs. always: a no-grad forward over the batch before the first optimizer step. auto: that
+    pass only when it is needed; with one optimizer step per batch (minibatches = steps_per_batch = 1) and
+    loss.correction none or tis, pi_prox is the weights the step's own forward runs with, so their detached
+    log-probs (and entropy) are taken from that forward, one pass fewer per batch with the same update (mis needs
+    pi_prox before the loss to mask tokens, so it keeps the pass)."""
     micro_batch_trajectories: int = Field(16, ge=1)
     """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
     lora_rank: int = Field(0, ge=0)
