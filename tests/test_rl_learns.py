@@ -3,7 +3,9 @@ budget in versions; the final held-out success must beat the start by more than 
 one-sided Fisher exact test on the two success counts at p < 0.01), not merely be higher.
 
 It uses the touch tasks (6, 7: one policy call, big pads), the cheapest ones on which RL's gain is clear within a
-short CI budget; the quickstart's place tasks are what bin/quickstart measures (README "Measured")."""
+short CI budget; the quickstart's place tasks are what bin/quickstart measures (README "Measured"). A serial run
+repeats exactly on one machine but not across CPUs, so the budget leaves a wide margin on the machine it was
+calibrated on (p = 7e-5; docs/BENCHMARKS.md)."""
 
 import json
 from pathlib import Path
@@ -16,7 +18,7 @@ from runner.serial import run_serial
 
 TASKS = "[6,7]"              # touch the green / yellow pad
 EPISODES_PER_TASK = 100      # 200 held-out episodes per evaluation
-VERSIONS = 60                # the budget (versions, not seconds: the result must not depend on machine load)
+VERSIONS = 80                # the budget (versions, not seconds: the result must not depend on machine load)
 P_MAX = 0.01
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 
@@ -30,11 +32,9 @@ def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
     from async_vla.policy import build_policy, save_policy
     from async_vla.sft import DEFAULT_BIN_SIGMA, collect_demos, sft_train
 
-    # The quickstart's main-job batch (8 groups, per-trajectory token means) and its 4-pixel patches changed after
-    # this test's calibration; it keeps the settings it was calibrated with (4 groups of 8, token_mean, patch 8), so
-    # its margin means the same.
-    base = ["run.mode=serial", "run.seed=0", f"env.task_ids={TASKS}", "buffer.groups_per_batch=4",
-            "loss.aggregation=token_mean", "policy.patch_size=8",
+    # The quickstart's batch (8 groups of 8, per-trajectory token means); 8-pixel patches, cheaper than its 4 and
+    # no worse on these big-pad tasks (calibration: docs/BENCHMARKS.md, "RL raises held-out success").
+    base = ["run.mode=serial", "run.seed=0", f"env.task_ids={TASKS}", "policy.patch_size=8",
             f"env.num_eval_init_states={EPISODES_PER_TASK}", "logging.tensorboard=false"]
     cfg = load_config(CONFIG, base)
     torch.manual_seed(0)
