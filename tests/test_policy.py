@@ -81,6 +81,8 @@ def test_token_entropy_is_that_of_the_scaled_action_distribution(policy):
     torch.testing.assert_close(ent, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logp, policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6))
     assert ent.shape == (B, 56) and float(ent.max()) <= float(np.log(256)) + 1e-4
+    # logged only: the log-probs carry the graph the loss needs, the entropy none (no [B, T, bins] kept for backward)
+    assert logp.requires_grad and not ent.requires_grad
 
 
 def test_greedy_is_argmax_and_deterministic(policy):

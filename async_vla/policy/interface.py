@@ -115,9 +115,12 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
     def token_logprobs_entropy(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                                action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
         """``token_logprobs`` and, from the same forward, the entropy ``[B, T]`` of each position's action
-        distribution at that temperature (the learner's proximal pass: actor/entropy)."""
+        distribution at that temperature (actor/entropy). The entropy is detached: it is logged, never a loss term,
+        and under the learner's grad forward (proximal_pass=auto) a graph for it would hold a ``[B, T, bins]``
+        tensor until the backward."""
         logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1), entropy
 
     def decode_actions(self, action_tokens: np.ndarray) -> np.ndarray:
