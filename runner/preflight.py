@@ -41,6 +41,13 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
             warnings.append(f"run.mode=serial runs one learner and one actor in this process: {', '.join(ignored)} "
                             "ignored (run.mode=async starts them)")
     run_dir = Path(run_dir)
+    if not resume and (run_dir / "config.yaml").is_file():
+        # A new run there would append to that run's ledger and logs, overwrite its summary, and meet its weight
+        # exports and control files (a stale broadcast session can hang the new run's actors).
+        held = sorted(p.name for p in run_dir.iterdir())
+        errors.append(f"{run_dir} holds a run already ({', '.join(held[:6])}{', ...' if len(held) > 6 else ''}): "
+                      "--resume continues it; to start a new run, set another run.name (or --run-dir), or remove "
+                      "the directory")
     if resume:
         if not (run_dir / "config.yaml").is_file():
             # Not an error: a job script that always passes --resume (requeued jobs) starts its first run so.

@@ -94,7 +94,24 @@ def test_resume_on_another_number_of_deepspeed_ranks_is_an_error(tmp_path):
     errors = preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, True)[0]
     assert len(errors) == 1 and "learner.num_ranks=1" in errors[0] and "learner.num_ranks=2" in errors[0]
     assert preflight(load_config(None, ports + ["learner.num_ranks=2"]), run, True)[0] == []
-    assert preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, False)[0] == []   # not resuming
+    not_resuming = preflight(load_config(None, ports + ["learner.num_ranks=1"]), run, False)[0]
+    assert len(not_resuming) == 1 and "holds a run already" in not_resuming[0]   # that, not the rank count
+
+
+def test_a_new_run_into_a_run_directory_is_refused_and_the_run_there_is_left_as_it_was(tmp_path):
+    run = tmp_path / "x"
+    run.mkdir()
+    files = {"config.yaml": "{}", "summary.json": '{"final_eval": {"success": 0.9}}', "ledger.json": "[]"}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    out = subprocess.run([sys.executable, str(REPO / "bin" / "train"), str(REPO / "configs" / "quickstart.yaml"),
+                          f"run.out_dir={tmp_path}", "run.name=x", "run.mode=serial"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and "cannot start:" in out.stderr, out.stderr
+    assert f"{run} holds a run already" in out.stderr and "--resume" in out.stderr and "run.name" in out.stderr
+    assert {p.name: p.read_text() for p in run.iterdir()} == files
+    # an empty directory, or one without a run's config.yaml, is not a run
+    assert not any("holds a run" in e for e in preflight(load_config(None, ["run.mode=serial"]), tmp_path, False)[0])
 
 
 def test_a_port_in_use_names_its_field_and_port_zero_never_clashes(tmp_path):
