@@ -43,7 +43,8 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     run_dir = Path(run_dir)
     if not resume and (run_dir / "config.yaml").is_file():
         # A new run there would append to that run's ledger and logs, overwrite its summary, and meet its weight
-        # exports and control files (a stale broadcast session can hang the new run's actors).
+        # exports and control files (seen once: the new run's learner and actor hung at the weight broadcast's
+        # rendezvous, and the old run's summary was lost).
         held = sorted(p.name for p in run_dir.iterdir())
         errors.append(f"{run_dir} holds a run already ({', '.join(held[:6])}{', ...' if len(held) > 6 else ''}): "
                       "--resume continues it; to start a new run, set another run.name (or --run-dir), or remove "
