@@ -232,6 +232,11 @@ def evaluated_during_run(run_dir: Path, split: str = "eval") -> set[int]:
     return _evaluated_during_run(_run_progress(Path(run_dir)), split)
 
 
+def evaluated_versions(run_dir: Path, split: str = "eval") -> set[int]:
+    """Versions with an evaluation on ``split`` in the run's record, during the run or added after it."""
+    return {int(p["version"]) for p in _run_progress(Path(run_dir)).get("eval", []) if p.get("split", "eval") == split}
+
+
 def _evaluated_during_run(progress: dict, split: str) -> set[int]:
     return {int(p["version"]) for p in progress.get("eval", [])
             if p.get("split", "eval") == split and not p.get("after_run")}

@@ -116,3 +116,10 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     assert [(p["version"], bool(p.get("after_run"))) for p in summary["eval"]] == [(0, True), (1, True), (2, False)]
     assert summary["initial_eval_success"] == summary["eval"][0]["success_rate"]
     assert "--versions 0,1 --record" in proc.stdout   # the after-run bin/eval's command was printed
+    # the same command again finds every step done: no demos, SFT, training or evaluation is run twice
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=repo,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "holds a finished run: not training again" in again.stdout
+    assert [line for line in again.stdout.splitlines() if line.startswith("$ ")] == []   # no command ran
+    assert json.loads((rl / "summary.json").read_text())["eval"] == summary["eval"]
