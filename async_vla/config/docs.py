@@ -62,7 +62,9 @@ def render_config_doc() -> str:
         "`transport.curve=true` needs `transport.curve_dir`.",
         "- Checked by `bin/train` before it starts anything (`runner/preflight.py`): `policy.path` exists and is a "
         "checkpoint of `policy.arch`, `learner.deepspeed_config` is a JSON object, the CURVE keys load, the ports "
-        "are free.",
+        "are free, and a new run (no `--resume`) does not go into a directory that holds a run already (its "
+        "`config.yaml`): a second run there would append to that run's ledger and logs, overwrite its summary and "
+        "meet its weight exports.",
         "",
     ]
     return "\n".join(lines)
