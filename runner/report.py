@@ -234,12 +234,12 @@ def evaluated_during_run(run_dir: Path, split: str = "eval") -> set[int]:
 
 def evaluated_versions(run_dir: Path, split: str = "eval") -> set[int]:
     """Versions with an evaluation on ``split`` in the run's record, during the run or added after it."""
-    return {int(p["version"]) for p in _run_progress(Path(run_dir)).get("eval", []) if p.get("split", "eval") == split}
+    return _evaluated_during_run(_run_progress(Path(run_dir)), split, with_after_run=True)
 
 
-def _evaluated_during_run(progress: dict, split: str) -> set[int]:
+def _evaluated_during_run(progress: dict, split: str, with_after_run: bool = False) -> set[int]:
     return {int(p["version"]) for p in progress.get("eval", [])
-            if p.get("split", "eval") == split and not p.get("after_run")}
+            if p.get("split", "eval") == split and (with_after_run or not p.get("after_run"))}
 
 
 def _run_progress(run_dir: Path) -> dict:
