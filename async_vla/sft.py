@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -85,8 +85,13 @@ def smoothed_targets(index: torch.Tensor, num_bins: int, sigma: float) -> torch.
 
 def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCHS, lr: float = DEFAULT_LR,
               batch_size: int = DEFAULT_BATCH_SIZE, weight_decay: float = 0.0, seed: int = 0,
-              bin_sigma: float = 0.0, lr_schedule: str = "constant") -> dict:
+              bin_sigma: float = 0.0, lr_schedule: str = "constant",
+              after_epoch: Optional[Callable[[int], bool]] = None) -> dict:
     """Cross-entropy on the expert's action tokens at T = 1.
+
+    ``after_epoch(k)`` runs after the k-th epoch (1-based); returning True ends training there, with the
+    schedule as it stood (the learning rate is not re-planned): ``bin/sft --stop-at-val-success`` evaluates
+    the validation split there. It must leave the policy's parameters alone; training resumes in train mode.
 
     ``lr_schedule``: ``constant`` or ``cosine`` (decay to 0 over all steps). With a constant rate of 1e-3 at
     batch 8, the greedy policy's held-out success still swings by tens of points from one epoch to the next;
@@ -123,7 +128,8 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     policy.train()
     losses, t0, steps = [], time.perf_counter(), 0
     n = len(demos)
-    for _ in range(epochs):
+    stopped_at = None
+    for epoch in range(1, epochs + 1):
         order = rng.permutation(n)
         epoch_loss = 0.0
         for start in range(0, n, batch_size):
@@ -146,11 +152,18 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
             epoch_loss += float(loss.detach()) * len(idx)
             steps += 1
         losses.append(epoch_loss / n)
+        if after_epoch is not None:
+            stop = after_epoch(epoch)
+            policy.train()
+            if stop:
+                stopped_at = epoch
+                break
     policy.eval()
     with torch.no_grad():
         logits = policy.action_logits(images, proprio, demos.instructions, policy.tokenizer.token_to_index(tokens))
         acc = float((logits.argmax(-1) == policy.tokenizer.token_to_index(tokens)).float().mean())
-    return {"samples": n, "epochs": epochs, "optimizer_steps": steps, "final_loss": losses[-1] if losses else None,
+    return {"samples": n, "epochs": epochs, "epochs_run": len(losses), "stopped_at_epoch": stopped_at,
+            "optimizer_steps": steps, "final_loss": losses[-1] if losses else None,
             "loss_curve": losses, "train_token_accuracy": acc, "wall_s": time.perf_counter() - t0}
 
 

@@ -200,3 +200,65 @@ def test_cosine_schedule_scales_each_step_and_a_bad_schedule_is_named():
     demos, _ = collect_demos(env, env.task_ids, 1, 8, seed=0)
     with pytest.raises(ValueError, match="lr_schedule"):
         sft_train(policy, demos, epochs=1, lr_schedule="linear")
+
+
+def test_after_epoch_stops_training_where_the_full_schedule_stood():
+    """An epoch hook that evaluates greedily leaves training bit-identical, and stopping at epoch k keeps the
+    weights the full cosine schedule had after epoch k (the rate is not re-planned)."""
+    def flat(policy):
+        return torch.cat([p.detach().flatten() for p in policy.parameters()])
+
+    def run(hook_factory):
+        torch.manual_seed(0)
+        cfg, env, policy = setup()
+        demos, _ = collect_demos(env, env.task_ids, 1, 8, seed=0)
+        hook, seen = hook_factory(policy, env)
+        m = sft_train(policy, demos, epochs=4, lr=1e-3, batch_size=4, seed=0, lr_schedule="cosine", after_epoch=hook)
+        return m, flat(policy), seen
+
+    def snapshots(policy, env):
+        seen = {}
+
+        def hook(epoch):
+            evaluate_greedy(policy, env, split="val")  # what bin/sft does between epochs
+            seen[epoch] = flat(policy)
+            return False
+        return hook, seen
+
+    def stop_at_2(policy, env):
+        calls = []
+
+        def hook(epoch):
+            calls.append(epoch)
+            return epoch == 2
+        return hook, calls
+
+    full, full_weights, seen = run(snapshots)
+    plain, plain_weights, _ = run(lambda policy, env: (None, None))
+    torch.testing.assert_close(full_weights, plain_weights, rtol=0, atol=0)
+    assert sorted(seen) == [1, 2, 3, 4] and full["epochs_run"] == 4 and full["stopped_at_epoch"] is None
+    stopped, stopped_weights, calls = run(stop_at_2)
+    assert calls == [1, 2] and stopped["epochs_run"] == 2 and stopped["stopped_at_epoch"] == 2
+    assert len(stopped["loss_curve"]) == 2 and stopped["optimizer_steps"] == full["optimizer_steps"] // 2
+    torch.testing.assert_close(stopped_weights, seen[2], rtol=0, atol=0)
+    assert not torch.equal(stopped_weights, full_weights)
+
+
+def test_bin_sft_stop_at_val_success_records_the_val_curve_and_names_bad_input(tmp_path):
+    out = tmp_path / "ckpt"
+    # a target no 3-epoch, one-demo policy reaches: it trains every epoch, says so, and keeps the checkpoint
+    cmd = [sys.executable, str(REPO / "bin" / "sft"), *SMALL, "env.task_ids=[4]", "--demos", "1", "--epochs", "3",
+           "--stop-at-val-success", "1.0", "--val-every", "2", "--eval-splits", "val", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "sft_metrics.json").read_text())
+    assert [e for e, _ in report["val_curve"]] == [2, 3], report["val_curve"]  # every 2nd epoch, and the last
+    assert report["val_curve"][-1][1] == report["val_success"] < 1.0
+    assert report["val_target_reached"] is False and report["sft"]["epochs_run"] == 3
+    assert "never reached 1.0" in proc.stderr and (out / "model.safetensors").exists()
+    for bad, named in ((["--stop-at-val-success", "0"], "--stop-at-val-success"), (["--val-every", "0"], "--val-every"),
+                       (["env.kind=libero", "--stop-at-val-success", "0.3"], "validation split")):
+        res = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), *bad, "--out", str(tmp_path / "bad")],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert res.returncode == 2 and named in res.stderr, res.stderr
+        assert not (tmp_path / "bad").exists()
