@@ -322,10 +322,23 @@ def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[st
 
 def stop_on_signals() -> tuple[dict, Callable[[], None]]:
     """A flag that SIGINT, SIGTERM and SIGHUP set (a closed terminal or dropped ssh session stops the run cleanly
-    instead of orphaning it), and the function that puts the previous handlers back."""
+    instead of orphaning it), and the function that puts the previous handlers back.
+
+    The clean stop still runs a final evaluation and checkpoint, which can take a minute; so after the first
+    signal a second Ctrl-C raises ``KeyboardInterrupt`` (Python's own SIGINT handler), for someone who wants out
+    now: the run then ends without that evaluation or a summary, and ``--resume`` continues it from its last
+    checkpoint."""
     stop = {"flag": False}
-    old = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
-           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def on_signal(signum, _frame) -> None:
+        if not stop["flag"]:
+            # os.write, not print: a handler that prints while the main thread is printing raises a reentrant call
+            os.write(2, (f"\n[train] {signal.Signals(signum).name}: stopping cleanly (final evaluation, checkpoint, "
+                         "summary); Ctrl-C again to stop without them\n").encode())
+        stop["flag"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def restore() -> None:
         for s, h in old.items():

@@ -119,3 +119,34 @@ def test_a_stop_signal_ends_rollouts_whose_batch_never_forms(tmp_path, monkeypat
     s = run_serial(cfg, tmp_path / "run")
     assert s["stopped_on"] == "signal" and s["final_version"] == 0 and len(groups) == 3
     assert s["ledger"]["batches_formed"] == 0 and s["ledger"]["received"] == 3 * 2
+
+
+def test_a_second_ctrl_c_ends_the_clean_stop_at_once(tmp_path, monkeypatch, capfd):
+    """The first Ctrl-C asks for a clean stop (and says how to skip it); a second one during that stop's
+    checkpoint raises KeyboardInterrupt there: no summary is written, and the previous handler is back."""
+    from learner.core import TorchLearner
+
+    calls, saves = [], []
+    evaluate = scripted([0.0, 0.5, 1.0], [], calls)
+
+    def signalled_at_version_2(policy, envs, task_ids=None, split="eval", **kw):
+        result = evaluate(policy, envs, task_ids, split, **kw)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+    save = TorchLearner.save_checkpoint
+
+    def impatient_save(self, *args, **kw):
+        saves.append(self.version)
+        os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C again while the clean stop writes its checkpoint
+        return save(self, *args, **kw)
+    monkeypatch.setattr(async_vla.sft, "evaluate_greedy", signalled_at_version_2)
+    monkeypatch.setattr(TorchLearner, "save_checkpoint", impatient_save)
+    before = signal.getsignal(signal.SIGINT)
+    cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}", "run.max_versions=100", "run.checkpoint_every=0"])
+    with pytest.raises(KeyboardInterrupt):
+        run_serial(cfg, tmp_path / "run")
+    assert calls == ["eval"] * 3 and saves == [2]
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert "SIGINT: stopping cleanly" in capfd.readouterr().err
