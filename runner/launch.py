@@ -331,12 +331,15 @@ def stop_on_signals() -> tuple[dict, Callable[[], None]]:
     stop = {"flag": False}
 
     def on_signal(signum, _frame) -> None:
-        if not stop["flag"]:
-            # os.write, not print: a handler that prints while the main thread is printing raises a reentrant call
-            os.write(2, (f"\n[train] {signal.Signals(signum).name}: stopping cleanly (final evaluation, checkpoint, "
-                         "summary); Ctrl-C again to stop without them\n").encode())
+        first = not stop["flag"]
         stop["flag"] = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if first:
+            # os.write, not print: a handler that prints while the main thread is printing raises a reentrant
+            # call; and after a hang-up or with `| tee` gone the write itself fails, which must not undo the stop
+            with contextlib.suppress(OSError):
+                os.write(2, (f"\n[train] {signal.Signals(signum).name}: stopping cleanly (final evaluation, "
+                             "checkpoint, summary); Ctrl-C again to stop without them\n").encode())
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
@@ -476,6 +479,19 @@ class LaunchedRun:
             print(hint, flush=True)
 
     def stop_children(self) -> None:
+        """Each child in order, given its time to stop cleanly (the learner its final checkpoint). A Ctrl-C while
+        this waits (the second of a stop, ``stop_on_signals``) kills every child still running at once, and then
+        goes on: nothing is left writing into the run directory or holding its ports after bin/train exits."""
+        try:
+            self._stop_children_in_order()
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)   # a third Ctrl-C must not interrupt the kill either
+            for child in self.children.values():
+                with contextlib.suppress(Exception):   # noqa: BLE001 - one child's error must not spare the rest
+                    child.stop(timeout_s=0)            # SIGTERM, no wait, SIGKILL to its process group
+            raise
+
+    def _stop_children_in_order(self) -> None:
         children = self.children
         if "actors" in children:
             children["actors"].stop(timeout_s=30)   # first: their last ActorStats reach the buffer as they stop

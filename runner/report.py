@@ -75,9 +75,7 @@ class RunRecorder:
         out = {"wall_s": self.wall(), "eval": self.eval_points, "confirm": self.confirm_points,
                "train": self.train_points,
                "resumed_at": self.resumed_at}
-        tmp = self.run_dir / (PROGRESS_FILE + ".tmp")
-        tmp.write_text(json.dumps(out, default=float))
-        tmp.replace(self.run_dir / PROGRESS_FILE)
+        write_atomic(self.run_dir / PROGRESS_FILE, json.dumps(out, default=float))
 
     def observe_service(self, stats: dict) -> None:
         """Async mode: trajectories and env steps come from the buffer's stats, not from trajectories seen here
@@ -178,9 +176,17 @@ class RunRecorder:
         }
         summary.update(extra or {})
         self.save_progress(force=True)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
         plot_success(self.run_dir / "success.png", self.eval_points, self.train_points)
         return summary
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file and a rename: a kill or a second Ctrl-C mid-write leaves the old file or none, never a
+    truncated one that a reader (bin/libero-cpu's skip check, a plot) would fail on."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> dict:
@@ -207,16 +213,14 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
     evals = [p for p in evals if not (p["version"] == version and p.get("split", "eval") == split)] + [point]
     evals.sort(key=lambda p: p["version"])
     progress["eval"] = evals
-    tmp = run_dir / (PROGRESS_FILE + ".tmp")
-    tmp.write_text(json.dumps(progress, default=float))
-    tmp.replace(run_dir / PROGRESS_FILE)
+    write_atomic(run_dir / PROGRESS_FILE, json.dumps(progress, default=float))
     summary_file = run_dir / "summary.json"
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
         summary["eval"] = evals
         summary["best_eval_success"] = max(p["success_rate"] for p in evals)
         summary["initial_eval_success"] = evals[0]["success_rate"]   # run.eval_at_start=false: v0 comes later
-        summary_file.write_text(json.dumps(summary, indent=2, default=float))
+        write_atomic(summary_file, json.dumps(summary, indent=2, default=float))
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
     monitor.scalar("eval/success_rate", res["success_rate"], version)
     for task, rate in res.get("by_task", {}).items():

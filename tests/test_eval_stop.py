@@ -142,11 +142,11 @@ def test_a_second_ctrl_c_ends_the_clean_stop_at_once(tmp_path, monkeypatch, capf
         return save(self, *args, **kw)
     monkeypatch.setattr(async_vla.sft, "evaluate_greedy", signalled_at_version_2)
     monkeypatch.setattr(TorchLearner, "save_checkpoint", impatient_save)
-    before = signal.getsignal(signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     cfg = load_config(None, SMALL + [f"run.out_dir={tmp_path}", "run.max_versions=100", "run.checkpoint_every=0"])
     with pytest.raises(KeyboardInterrupt):
         run_serial(cfg, tmp_path / "run")
     assert calls == ["eval"] * 3 and saves == [2]
     assert not (tmp_path / "run" / "summary.json").exists()
-    assert signal.getsignal(signal.SIGINT) is before
+    assert {s: signal.getsignal(s) for s in before} == before
     assert "SIGINT: stopping cleanly" in capfd.readouterr().err

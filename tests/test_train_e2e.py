@@ -4,6 +4,7 @@ then a real TensorBoard server reads a scalar back over HTTP."""
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -247,3 +248,52 @@ def test_bin_train_starts_a_killed_buffer_again_and_the_run_finishes(tmp_path):
     assert summary["final_version"] >= 12 and not summary["failed"]
     starts = (rd / "logs" / "buffer.log").read_text().count("buffer: trajectories on")
     assert starts == 2, starts                        # the killed one and the one started again, on the same log
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)   # the hang guard: the loops below wait on the launcher's progress, not on a clock
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_second_ctrl_c_ends_bin_train_at_once_and_leaves_nothing_running(tmp_path):
+    """Ctrl-C starts the clean stop (actors first, then the learner's final checkpoint, the buffer, a final
+    evaluation); a second one, sent once the actors are gone, while the launcher waits on the rest, ends bin/train
+    with 130, no summary and a message naming what to do - and no child is left running when it has exited
+    (before, it exited while the learner went on writing into the run directory and the buffer held its ports)."""
+    cfg = REPO / "configs" / "quickstart.yaml"
+    rd = tmp_path / "cc"
+    argv = [sys.executable, str(REPO / "bin" / "train"), str(cfg), f"run.out_dir={tmp_path}", "run.name=cc",
+            *SMALL, "run.mode=async", "run.max_versions=100000", "run.max_wall_s=250"]
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        launcher = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        while not (rd / "weights" / "latest").exists():   # the learner published: every child is up
+            assert launcher.poll() is None, err_path.read_text()[-3000:]
+            time.sleep(0.5)
+        children = [p for p in _processes_mentioning(str(rd)) if p != launcher.pid]
+        actors = [p for p in children if "bin/actors" in _cmdline(p)]
+        assert len(children) >= 3 and len(actors) == 1, [_cmdline(p) for p in children]
+        launcher.send_signal(signal.SIGINT)
+        while _running(actors[0]) and launcher.poll() is None:   # the clean stop has begun with the actors
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait()
+        left = [(p, _cmdline(p)) for p in children if _running(p)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_mentioning(str(rd)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+    text = err_path.read_text()
+    assert launcher.returncode == 130, text[-3000:]
+    assert "SIGINT: stopping cleanly" in text and "interrupted: no final evaluation or summary" in text, text[-3000:]
+    assert not left, f"still running after bin/train exited: {left}"
+    assert not (rd / "summary.json").exists()
