@@ -164,16 +164,25 @@ def test_tensorboard_server_serves_a_scalar(tmp_path):
             tb.wait(10)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
+    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    return [pid for pid in pids if text in _cmdline(pid)]
+
+
+def _kill_run(launcher: subprocess.Popen, rd: Path) -> None:
+    """Whatever a test left running: the launcher and every process of its run directory."""
+    if launcher.poll() is None:
+        launcher.kill()
+    for pid in _processes_mentioning(str(rd)):
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
 
 
 def _running(pid: int) -> bool:
@@ -212,11 +221,7 @@ def test_a_killed_launcher_takes_its_children_along(tmp_path):
         assert not left, f"orphans still running: {left}"
         assert "stopped at version" in (rd / "logs" / "learner.log").read_text()   # a clean stop, checkpointed
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in _processes_mentioning(str(rd)):
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
+        _kill_run(launcher, rd)
 
 
 @pytest.mark.slow
@@ -234,8 +239,7 @@ def test_bin_train_starts_a_killed_buffer_again_and_the_run_finishes(tmp_path):
         while not (rd / "weights" / "latest").exists():
             assert launcher.poll() is None and time.monotonic() < deadline, "bin/train did not get going"
             time.sleep(0.5)
-        buffers = [p for p in _processes_mentioning(str(rd)) if "bin/buffer" in
-                   Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        buffers = [p for p in _processes_mentioning(str(rd)) if "bin/buffer" in _cmdline(p)]
         assert len(buffers) == 1, buffers
         os.kill(buffers[0], 9)
         out, _ = launcher.communicate(timeout=300)
@@ -248,13 +252,6 @@ def test_bin_train_starts_a_killed_buffer_again_and_the_run_finishes(tmp_path):
     assert summary["final_version"] >= 12 and not summary["failed"]
     starts = (rd / "logs" / "buffer.log").read_text().count("buffer: trajectories on")
     assert starts == 2, starts                        # the killed one and the one started again, on the same log
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @pytest.mark.slow
@@ -287,11 +284,7 @@ def test_a_second_ctrl_c_ends_bin_train_at_once_and_leaves_nothing_running(tmp_p
         launcher.wait()
         left = [(p, _cmdline(p)) for p in children if _running(p)]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in _processes_mentioning(str(rd)):
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
+        _kill_run(launcher, rd)
     text = err_path.read_text()
     assert launcher.returncode == 130, text[-3000:]
     assert "SIGINT: stopping cleanly" in text and "interrupted: no final evaluation or summary" in text, text[-3000:]
