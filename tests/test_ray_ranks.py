@@ -211,3 +211,40 @@ def test_a_restart_rewinds_the_run_record_and_the_milestones_to_the_checkpoint(t
     finally:
         run.evaluator.close()
         run.monitor.close()
+
+
+def test_a_rank_lost_between_two_health_checks_restarts_the_group_not_ends_the_run(tmp_path):
+    """The launcher looks at the rank group once per round: a group still running at that look goes on, and the
+    round in which a rank is found lost starts the group again, even when the loss shows up right after a look
+    that found every rank running (before, a second look in the same round ended the run on it)."""
+    from runner.ray_launch import RayRun
+
+    class LostOnSecondLook(RankGroup):
+        looks = 0
+
+        def alive(self) -> bool:
+            self.looks += 1
+            if self.looks == 1:
+                return True
+            self.failure, self.proc.returncode = LOST, 1
+            return False
+
+    run = RayRun(per_rank("logging.tensorboard=false", "run.eval_envs=1"), tmp_path, False)
+    try:
+        group = LostOnSecondLook([], None, {})
+        run.children = {"learner": group}
+        restarted = []
+        run.restart_ranks = lambda failed: (restarted.append(failed),
+                                            run.children.__setitem__("learner", RunningGroup()))
+        assert run.learner_stopped() is False and group.looks == 1 and not restarted
+        assert run.learner_stopped() is False and restarted == [group] and not run.failed
+    finally:
+        run.evaluator.close()
+        run.monitor.close()
+
+
+class RunningGroup:
+    """The group a restart started: running."""
+
+    def alive(self) -> bool:
+        return True
