@@ -33,6 +33,7 @@ MAIN = {"image_size": 128, "render_mode": "full", "wrist_camera": False}
 SETTINGS = [MAIN, {"image_size": 128, "render_mode": "cheap", "wrist_camera": False},
             {"image_size": 128, "render_mode": "full", "wrist_camera": True},
             {"image_size": 224, "render_mode": "full", "wrist_camera": True, "render_size": 256}]
+CPU_RUN = {"image_size": 64, "render_mode": "cheap", "wrist_camera": False}   # configs/libero_cpu.yaml
 GOAL = 0.9
 
 
@@ -184,17 +185,32 @@ CHUNK = 8
 
 def _measure_decision(setting: dict, procs: int, chunks: int, repeats: int) -> dict:
     """Chunk-8 rollout steps/s, render every step vs at decision points (interleaved blocks of ``chunks``)."""
+    out = _measure_chunked(setting, procs, chunks, repeats,
+                           {"every_step": ["env.render_at=every_step"], "decision": ["env.render_at=decision"]})
+    return {**out, "speedup": out["steps_per_s"]["decision"] / out["steps_per_s"]["every_step"]}
+
+
+def _measure_single_forward(setting: dict, procs: int, chunks: int, repeats: int) -> dict:
+    """Chunk-8 rollout steps/s at decision points with robosuite's step loop vs env.single_forward's."""
+    base = ["env.render_at=decision"]
+    out = _measure_chunked(setting, procs, chunks, repeats, {"robosuite": base + ["env.single_forward=false"],
+                                                             "single_forward": base + ["env.single_forward=true"]})
+    return {**out, "speedup": out["steps_per_s"]["single_forward"] / out["steps_per_s"]["robosuite"]}
+
+
+def _measure_chunked(setting: dict, procs: int, chunks: int, repeats: int, modes: dict[str, list[str]]) -> dict:
+    """Steps/s of chunk-8 rollouts through SubprocessEnv.step_chunk for each mode's overrides, the same actions
+    and init state, blocks interleaved ``repeats`` times (resets untimed); medians over the blocks."""
     from actors.env_worker import SubprocessEnv
 
     rng = np.random.default_rng(0)
     actions = rng.uniform(-0.3, 0.3, (chunks, CHUNK, 7)).astype(np.float32)
     actions[..., 6] = 1.0
-    rates: dict[str, list[float]] = {"every_step": [], "decision": []}
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
     envs: dict[str, list] = {}
     try:
-        for mode in rates:
-            cfg = load_config(overrides=_overrides(setting) + [f"env.render_at={mode}",
-                                                               f"env.max_steps={chunks * CHUNK}"])
+        for mode, extra in modes.items():
+            cfg = load_config(overrides=_overrides(setting) + extra + [f"env.max_steps={chunks * CHUNK}"])
             envs[mode] = [SubprocessEnv(cfg, seed=i) for i in range(procs)]
         for _ in range(repeats):
             for mode, workers in envs.items():
@@ -213,9 +229,8 @@ def _measure_decision(setting: dict, procs: int, chunks: int, repeats: int) -> d
         for workers in envs.values():
             for e in workers:
                 e.close()
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"setting": setting, "procs": procs, "steps_per_s": med, "all": rates,
-            "speedup": med["decision"] / med["every_step"]}
+    return {"setting": setting, "procs": procs, "steps_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "all": rates}
 
 
 def _describe(s: dict) -> str:
@@ -264,9 +279,18 @@ def run(quick: bool = False) -> dict:
                      f"{r['speedup']:.1f}x |")
     lines += ["", f"Goal >= {DECISION_GOAL:g}x at 128 px full render (1 process): "
               f"{'met' if dok else 'NOT met'} ({drows[0]['speedup']:.1f}x)."]
+    # env.single_forward at the CPU-run setting (configs/libero_cpu.yaml: 64 px cheap, decision points)
+    fchunks, frepeats = (2, 1) if quick else (8, 3)
+    frow = _measure_single_forward(CPU_RUN, 1, fchunks, frepeats)
+    m = frow["steps_per_s"]
+    lines += ["", f"env.single_forward (one mj_forward per physics substep instead of robosuite's two, bit-identical): "
+              f"chunk-{CHUNK} rollout at decision points, {fchunks} chunks x {frepeats} interleaved repeats, 1 process.",
+              "", "| render settings | robosuite loop steps/s | single_forward steps/s | speedup |", "|---|---|---|---|",
+              f"| {_describe(CPU_RUN)} | {m['robosuite']:.2f} | {m['single_forward']:.2f} | {frow['speedup']:.2f}x |"]
     return {"section": "libero", "results": {"rows": rows, "goal": GOAL, "goal_met": ok, "steps": steps,
                                              "repeats": repeats, "decision_rows": drows,
-                                             "decision_goal": DECISION_GOAL, "decision_goal_met": dok},
+                                             "decision_goal": DECISION_GOAL, "decision_goal_met": dok,
+                                             "single_forward": frow},
             "markdown": "\n".join(lines)}
 
 

@@ -87,6 +87,18 @@ def _entropy_sums(mb: TrainBatch, ent: Optional[Tensor]) -> Tensor:
     return torch.tensor([float(torch.where(mb.mask, ent, 0.0).sum()), float(mb.mask.sum())], dtype=torch.float64)
 
 
+def _stale_kl_sums(mb: TrainBatch, prox: Tensor, start_version: int) -> Tensor:
+    """[sum of k3 KL(pi_behav || pi_prox) over mb's valid tokens from chunks an older version sampled (lag > 0),
+    their count]. On lag-0 tokens the two policies are the same weights and the KL is 0 by construction, so
+    averaging over every token (offpolicy/behav_kl) dilutes the movement the actors see by their share."""
+    per_call = (mb.call_versions < start_version)[:, None].expand(-1, mb.tokens_per_call)
+    stale = mb.layout(per_call.to(torch.float32)) > 0
+    stale &= mb.mask if mb.mask.dtype == torch.bool else mb.mask != 0
+    log_w = (prox.double() - mb.behav_logprobs.double()).clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)
+    k3 = torch.exp(log_w) - log_w - 1.0
+    return torch.tensor([float(torch.where(stale, k3, 0.0).sum()), float(stale.sum())], dtype=torch.float64)
+
+
 # --------------------------------------------------------------------------------------- the learner
 class Learner(abc.ABC):
     """Interface (docs/CONTRACTS.md) plus the GRPO step; backends implement the hooks at the bottom."""
@@ -137,6 +149,7 @@ class Learner(abc.ABC):
         # are pi_prox's and the no-grad pass is skipped; otherwise one no-grad pass before the first step.
         reuse = prox_from_step_forward(cfg)
         entropy = torch.zeros(2, dtype=torch.float64)   # per-token entropy of pi_prox (actor/entropy): sum, count
+        stale_kl = torch.zeros(2, dtype=torch.float64)  # offpolicy/behav_kl_stale: sum, count
         prox: list[Optional[Tensor]] = [None] * len(flat)
         with torch.no_grad():
             if not reuse:
@@ -176,6 +189,8 @@ class Learner(abc.ABC):
                     entropy += _entropy_sums(mb, None if ent is None else ent.detach())
                 else:
                     logp = mb.layout(self._logprobs(mb).float())
+                if step < len(minis):   # the first pass over the batch: p is pi_prox, the weights at batch start
+                    stale_kl += _stale_kl_sums(mb, p, start_version)
                 loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
                                            generator=self.loss_generator, ref_logp=ref)
                 # A non-finite log-prob of a real token is a broken forward even where the loss clamps it into a
@@ -207,7 +222,7 @@ class Learner(abc.ABC):
         # data is the cause.
         self.version += 1
         self.optimizer_steps += applied
-        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version, entropy)
+        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version, entropy, stale_kl)
         dt = time.perf_counter() - t0
         grad_norm = float(np.mean(norms)) if norms else float("nan")
         metrics.update({
@@ -232,19 +247,20 @@ class Learner(abc.ABC):
         return grpo.batch_reward_stats(rewards, self.cfg.loss, self._all_reduce)
 
     def _finish_metrics(self, batch: TrainBatch, sums: Tensor, w_max: Tensor, steps: int, has_kl: bool,
-                        start_version: int, entropy: Tensor) -> dict[str, float]:
+                        start_version: int, entropy: Tensor, stale_kl: Tensor) -> dict[str, float]:
         lag = batch.lag(start_version).double()
         adv = batch.advantages.double()
         batch_sums = torch.tensor([batch.num_trajectories, batch.num_valid_tokens, float(batch.env_steps.sum()),
                                    float(batch.success.sum()), float(batch.rewards.sum()), float(lag.sum()),
                                    float(adv.abs().sum()), float(adv.sum()), float(entropy[0]),
-                                   float(entropy[1])], dtype=torch.float64)
+                                   float(entropy[1]), float(stale_kl[0]), float(stale_kl[1])], dtype=torch.float64)
         reduced = self._all_reduce(torch.cat([sums, batch_sums]), "sum")
         maxes = self._all_reduce(torch.cat([w_max, lag.max().reshape(1).cpu(), adv.max().reshape(1).cpu(),
                                             -adv.min().reshape(1).cpu()]), "max")
         n = len(sums)
         sums = reduced[:n]
-        trajs, tokens, env_steps, succ, rew, lag_sum, adv_abs, adv_sum, ent_sum, ent_n = reduced[n:].tolist()
+        (trajs, tokens, env_steps, succ, rew, lag_sum, adv_abs, adv_sum, ent_sum, ent_n, stale_sum,
+         stale_n) = reduced[n:].tolist()
         n_loss, n_valid = float(sums[-2]), float(sums[-1])
         out: dict[str, float] = {}
         j = 0
@@ -261,6 +277,9 @@ class Learner(abc.ABC):
         out["offpolicy/is_weight_max"] = float(maxes[0])
         if ent_n > 0:
             out["loss/entropy"] = ent_sum / ent_n
+        # The behaviour/proximal gap where there is one: tokens sampled by an older version (0 when none were).
+        out["offpolicy/behav_kl_stale"] = stale_sum / stale_n if stale_n > 0 else 0.0
+        out["offpolicy/stale_token_frac"] = stale_n / n_valid if n_valid > 0 else 0.0
         ntraj = max(trajs, 1.0)
         out.update({
             "learner/trajectories": trajs, "learner/tokens": tokens, "learner/env_steps": env_steps,

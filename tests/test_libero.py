@@ -210,3 +210,53 @@ def test_decision_point_rendering_is_pixel_equal_to_every_step():
         np.testing.assert_array_equal(a.image, b.image)
         np.testing.assert_array_equal(a.wrist_image, b.wrist_image)
         np.testing.assert_array_equal(a.proprio, b.proprio)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_single_forward_step_loop_is_bit_identical_to_robosuites():
+    """env.single_forward (robosuite's step loop without its redundant per-substep mj_forward): over 2 x 120 steps
+    of random actions with grasps, the full physics state and success after every step, and the images and proprio
+    every 20 steps, equal those of robosuite's own loop exactly; the patched loop runs one forward per substep."""
+    from async_vla.envs.libero import LiberoEnv
+
+    rng = np.random.default_rng(1)
+    actions = rng.uniform(-1.0, 1.0, (120, 7)).astype(np.float32)
+    actions[:, 6] = np.repeat(rng.integers(0, 2, 12), 10)     # gripper held for 10 steps at a time
+    runs, forwards = {}, {}
+    for single in (False, True):
+        e = LiberoEnv(_cfg(f"env.single_forward={str(single).lower()}", "env.pin_fixtures=true",
+                           "env.max_steps=1000").env, seed=0)
+        try:
+            trace = []
+            for init in (3, 17):
+                obs = e.reset(1, init)
+                trace.append((obs.image, obs.wrist_image, obs.proprio))
+                sim = e.raw_env.env.sim
+                calls = {"n": 0}
+                forward = sim.forward
+
+                def counted():
+                    calls["n"] += 1
+                    forward()
+
+                sim.forward = counted
+                for k, a in enumerate(actions):
+                    render = k % 20 == 19
+                    obs, done, success = e.step(a, render=render)
+                    assert not done
+                    trace.append((success, np.array(sim.data.qpos), np.array(sim.data.qvel),
+                                  np.array(sim.data.qacc_warmstart)))
+                    if render:
+                        trace.append((obs.image, obs.wrist_image, obs.proprio))
+                del sim.forward
+                forwards.setdefault(single, []).append(calls["n"])
+            runs[single] = trace
+        finally:
+            e.close()
+    assert len(runs[False]) == len(runs[True]) == 2 * (1 + 120 + 6)
+    for ref, got in zip(runs[False], runs[True]):
+        for x, y in zip(ref, got):
+            np.testing.assert_array_equal(x, y)
+    substeps = 120 * 25   # 20 Hz control over a 500 Hz simulation
+    assert forwards[False] == [2 * substeps] * 2 and forwards[True] == [substeps] * 2

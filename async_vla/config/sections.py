@@ -122,6 +122,11 @@ class EnvConfig(Section):
     eval envs, two versions are compared on the same scenes, and a group's rollouts differ only by the policy's
     samples. False = LIBERO's own behaviour (what published evaluations include): a fresh placement at every
     reset from numpy's global stream, which depends on the worker's history."""
+    single_forward: bool = True
+    """LIBERO: robosuite runs mj_forward twice per physics substep at the same state (the env's loop, then the arm
+    controller); the controller's pass then recomputes only the acceleration stage. States, images and success
+    are bit-identical to robosuite's loop (tests/test_libero.py); speed in docs/LIBERO.md. Needs robosuite 1.4.0
+    (the pinned release); false = robosuite's own loop."""
     gripper_convention: Literal["openvla", "libero"] = "openvla"
     """LIBERO action[6]: openvla = [0, 1] with 1 open (converted to LIBERO's -1 open / +1 close);
     libero = already in LIBERO's [-1, 1], +1 close."""

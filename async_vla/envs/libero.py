@@ -280,6 +280,8 @@ class LiberoEnv(Env):
             # the fixtures' placement a function of the init state alone.
             np.random.seed(fixture_seed(self.cfg.suite, task_id, init_state_id))
         env.reset()
+        if self.cfg.single_forward:
+            share_forward(env.env)   # after the reset: a hard one builds new controllers
         # robosuite integrates gripper commands into gripper.current_action and only a hard reset (a new model)
         # zeroes it: without this a soft reset would start with the last episode's gripper command.
         for robot in env.robots:
@@ -446,6 +448,65 @@ class LiberoEnv(Env):
                                   raw["robot0_gripper_qpos"]]).astype(np.float32)
         wrist = self._image(raw["robot0_eye_in_hand_image"]) if self.cfg.wrist_camera else None
         return Observation(image=self._image(raw["agentview_image"]), proprio=proprio, wrist_image=wrist)
+
+
+SINGLE_FORWARD_ROBOSUITE = "1.4.0"
+"""The robosuite release whose step loop ``share_forward`` was read against (checked before patching)."""
+
+
+class _SameStateSim:
+    """The arm controller's handle on the simulator. robosuite's ``MujocoEnv.step`` runs ``sim.forward()`` at the
+    top of every physics substep, and the controller's ``update()`` (from ``set_goal`` / ``run_controller``, inside
+    ``_pre_action``) runs it again at the same qpos/qvel/ctrl. While ``same_state`` is set (only during
+    ``_pre_action``), this handle's ``forward`` recomputes only what can differ the second time: the acceleration
+    stage (actuation, the constraint solver, which starts from the warm start the first pass left, and the
+    acceleration sensors), skipping the position and velocity stages (kinematics, collision detection, the mass
+    matrix), whose results are still in ``data`` unchanged. Everything else goes to the real sim."""
+
+    def __init__(self, sim):
+        self._sim = sim
+        self.same_state = False
+
+    def __getattr__(self, name):
+        return getattr(self._sim, name)
+
+    def forward(self):
+        if not self.same_state:
+            self._sim.forward()
+            return
+        import mujoco
+
+        mujoco.mj_forwardSkip(self._sim.model._model, self._sim.data._data, mujoco.mjtStage.mjSTAGE_VEL, 0)
+
+
+def share_forward(env) -> None:
+    """Make the second ``mj_forward`` of each physics substep of one robosuite env (``OffScreenRenderEnv(...).env``)
+    skip the stages the first one computed at the same state (``_SameStateSim``): states, observations and success
+    stay bit-identical to robosuite's own loop (tests/test_libero.py). Re-applied after a reset that rebuilt the
+    controllers (a hard reset); a no-op when applied. Refuses another robosuite release, naming env.single_forward."""
+    import robosuite
+
+    if robosuite.__version__ != SINGLE_FORWARD_ROBOSUITE:
+        raise RuntimeError(
+            f"env.single_forward was checked against robosuite {SINGLE_FORWARD_ROBOSUITE}'s step loop, but robosuite "
+            f"{robosuite.__version__} is installed: set env.single_forward=false (or install robosuite=="
+            f"{SINGLE_FORWARD_ROBOSUITE}, requirements-libero.txt)")
+    handle = getattr(env, "_same_state_sim", None)
+    if handle is None or handle._sim is not env.sim:
+        handle = _SameStateSim(env.sim)
+        env._same_state_sim = handle
+        pre_action = type(env)._pre_action.__get__(env)
+
+        def _pre_action(action, policy_step=False):
+            handle.same_state = True   # robosuite calls _pre_action right after the substep's sim.forward()
+            try:
+                pre_action(action, policy_step)
+            finally:
+                handle.same_state = False
+
+        env._pre_action = _pre_action
+    for robot in env.robots:
+        robot.controller.sim = handle
 
 
 def fixture_seed(suite: str, task_id: int, init_state_id: int) -> int:

@@ -1,0 +1,189 @@
+"""How much of a GRPO update is signal: the gradient's signal-to-noise by batch size, from recorded groups.
+
+At the weights that sampled the groups (lag 0, ratio 1, no clip active) the clipped GRPO loss's gradient is the
+advantage-weighted sum of per-trajectory score vectors, ``g = -sum_t w_t A_t s_t`` with ``s_t`` the gradient of
+trajectory t's summed token log-probs and ``w_t`` the aggregation's weight (``token_mean``: 1/#tokens of the
+batch, the same for every t; ``seq_mean_token_mean``: 1/(#trajectories * #tokens of t)). One group's gradient
+``g_i`` is that sum over its members. Write ``g_i = m + e_i``: ``m`` is the expected group gradient (the
+signal, what a large batch would follow), ``e_i`` the group's own noise. Then for two distinct groups drawn
+independently, ``E[g_i . g_j] = |m|^2``, and ``E[g_i . g_i] = |m|^2 + E|e|^2``; the **signal share of one
+group** is ``rho = |m|^2 / E|g|^2``. A batch of k groups has signal share ``k rho / (1 + (k - 1) rho)``, which is
+also the expected cosine between the gradients of two disjoint batches of k groups, and is one half at
+``k = (1 - rho) / rho`` groups.
+
+Everything here works on Gram matrices: ``K[t, u] = s_t . s_u`` over the recorded trajectories (computed once),
+from which any group gradient, any batch and any permutation of advantages is a quadratic form. The baseline
+that separates signal from chance: the same statistics with the advantages permuted within each group, which
+keeps every group's reward set and destroys the link between a trajectory's actions and its outcome.
+
+Pure numpy (the score vectors come from ``trajectory_scores``, which needs torch); tested against explicit
+vectors in tests/test_gradsnr.py. Used by bin/grad-snr (docs/LIBERO.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def group_gram(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray]) -> np.ndarray:
+    """``G[i, j] = g_i . g_j`` with ``g_i = sum_{t in groups[i]} adv[t] s_t``, from ``K[t, u] = s_t . s_u``."""
+    A = np.zeros((len(groups), K.shape[0]))
+    for i, idx in enumerate(groups):
+        A[i, idx] = adv[idx]
+    return A @ K @ A.T
+
+
+def permute_within_groups(adv: np.ndarray, groups: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """A copy of ``adv`` whose values are shuffled among the members of each group (the noise-only baseline)."""
+    out = np.array(adv, dtype=np.float64, copy=True)
+    for idx in groups:
+        out[idx] = out[rng.permutation(idx)]
+    return out
+
+
+def shuffle_outcomes(group: Sequence, rng: np.random.Generator) -> list:
+    """A group's trajectories with their (success, reward) pairs shuffled among the members: the same reward set,
+    no link between a member's actions and its outcome (the noise-only control's data)."""
+    import dataclasses
+
+    order = rng.permutation(len(group))
+    return [dataclasses.replace(t, success=group[j].success, reward=group[j].reward) for t, j in zip(group, order)]
+
+
+def signal_share(G: np.ndarray, cells: Sequence, weights: Optional[dict] = None) -> dict:
+    """One group's signal share ``rho`` for a problem that draws its groups from ``cells`` (e.g. (task, init
+    state) pairs) with probabilities ``weights`` (default: each cell's share of the groups given, i.e. the
+    recorded mix). ``G``: the groups' Gram matrix, ``cells[i]``: group i's cell.
+
+    signal = sum_{c, c'} p_c p_c' mean_{i in c, j in c', i != j} G_ij over the cell pairs that have such a pair
+    (a cell with one group has no same-cell pair: its term is left out and the weights renormalised);
+    total = sum_c p_c mean_{i in c} G_ii. Returns {"signal", "total", "rho", "groups", "cells"}."""
+    cells = list(cells)
+    if len(cells) != G.shape[0]:
+        raise ValueError(f"{len(cells)} cell labels for {G.shape[0]} groups")
+    labels = sorted(set(cells), key=repr)
+    members = {c: np.array([i for i, x in enumerate(cells) if x == c]) for c in labels}
+    if weights is None:
+        weights = {c: len(members[c]) / len(cells) for c in labels}
+    p = np.array([float(weights[c]) for c in labels])
+    p = p / p.sum()
+    num = den = 0.0
+    for a, ca in enumerate(labels):
+        for b, cb in enumerate(labels):
+            block = G[np.ix_(members[ca], members[cb])]
+            if a == b:
+                n = len(members[ca])
+                if n < 2:
+                    continue
+                mean = (block.sum() - np.trace(block)) / (n * (n - 1))
+            else:
+                mean = block.mean()
+            num += p[a] * p[b] * mean
+            den += p[a] * p[b]
+    signal = num / den if den > 0 else float("nan")
+    total = float(sum(p[a] * np.mean(np.diag(G)[members[c]]) for a, c in enumerate(labels)))
+    return {"signal": float(signal), "total": total, "rho": float(signal / total) if total > 0 else float("nan"),
+            "groups": len(cells), "cells": len(labels)}
+
+
+def expected_cosine(rho: float, k: int) -> float:
+    """Signal share of a batch of k groups = expected cosine between two disjoint batches' gradients."""
+    return k * rho / (1.0 + (k - 1) * rho)
+
+
+def groups_for_share(rho: float, share: float = 0.5) -> float:
+    """Groups per batch for the batch's signal share to reach ``share`` (inf when rho <= 0)."""
+    if rho <= 0:
+        return float("inf")
+    return share * (1.0 - rho) / (rho * (1.0 - share))
+
+
+def batch_cosines(G: np.ndarray, k: int, rng: np.random.Generator, draws: int = 200) -> np.ndarray:
+    """Cosines between the gradients of two disjoint batches of k groups, for ``draws`` random splits of the
+    groups (each batch gradient the sum of its groups' gradients)."""
+    n = G.shape[0]
+    if 2 * k > n:
+        raise ValueError(f"two disjoint batches of {k} groups need {2 * k} groups, {n} given")
+    out = np.empty(draws)
+    for d in range(draws):
+        order = rng.permutation(n)
+        a, b = order[:k], order[k:2 * k]
+        ab, aa, bb = G[np.ix_(a, b)].sum(), G[np.ix_(a, a)].sum(), G[np.ix_(b, b)].sum()
+        out[d] = ab / np.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+    return out
+
+
+def measure(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray], cells: Sequence,
+            batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), permutations: int = 200, draws: int = 200,
+            seed: int = 0) -> dict:
+    """The report for one problem (the given groups, drawn as recorded): rho with its permutation null, the
+    groups per batch for a half-signal update, and batch cosines real / permuted by batch size.
+
+    ``p_value``: the share of ``permutations`` within-group permutations of the advantages whose rho is at
+    least the real one (+1 smoothing). ``rho_null_95``: their 95th percentile: a rho below it is not told
+    apart from chance with these groups."""
+    rng = np.random.default_rng(seed)
+    G = group_gram(K, adv, groups)
+    real = signal_share(G, cells)
+    null = np.array([signal_share(group_gram(K, permute_within_groups(adv, groups, rng), groups), cells)["rho"]
+                     for _ in range(permutations)])
+    G_perm = group_gram(K, permute_within_groups(adv, groups, rng), groups)
+    by_k = []
+    for k in batch_sizes:
+        if 2 * k > len(groups):
+            continue
+        cos_real = batch_cosines(G, k, rng, draws)
+        cos_perm = batch_cosines(G_perm, k, rng, draws)
+        by_k.append({"k": int(k), "cosine": float(cos_real.mean()), "cosine_permuted": float(cos_perm.mean()),
+                     "expected_from_rho": expected_cosine(real["rho"], k)})
+    return {**real,
+            "rho_null_mean": float(null.mean()) if permutations else None,
+            "rho_null_95": float(np.quantile(null, 0.95)) if permutations else None,
+            "p_value": float((1 + np.sum(null >= real["rho"])) / (1 + permutations)) if permutations else None,
+            "groups_for_half_signal": groups_for_share(real["rho"], 0.5),
+            "by_batch_size": by_k}
+
+
+def trajectory_scores(policy, trajectories: Sequence, temperature: float):
+    """Per-trajectory score vectors ``s_t``: the gradient of trajectory t's token log-probs (at ``temperature``,
+    the learner's: the rollout temperature) summed over its ``token_mask``, as float32 [N, #trainable
+    parameters], with each trajectory's token count [N]. ``s_t / count_t`` is its direction under
+    ``seq_mean_token_mean``. One backward per trajectory; the policy's weights are not changed."""
+    import torch
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    scores = torch.empty((len(trajectories), sum(p.numel() for p in params)), dtype=torch.float32)
+    counts = np.empty(len(trajectories))
+    for row, traj in enumerate(trajectories):
+        mask = torch.from_numpy(np.asarray(traj.token_mask, dtype=bool))
+        logp = policy.token_logprobs(torch.from_numpy(np.asarray(traj.images)),
+                                     torch.from_numpy(np.asarray(traj.proprio, dtype=np.float32)),
+                                     [traj.instruction] * traj.num_calls,
+                                     torch.from_numpy(np.asarray(traj.action_tokens, dtype=np.int64)), temperature)
+        total = torch.where(mask, logp, torch.zeros_like(logp)).sum()
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        scores[row] = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                                 for g, p in zip(grads, params)])
+        counts[row] = float(mask.sum())
+    return scores, counts
+
+
+def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
+    """``K[t, u] = s_t . s_u`` (float64) for the per-trajectory directions of ``aggregation``: ``token_mean``
+    (every token weighs the same: the summed scores) or ``seq_mean_token_mean`` (each trajectory's token mean).
+    Constant factors (1/#tokens, 1/#trajectories of a batch) scale every direction alike and leave rho and the
+    cosines unchanged."""
+    import torch
+
+    S = scores.to(torch.float64)
+    if aggregation == "seq_mean_token_mean":
+        S = S / torch.from_numpy(np.maximum(counts, 1.0))[:, None]
+    elif aggregation != "token_mean":
+        raise ValueError(f"aggregation must be token_mean or seq_mean_token_mean, got {aggregation!r}")
+    return (S @ S.T).numpy()
+
+
+__all__ = ["batch_cosines", "expected_cosine", "group_gram", "groups_for_share", "measure",
+           "permute_within_groups", "score_gram", "shuffle_outcomes", "signal_share", "trajectory_scores"]
