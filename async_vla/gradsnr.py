@@ -88,6 +88,39 @@ def signal_share(G: np.ndarray, cells: Sequence, weights: Optional[dict] = None)
             "groups": len(cells), "cells": len(labels)}
 
 
+def pair_means(G: np.ndarray, cells: Sequence[tuple[int, int]]) -> dict:
+    """Mean ``g_i . g_j`` over distinct pairs of groups by how they relate: the same (task, init state)
+    ("same_state"), the same task and another init state ("same_task"), another task ("other_task"); with each
+    kind's pair count, and the mean ``|g_i|^2`` ("total"). The pieces of ``projected_rho``."""
+    cells = [tuple(c) for c in cells]
+    sums = {"same_state": [0.0, 0], "same_task": [0.0, 0], "other_task": [0.0, 0]}
+    for i in range(len(cells)):
+        for j in range(i + 1, len(cells)):
+            kind = ("same_state" if cells[i] == cells[j] else
+                    "same_task" if cells[i][0] == cells[j][0] else "other_task")
+            sums[kind][0] += G[i, j]
+            sums[kind][1] += 1
+    out = {k: (v[0] / v[1] if v[1] else float("nan")) for k, v in sums.items()}
+    out.update({f"{k}_pairs": v[1] for k, v in sums.items()})
+    out["total"] = float(np.mean(np.diag(G)))
+    return out
+
+
+def projected_rho(means: dict, tasks: int, states: int) -> float:
+    """One group's signal share for a problem of ``tasks`` tasks x ``states`` init states each, drawn uniformly,
+    from ``pair_means``: two independent draws hit the same init state with probability 1/(tasks states), the same
+    task and another state with (1 - 1/states)/tasks, another task with 1 - 1/tasks."""
+    p_same = 1.0 / (tasks * states)
+    p_task = (1.0 - 1.0 / states) / tasks
+    p_other = 1.0 - 1.0 / tasks
+    signal = p_same * means["same_state"]
+    if p_task > 0:
+        signal += p_task * means["same_task"]
+    if p_other > 0:
+        signal += p_other * means["other_task"]
+    return float(signal / means["total"])
+
+
 def expected_cosine(rho: float, k: int) -> float:
     """Signal share of a batch of k groups = expected cosine between two disjoint batches' gradients."""
     return k * rho / (1.0 + (k - 1) * rho)
@@ -185,5 +218,5 @@ def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
     return (S @ S.T).numpy()
 
 
-__all__ = ["batch_cosines", "expected_cosine", "group_gram", "groups_for_share", "measure",
+__all__ = ["batch_cosines", "expected_cosine", "pair_means", "projected_rho", "group_gram", "groups_for_share", "measure",
            "permute_within_groups", "score_gram", "shuffle_outcomes", "signal_share", "trajectory_scores"]

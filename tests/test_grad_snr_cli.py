@@ -97,6 +97,10 @@ def test_measure_reports_every_problem_and_aggregation(mixed):
         assert r["mixed_groups"] == 12 and np.isfinite(r["rho"]) and 0 < r["p_value"] <= 1
         assert [c["k"] for c in r["by_batch_size"]] == [1, 2]
     assert "| all | token_mean | 12 / 12 |" in (mixed / "snr.md").read_text()
+    for agg in ("token_mean", "seq_mean_token_mean"):   # 12 groups over 4 cells: 12 same-state pairs
+        p = report["projections"][agg]
+        assert p["relations"]["same_state"]["pairs"] == 12 and p["relations"]["other_task"]["pairs"] == 36
+        assert {(x["tasks"], x["states"]) for x in p["projected"]} >= {(1, 1), (5, 40)}
 
 
 def test_control_trains_both_arms_the_same_steps_and_saves_their_policies(mixed, tmp_path):

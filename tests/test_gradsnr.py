@@ -84,6 +84,24 @@ def test_signal_share_weights_cells_and_leaves_out_single_group_cells():
     assert got["rho"] == pytest.approx(num / den / total) and got["cells"] == 3
 
 
+def test_pair_means_sort_pairs_by_relation_and_projection_weighs_them():
+    rng = np.random.default_rng(6)
+    g = rng.normal(size=(6, 9))
+    G = g @ g.T
+    cells = [(0, 0), (0, 0), (0, 1), (1, 0), (1, 0), (1, 2)]
+    got = gradsnr.pair_means(G, cells)
+    assert got["same_state"] == pytest.approx(np.mean([g[0] @ g[1], g[3] @ g[4]]))
+    assert got["same_task"] == pytest.approx(np.mean([g[0] @ g[2], g[1] @ g[2], g[3] @ g[5], g[4] @ g[5]]))
+    others = [g[i] @ g[j] for i in range(3) for j in range(3, 6)]
+    assert got["other_task"] == pytest.approx(np.mean(others)) and got["other_task_pairs"] == 9
+    assert got["total"] == pytest.approx(np.mean([v @ v for v in g]))
+    # one task, one state: every pair is a same-state pair; many states: the same-task pairs dominate
+    assert gradsnr.projected_rho(got, 1, 1) == pytest.approx(got["same_state"] / got["total"])
+    mix = gradsnr.projected_rho(got, 2, 4)
+    expect = (got["same_state"] / 8 + (3 / 4) / 2 * got["same_task"] + 0.5 * got["other_task"]) / got["total"]
+    assert mix == pytest.approx(expect)
+
+
 def test_batch_cosines_are_cosines_of_explicit_batch_sums():
     S, adv, groups, _ = _vectors(n_groups=10)
     g = np.stack([adv[idx] @ S[idx] for idx in groups])
