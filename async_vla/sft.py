@@ -247,8 +247,11 @@ def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int
 
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
                     split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
-                    videos: int = 0) -> dict:
+                    videos: int = 0, temperature: float = 0.0, repeats: int = 1,
+                    generator: Optional[torch.Generator] = None) -> dict:
     """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``).
+    ``temperature`` > 0 samples instead (the rollout-temperature readout, with ``generator``), ``repeats``
+    episodes per init state (outcomes then hold each init state ``repeats`` times).
 
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
     Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
@@ -258,7 +261,9 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     """
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)
-    episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)[:max_per_task]]
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)[:max_per_task]] * repeats
     film = video_episodes(episodes, videos) if videos > 0 else set()
     t0 = time.perf_counter()
     was_training = policy.training
@@ -267,11 +272,13 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     width = max(1, min(batch_size, len(envs)))
     for start in range(0, len(episodes), width):
         part = episodes[start:start + width]
-        results += rollout(policy, envs[:len(part)], part, temperature=0.0, record=[ep in film for ep in part])
+        results += rollout(policy, envs[:len(part)], part, temperature=temperature, generator=generator,
+                           record=[ep in film for ep in part])
     policy.train(was_training)
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
     out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
            "successes": int(sum(r.success for r in results)), "episodes": len(results), "split": split,
+           "temperature": float(temperature),
            "env_steps": int(sum(r.env_steps for r in results)), "wall_s": time.perf_counter() - t0,
            "outcomes": [[r.task_id, r.init_state_id, bool(r.success)] for r in results]}
     if film:

@@ -262,3 +262,28 @@ def test_bin_sft_stop_at_val_success_records_the_val_curve_and_names_bad_input(t
                              capture_output=True, text=True, timeout=120, cwd=REPO)
         assert res.returncode == 2 and named in res.stderr, res.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_sampled_evaluation_repeats_each_init_state_and_bin_eval_checks_its_options(tmp_path):
+    """evaluate_greedy(temperature > 0, repeats=N): the rollout-temperature readout, N sampled episodes per init
+    state; bin/eval --temperature/--repeats refuses what cannot be meant before loading anything."""
+    import subprocess
+    import sys
+    from collections import Counter
+
+    cfg, env, policy = setup()
+    envs = [copy.deepcopy(env) for _ in range(4)]
+    greedy = evaluate_greedy(policy, envs, split="eval")
+    sampled = evaluate_greedy(policy, envs, split="eval", temperature=1.6, repeats=3,
+                              generator=torch.Generator().manual_seed(0))
+    assert sampled["episodes"] == 3 * greedy["episodes"] and sampled["temperature"] == 1.6
+    counts = Counter((t, i) for t, i, _ in sampled["outcomes"])
+    assert set(counts) == {(t, i) for t, i, _ in greedy["outcomes"]} and set(counts.values()) == {3}
+    with pytest.raises(ValueError, match="repeats"):
+        evaluate_greedy(policy, envs, split="eval", repeats=0)
+    repo = Path(__file__).resolve().parent.parent
+    for bad in (["--repeats", "3"], ["--temperature", "-1"], ["--temperature", "1.6", "--versions", "1",
+                                                               "--record"]):
+        proc = subprocess.run([sys.executable, str(repo / "bin" / "eval"), str(tmp_path), *bad],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and ("--temperature" in proc.stderr or "--record" in proc.stderr), proc.stderr
