@@ -35,7 +35,7 @@ PRODUCER_PROCS = 4
 
 
 def _config(run_dir: Path, B: int, traj_bytes: int, hwm: int) -> dict:
-    from runner.launch import free_port
+    from async_vla.hosts import free_port
 
     return {
         "run": {"name": RUN},

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -85,17 +84,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
     from async_vla.child_process import die_with_parent
+    from async_vla.hosts import free_port
 
-    port = _free_port()
+    port = free_port()
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
     for r in range(n):

@@ -56,6 +56,7 @@ from torch import Tensor
 
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
+from async_vla.hosts import free_port
 from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
                           policy_has_entropy, prune_checkpoints, restore_rng_state, save_policy_dir,
                           tensors_digest)
@@ -136,12 +137,6 @@ def load_ds_config(cfg: Config, world: int) -> dict:
     return {**user, **batch_size_keys(cfg, world)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _loopback_store(cfg: Config) -> Optional[Any]:
     """Rank 0's rendezvous store bound to MASTER_ADDR itself when that is a loopback address.
 
@@ -187,7 +182,7 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
         if "WORLD_SIZE" not in os.environ:
             os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

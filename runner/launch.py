@@ -17,7 +17,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from async_vla.child_process import die_with_parent
 from async_vla.config import Config, load_config, write_resolved
+from async_vla.hosts import free_port
 from async_vla.metrics import Monitor
 from async_vla.placement import evaluator_device, learner_env
 from async_vla.transport import endpoints
@@ -33,12 +33,6 @@ from runner.report import RunRecorder, fmt_rate
 
 log = logging.getLogger("runner.launch")
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_ports(cfg: Config) -> Config:

@@ -306,7 +306,7 @@ class RayRun(LaunchedRun):
 def resolve_master_port(cfg: Config, driver_ip: str) -> Config:
     """``ray.learner_master_port``: 0 becomes a free port of the driver's node (rank 0's); a given one must be
     free there. Checked here, as the transport's ports are by bin/train's preflight."""
-    from runner.launch import free_port
+    from async_vla.hosts import free_port
     from runner.preflight import busy_ports
 
     if cfg.ray.learner_master_port == 0:
