@@ -209,7 +209,7 @@ class RankRun:
 
     def digests(self) -> dict:
         """sha256 of the full parameters (rank 0) and of this rank's optimizer state ({} when not asked for)."""
-        from learner.core import tensors_digest
+        from learner.checkpoint_files import tensors_digest
 
         if not self.cfg.learner.checkpoint_digest:
             return {}
@@ -217,7 +217,7 @@ class RankRun:
                 "optimizer": self.learner.optimizer_digest()}
 
     def resume(self, resume: bool) -> None:
-        from learner.core import latest_tag
+        from learner.checkpoint_names import latest_tag
 
         ckpt_dir = self.ckpt_dir
         if resume and self.world > 1:   # before any rank loads: a rank alone at v0 would hang the others
@@ -320,7 +320,7 @@ class RankRun:
                                        "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
 
     def checkpoint(self) -> None:
-        from learner.core import checkpoint_tag
+        from learner.checkpoint_names import checkpoint_tag
 
         t0 = time.perf_counter()
         extra = {"buffer_ledger": self.batches.buffer_stats() if self.rank == 0 else {}}

@@ -57,9 +57,9 @@ from torch import Tensor
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
 from async_vla.hosts import free_port
-from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
-                          policy_has_entropy, prune_checkpoints, restore_rng_state, save_policy_dir,
-                          tensors_digest)
+from learner.checkpoint_files import capture_rng_state, restore_rng_state, tensors_digest
+from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
+from learner.core import Learner, frozen_copy, policy_has_entropy, save_policy_dir
 
 log = logging.getLogger(__name__)
 

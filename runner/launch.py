@@ -365,10 +365,9 @@ class LaunchedRun:
     def evaluate_start(self) -> None:
         if self.resume:
             # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
-            from learner.core import latest_tag
+            from learner.checkpoint_names import latest_version
 
-            tag = latest_tag(self.run_dir / "checkpoints") or "v0"
-            start = int(tag[1:]) if tag[1:].isdigit() else 0
+            start = latest_version(self.run_dir / "checkpoints") or 0
             self.recorder.mark_resumed(start)
             # Its weights were evaluated when the last part ended there; otherwise the first eval of this part
             # is the next periodic one (the exports on disk may be of updates the checkpoint does not have).

@@ -246,10 +246,9 @@ class RayRun(LaunchedRun):
         record follows the learner back to the checkpoint, as at a ``bin/train --resume``."""
         import ray
 
-        from learner.checkpoint_files import latest_tag
+        from learner.checkpoint_names import latest_version
 
-        tag = latest_tag(self.run_dir / "checkpoints")   # what rank 0 (on this node, the run directory) resumes
-        version = int(tag[1:]) if tag else None
+        version = latest_version(self.run_dir / "checkpoints")   # what rank 0 (on this node, the run dir) resumes
         restart, line = restart_decision(failed.failure, len(self.rank_restarts), self.cfg.ray.learner_restarts,
                                          version)
         print(line, flush=True)
