@@ -1,7 +1,7 @@
 """The control plane under hostile input. In process (BufferService, fake clock): an actor that stops heart-beating
 loses its grants, parked batch requests are bounded, the control file cannot raise eta past its limit, a bad batch
 request gets a reply the learner can read. Live (``bin/buffer`` as its own process): thousands of hostile frames and
-forged control messages from a local process (runner/fuzz.py), after which the buffer is up, its memory bounded,
+forged control messages from a local process (runner/faults/fuzz.py), after which the buffer is up, its memory bounded,
 eta and the groups in flight within their limits, and an honest actor and learner are served normally."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import load_config, write_resolved
 from async_vla.messages import BatchRequest, ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender, endpoints
-from runner.fuzz import CONTROL_KINDS, forge_control, fuzz
+from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
 
 REPO = Path(__file__).resolve().parents[2]
 
