@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from async_vla.buffer.filters import difficulty_mask, mixed_outcome  # noqa: F401 - the buffer's filters, re-exported
 from async_vla.config import LossConfig
 
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(88) overflows float32, and an inf ratio on a
