@@ -340,7 +340,7 @@ class RankRun:
 
     def finish(self) -> None:
         """A final checkpoint (unless the last one is current), the exported policy, and the publisher closed."""
-        from async_vla.policy.interface import write_policy_version
+        from async_vla.policy.build import write_policy_version
         from learner.publish import close_publisher
 
         if self.learner.version != self.last_ckpt or not (self.ckpt_dir / "latest").is_file():

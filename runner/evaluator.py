@@ -80,7 +80,7 @@ class Evaluator(HeldOut):
     def final_version(self) -> int:
         """The version ``evaluate()`` would score now: the latest export's, else the learner's final policy's
         (weights.export=false), else the one loaded last (the initial policy if nothing was trained)."""
-        from async_vla.policy.interface import read_policy_version
+        from async_vla.policy.build import read_policy_version
 
         latest = self.latest_version()
         if latest >= 0:
@@ -114,7 +114,7 @@ class Evaluator(HeldOut):
         """Greedy held-out success of the export at ``path`` (deleted once loaded: a milestone), else - with
         ``use_latest`` - of the latest export, or where there is none (weights.export=false) of the learner's
         final ``<run>/policy`` once it has written one; else of the weights loaded last (the initial policy)."""
-        from async_vla.policy.interface import read_policy_version
+        from async_vla.policy.build import read_policy_version
 
         final = self.run_dir / "policy"
         if path is not None:

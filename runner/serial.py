@@ -67,7 +67,7 @@ class SerialRun:
 
         from actors.actor import SerialActor
         from async_vla.buffer import GroupBuffer
-        from async_vla.envs.base import make_env
+        from async_vla.envs import make_env
         from async_vla.policy import build_policy
         from learner.core import TorchLearner
 

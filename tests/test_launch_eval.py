@@ -6,7 +6,7 @@ import torch
 
 from async_vla.config import load_config
 from async_vla.policy import build_policy, save_policy
-from async_vla.policy.interface import read_policy_version, write_policy_version
+from async_vla.policy.build import read_policy_version, write_policy_version
 from async_vla.weights.export import MILESTONES, export_weights, milestones
 from runner.evaluator import Evaluator
 from timing import slack

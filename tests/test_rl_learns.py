@@ -28,7 +28,7 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
     import torch
 
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
     from async_vla.policy import build_policy, save_policy
     from async_vla.sft import DEFAULT_BIN_SIGMA, collect_demos, sft_train
 
