@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import load_config, write_resolved
 from async_vla.messages import BatchRequest, ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender, endpoints
+from runner.commands import component_argv
 from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,8 +146,8 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
     cfg = load_config(str(yaml), overrides)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     log = open(tmp_path / "buffer.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "bin" / "buffer"), str(yaml), *overrides,
-                             "--run-dir", str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(component_argv("buffer", str(yaml), str(run_dir), overrides=overrides), env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
     eps = endpoints(cfg.transport, run_dir, side="connect")
     try:
         client = ControlClient(eps["control"])
