@@ -6,7 +6,7 @@ Engine
   parameters used outside their module's own forward (tied LM head rows, learned queries) by itself.
 - Optimizer: a torch ``AdamW`` client optimizer (lr, betas, weight decay from ``learner.*``): no FusedAdam /
   CPUAdam extension build. ``gradient_clipping`` = ``learner.grad_clip``. bf16 on GPU, fp32 on CPU
-  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a ~75 s compile used only for CPU
+  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a long compile, used only for CPU
   inference all-reduce) is switched off before ``init_distributed``. Backend: nccl on GPU, gloo on CPU.
 - The DeepSpeed JSON is ``make_ds_config(cfg, world)`` unless ``learner.deepspeed_config`` names a file; a
   user file replaces it, except the three batch-size keys, which we always set: the learner drives gradient
@@ -176,7 +176,7 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
     import deepspeed.ops
     import torch.distributed as dist
 
-    # The shm comm op is only an inference all-reduce fast path and costs a ~75 s compile on a fresh host.
+    # The shm comm op is only an inference all-reduce fast path and costs a long compile on a fresh host.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:

@@ -36,7 +36,7 @@ def sample_tokens(logits: Tensor, temperature: float, generator: Optional[torch.
     if temperature == 0:
         idx = logits.argmax(dim=-1)
     else:
-        # Inverse-CDF sampling: one uniform per token (torch.multinomial spends ~25% of act() drawing more).
+        # Inverse-CDF sampling: one uniform per token (torch.multinomial draws more, at a real share of act()).
         cdf = logp_all.reshape(-1, logp_all.shape[-1]).exp().cumsum(-1)
         u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
         idx = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).reshape(logp_all.shape[:-1])
