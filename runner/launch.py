@@ -4,10 +4,9 @@ Every child is started from the resolved ``<run>/config.yaml`` (one source of tr
 runner/commands.py, its own log file in ``<run>/logs/`` and that command line appended to ``<run>/commands.txt``.
 The launcher itself watches the children, evaluates the policy greedily on held-out init states every
 ``run.eval_every`` versions (runner/evaluator.py; exactly those versions: the learner keeps their exports in
-``<run>/weights/milestones/`` until evaluated),
-prints a live status line, and on completion or Ctrl-C stops everything: actors first (so nothing new is
-produced), then the learner (final checkpoint), then the buffer (final ledger). No zombies: each child is
-signalled, waited for a bounded time, then killed.
+``<run>/weights/milestones/`` until evaluated), prints a live status line, and on completion or Ctrl-C stops
+everything: actors first (so nothing new is produced), then the learner (final checkpoint), then the buffer (final
+ledger). No zombies: each child is signalled, waited for a bounded time, then killed.
 """
 
 from __future__ import annotations
