@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from async_vla.envs.base import Env, Observation, Split, make_env
+from async_vla.envs import make_env
+from async_vla.envs.base import Env, Observation, Split
 
 if TYPE_CHECKING:
     from async_vla.config import Config

@@ -1,6 +1,6 @@
 """GRPO advantages and the off-policy-corrected, clipped policy loss (pure torch; no processes, no state).
 
-Notation (docs: /work/shared/REFERENCES.md "Off-policy correction" and "NSR"):
+Notation (docs/LEARNER.md "The step"; the loss options: docs/CONFIG.md, section loss):
     pi_b  behaviour policy (the actor that sampled the tokens)      -> ``behav_logp``
     pi_p  proximal policy (learner weights at batch start)          -> ``prox_logp``
     pi_t  current policy (differentiable)                           -> ``logp``
@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from async_vla.buffer.filters import difficulty_mask, mixed_outcome  # noqa: F401 - the buffer's filters, re-exported
 from async_vla.config import LossConfig
 
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(88) overflows float32, and an inf ratio on a

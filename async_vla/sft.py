@@ -21,11 +21,9 @@ import torch
 from async_vla.envs.base import Env, Observation
 from async_vla.policy.interface import VLAPolicy
 
-# Defaults (bin/sft uses the same), measured on the built-in tasks 0-3 with one demo per task: held-out greedy
-# success 0.5 (the demo's spot), T=1.6 rollouts that hit the demo's spot ~70% of the time and the other spot
-# ~10%, so GRPO groups come out mixed and carry a clean signal.
-# bin_sigma: 8 bins made T=1.6 rollouts so noisy (~7-25% success) that async GRPO collapsed to 0 within a few
-# hundred versions; 4 bins reached 97.5% held-out in ~140 s of serial GRPO (measured, lr 1.5e-4).
+# Defaults (bin/sft uses the same; bin/quickstart passes its own recipe). bin_sigma: a target a few bins wide keeps
+# T=1.6 rollouts near the demos' actions, so GRPO groups come out mixed; a much wider one makes rollouts so noisy
+# that GRPO collapses (how the recipes were chosen: docs/BENCHMARKS.md, "SFT start on task v2").
 DEFAULT_BIN_SIGMA = 4.0
 DEFAULT_EPOCHS = 200
 DEFAULT_BATCH_SIZE = 8
@@ -101,9 +99,8 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     ``bin_sigma > 0``: CE against a Gaussian over neighbouring bins (sigma in bins). One-hot CE on a handful of
     demo samples makes the tiny model so sharp that temperature-1.6 rollouts almost never leave the demo's
     action, every GRPO group is all-fail or all-success, and RL has no signal; the smoothed target keeps the
-    greedy action (the mode) and gives rollouts a controlled local spread (sigma 4 bins: at T=1.6 a jump
-    reaches the other spot of the built-in tasks in ~10% of the samples). Only dims the demos vary
-    are smoothed.
+    greedy action (the mode) and gives rollouts a controlled local spread. Only dims the demos vary are
+    smoothed.
     """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

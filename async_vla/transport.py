@@ -85,7 +85,9 @@ def _secure_server(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
         sock.curve_server = True
 
 
-def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+def secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+    """Make ``sock`` a CURVE client of the buffer with ``keys`` (its own pair and the server's public key); None:
+    plain ZeroMQ (transport.curve=false). Before ``connect``."""
     if keys is not None:
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public
@@ -150,7 +152,7 @@ class TrajectorySender:
         self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
         self._sock = _socket(self._ctx, zmq.PUSH, hwm, None)
         self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
-        _secure_client(self._sock, keys)
+        secure_client(self._sock, keys)
         self._sock.connect(endpoint)
         self.endpoint = endpoint
 
@@ -322,7 +324,7 @@ class ControlClient:
         self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
         if identity is not None:
             self._sock.identity = identity
-        _secure_client(self._sock, keys)
+        secure_client(self._sock, keys)
         self._sock.connect(endpoint)
         self.endpoint = endpoint
         self.max_bytes = max_bytes

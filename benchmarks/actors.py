@@ -35,7 +35,7 @@ def _bare_worker(overrides: list[str], seed: int, duration: float, barrier, out)
     import torch
 
     from async_vla.config import load_config
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
     from async_vla.policy import build_policy
 
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ PRODUCER_PROCS = 4
 
 
 def _config(run_dir: Path, B: int, traj_bytes: int, hwm: int) -> dict:
-    from runner.launch import free_port
+    from async_vla.hosts import free_port
 
     return {
         "run": {"name": RUN},
@@ -148,6 +148,7 @@ def _proc_stat(pid: int) -> tuple[float, int, int]:
 
 
 def one(n: int, B: int, batches: int, hwm: int) -> dict:
+    from runner.commands import component_argv
     from runner.launch import buffer_stats
 
     traj = make_trajectory(CALLS, IMAGE).nbytes
@@ -159,8 +160,8 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
         cfg_path.write_text(yaml.safe_dump(cfg))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         log = open(run_dir / "buffer.log", "w")
-        buf = subprocess.Popen([sys.executable, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir",
-                                str(run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        buf = subprocess.Popen(component_argv("buffer", str(cfg_path), str(run_dir)), stdout=log,
+                               stderr=subprocess.STDOUT, env=env)
         t = cfg["transport"]
         traj_ep, ctl_ep = f"tcp://127.0.0.1:{t['trajectory_port']}", f"tcp://127.0.0.1:{t['control_port']}"
         try:

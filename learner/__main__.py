@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -85,17 +84,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(n: int, args: argparse.Namespace, overrides: list[str]) -> int:
     """Start ranks 0..n-1 as subprocesses with torchrun-style variables; stop all if one fails."""
     from async_vla.child_process import die_with_parent
+    from async_vla.hosts import free_port
 
-    port = _free_port()
+    port = free_port()
     child_args = [args.config, *overrides, "--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
     procs: list[subprocess.Popen] = []
     for r in range(n):
@@ -215,7 +209,7 @@ class RankRun:
 
     def digests(self) -> dict:
         """sha256 of the full parameters (rank 0) and of this rank's optimizer state ({} when not asked for)."""
-        from learner.core import tensors_digest
+        from learner.checkpoint_files import tensors_digest
 
         if not self.cfg.learner.checkpoint_digest:
             return {}
@@ -223,7 +217,7 @@ class RankRun:
                 "optimizer": self.learner.optimizer_digest()}
 
     def resume(self, resume: bool) -> None:
-        from learner.core import latest_tag
+        from learner.checkpoint_names import latest_tag
 
         ckpt_dir = self.ckpt_dir
         if resume and self.world > 1:   # before any rank loads: a rank alone at v0 would hang the others
@@ -326,7 +320,7 @@ class RankRun:
                                        "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
 
     def checkpoint(self) -> None:
-        from learner.core import checkpoint_tag
+        from learner.checkpoint_names import checkpoint_tag
 
         t0 = time.perf_counter()
         extra = {"buffer_ledger": self.batches.buffer_stats() if self.rank == 0 else {}}
@@ -346,7 +340,7 @@ class RankRun:
 
     def finish(self) -> None:
         """A final checkpoint (unless the last one is current), the exported policy, and the publisher closed."""
-        from async_vla.policy.interface import write_policy_version
+        from async_vla.policy.build import write_policy_version
         from learner.publish import close_publisher
 
         if self.learner.version != self.last_ckpt or not (self.ckpt_dir / "latest").is_file():

@@ -45,9 +45,9 @@ from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weigh
 from async_vla.config import Config
 from async_vla.messages import Trajectory
 from async_vla.metrics import verl_aliases
-from learner.checkpoint_files import (CKPT_FORMAT, LATEST_FILE, capture_rng_state, checkpoint_tag,  # noqa: F401
-                                      latest_tag, optimizer_tensors, prune_checkpoints, restore_rng_state,
+from learner.checkpoint_files import (CKPT_FORMAT, capture_rng_state, optimizer_tensors, restore_rng_state,
                                       tensors_digest)
+from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
 
 log = logging.getLogger(__name__)
 

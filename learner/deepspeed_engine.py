@@ -6,7 +6,7 @@ Engine
   parameters used outside their module's own forward (tied LM head rows, learned queries) by itself.
 - Optimizer: a torch ``AdamW`` client optimizer (lr, betas, weight decay from ``learner.*``): no FusedAdam /
   CPUAdam extension build. ``gradient_clipping`` = ``learner.grad_clip``. bf16 on GPU, fp32 on CPU
-  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a ~75 s compile used only for CPU
+  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a long compile, used only for CPU
   inference all-reduce) is switched off before ``init_distributed``. Backend: nccl on GPU, gloo on CPU.
 - The DeepSpeed JSON is ``make_ds_config(cfg, world)`` unless ``learner.deepspeed_config`` names a file; a
   user file replaces it, except the three batch-size keys, which we always set: the learner drives gradient
@@ -56,9 +56,10 @@ from torch import Tensor
 
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
-from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
-                          policy_has_entropy, prune_checkpoints, restore_rng_state, save_policy_dir,
-                          tensors_digest)
+from async_vla.hosts import free_port
+from learner.checkpoint_files import capture_rng_state, restore_rng_state, tensors_digest
+from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
+from learner.core import Learner, frozen_copy, policy_has_entropy, save_policy_dir
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +137,6 @@ def load_ds_config(cfg: Config, world: int) -> dict:
     return {**user, **batch_size_keys(cfg, world)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _loopback_store(cfg: Config) -> Optional[Any]:
     """Rank 0's rendezvous store bound to MASTER_ADDR itself when that is a loopback address.
 
@@ -181,13 +176,13 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
     import deepspeed.ops
     import torch.distributed as dist
 
-    # The shm comm op is only an inference all-reduce fast path and costs a ~75 s compile on a fresh host.
+    # The shm comm op is only an inference all-reduce fast path and costs a long compile on a fresh host.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -87,12 +86,6 @@ def vllm_agreement() -> Row:
         return Row("torch vs vLLM log-probs", "skipped", "vLLM not installed (the gpu extra installs it)")
     status, detail = _pytest(["-m", "gpu", "tests/test_vllm_backend.py"], 1200)
     return Row("torch vs vLLM log-probs", status, detail)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def layer_like_sizes(layers: int = 8, hidden: int = 4096) -> list[int]:
@@ -171,12 +164,14 @@ def nccl_benchmark(repeats: int = 5) -> list[Row]:
     import torch
     import torch.multiprocessing as mp
 
+    from async_vla.hosts import free_port
+
     if torch.cuda.device_count() < 2:
         return [Row("NCCL broadcast", "skipped", f"needs 2 GPUs, this host has {torch.cuda.device_count()} "
                                                  "(NCCL cannot run two ranks on one device)")]
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(_nccl_rank, args=(2, _free_port(), layer_like_sizes(), repeats, result), nprocs=2, join=True)
+        mp.spawn(_nccl_rank, args=(2, free_port(), layer_like_sizes(), repeats, result), nprocs=2, join=True)
         r = dict(result)
     gb = r["bytes"] / 1e9
     copy_gbps = gb / r["copy_s"]

@@ -1,12 +1,12 @@
 """One-host launcher for ``run.mode=async`` and ``sync``: buffer + learner ranks + actor fleet (+ TensorBoard).
 
-Every child is started from the resolved ``<run>/config.yaml`` (one source of truth), with its own log file
-in ``<run>/logs/`` and its command line appended to ``<run>/commands.txt``. The launcher itself watches the
-children, evaluates the policy greedily on held-out init states every ``run.eval_every`` versions (exactly those:
-the learner keeps their exports in ``<run>/weights/milestones/`` until evaluated),
-prints a live status line, and on completion or Ctrl-C stops everything: actors first (so nothing new is
-produced), then the learner (final checkpoint), then the buffer (final ledger). No zombies: each child is
-signalled, waited for a bounded time, then killed.
+Every child is started from the resolved ``<run>/config.yaml`` (one source of truth) with the command line of
+runner/commands.py, its own log file in ``<run>/logs/`` and that command line appended to ``<run>/commands.txt``.
+The launcher itself watches the children, evaluates the policy greedily on held-out init states every
+``run.eval_every`` versions (runner/evaluator.py; exactly those versions: the learner keeps their exports in
+``<run>/weights/milestones/`` until evaluated), prints a live status line, and on completion or Ctrl-C stops
+everything: actors first (so nothing new is produced), then the learner (final checkpoint), then the buffer (final
+ledger). No zombies: each child is signalled, waited for a bounded time, then killed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,19 +25,15 @@ from typing import Any, Callable, Optional
 
 from async_vla.child_process import die_with_parent
 from async_vla.config import Config, load_config, write_resolved
+from async_vla.hosts import free_port
 from async_vla.metrics import Monitor
-from async_vla.placement import evaluator_device, learner_env
+from async_vla.placement import learner_env
 from async_vla.transport import endpoints
+from runner.commands import REPO, component_argv
+from runner.evaluator import Evaluator
 from runner.report import RunRecorder, fmt_rate
 
 log = logging.getLogger("runner.launch")
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_ports(cfg: Config) -> Config:
@@ -119,115 +114,24 @@ def buffer_stats(endpoint: str, timeout_s: float = 1.0, keys: Any = None) -> Opt
         client.close()
 
 
+def wait_for_buffer(control: str, keys: Any, buffer: Any, timeout_s: float,
+                    should_stop: Callable[[], bool] = lambda: False) -> bool:
+    """Until the buffer answers on ``control``: True; False once ``should_stop()`` (a Ctrl-C); RuntimeError with its
+    log's tail if ``buffer`` (a child: alive, tail) dies or does not answer within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while buffer_stats(control, 0.5, keys) is None:
+        if should_stop():
+            return False
+        if not buffer.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"buffer did not start:\n{buffer.tail()}")
+    return True
+
+
 def client_keys(cfg: Config) -> Any:
     """CURVE client keys when transport.curve is on (the launcher talks to the buffer like an actor does)."""
     from async_vla.transport import CurveKeys
 
     return CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
-
-
-class Evaluator:
-    """Greedy held-out evaluation of exported weights (``<run>/weights``), in the launcher process."""
-
-    def __init__(self, cfg: Config, run_dir: Path):
-        import torch
-
-        from actors.env_worker import make_isolated_env
-        from async_vla.policy import build_policy
-
-        torch.set_num_threads(1)
-        self.cfg, self.run_dir = cfg, run_dir
-        device = evaluator_device(cfg)
-        if device is not None:     # "cuda" (what the OpenVLA loader asks for) then means this GPU
-            torch.cuda.set_device(torch.device(device))
-        torch.manual_seed(cfg.run.seed)
-        self.policy = build_policy(cfg)   # the architecture (and action statistics) the exported weights load into
-        n = cfg.run.eval_envs or min(cfg.actor.group_size, 8)
-        # LIBERO: one worker process per env (env.worker=auto), so held-out episodes step in parallel.
-        self.envs = [make_isolated_env(cfg, seed=10_000 + i) for i in range(n)]
-        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
-        self.version = -1
-
-    def latest_version(self) -> int:
-        """Version named by ``<run>/weights/latest`` (cheap: reads the pointer, not the tensors)."""
-        try:
-            name = (self.run_dir / "weights" / "latest").read_text().strip()
-            return int(name[1:].split(".")[0]) if name.startswith("v") else -1
-        except (OSError, ValueError):
-            return -1
-
-    def final_version(self) -> int:
-        """The version ``evaluate()`` would score now: the latest export's, else the learner's final policy's
-        (weights.export=false), else the one loaded last (the initial policy if nothing was trained)."""
-        from async_vla.policy.interface import read_policy_version
-
-        latest = self.latest_version()
-        if latest >= 0:
-            return latest
-        final = read_policy_version(self.run_dir / "policy")
-        return final if final is not None and final >= self.version else max(self.version, 0)
-
-    def ask_for_milestones(self) -> None:
-        """Have the learner keep the export of every ``run.eval_every``-th version for us (``weights/milestones``);
-        any left from an earlier part of this run (a resume discards what came after its checkpoint) go."""
-        from async_vla.weights.export import MILESTONES, discard_milestones
-
-        if self.cfg.run.eval_every:
-            (self.run_dir / "weights" / MILESTONES).mkdir(parents=True, exist_ok=True)
-            discard_milestones(self.run_dir / "weights")
-
-    def next_milestone(self) -> Optional[Path]:
-        """The newest milestone export past the version evaluated last; older ones are skipped (deleted)."""
-        from async_vla.weights.export import newest_milestone
-
-        return newest_milestone(self.run_dir / "weights", self.version)
-
-    def close_milestones(self) -> None:
-        from async_vla.weights.export import MILESTONES, discard_milestones
-
-        discard_milestones(self.run_dir / "weights")
-        with contextlib.suppress(OSError):
-            (self.run_dir / "weights" / MILESTONES).rmdir()
-
-    def evaluate(self, use_latest: bool = True, path: Optional[Path] = None) -> tuple[int, dict]:
-        """Greedy held-out success of the export at ``path`` (deleted once loaded: a milestone), else - with
-        ``use_latest`` - of the latest export, or where there is none (weights.export=false) of the learner's
-        final ``<run>/policy`` once it has written one; else of the weights loaded last (the initial policy)."""
-        from async_vla.policy.interface import read_policy_version
-        from async_vla.sft import evaluate_greedy
-
-        final = self.run_dir / "policy"
-        if path is not None:
-            self._load(path)
-            with contextlib.suppress(OSError):
-                path.unlink()
-        elif use_latest and self.latest_version() >= 0:
-            self._load(self.run_dir / "weights")
-        elif use_latest and (v := read_policy_version(final)) is not None and v >= self.version:
-            self._load(final, v)
-        else:
-            self.version = max(self.version, 0)
-        from runner.report import eval_videos
-
-        return self.version, evaluate_greedy(self.policy, self.envs, self.task_ids, split=self.cfg.run.eval_split,
-                                             videos=eval_videos(self.cfg))
-
-    def confirm(self) -> dict:
-        """The weights evaluated last, on the second, disjoint held-out set (an independent check of a target)."""
-        from async_vla.sft import evaluate_greedy
-
-        return evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm")
-
-    def _load(self, path: Path, version: Optional[int] = None) -> None:
-        from actors.weight_loading import load_weights, load_weights_path
-
-        got, state = load_weights_path(str(path), max(self.version, 0) if version is None else version)
-        load_weights(self.policy, state)
-        self.version = got
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
 
 
 def core_sets(cfg: Config) -> tuple[Optional[set[int]], Optional[set[int]]]:
@@ -255,25 +159,16 @@ def start_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool,
 
 def _start_children(children: dict[str, Child], cfg: Config, run_dir: Path, cfg_path: Path, resume: bool,
                     should_stop: Callable[[], bool]) -> None:
-    py = sys.executable
     learner_cores, actor_cores = core_sets(cfg)
-    children["buffer"] = Child("buffer", [py, str(REPO / "bin" / "buffer"), str(cfg_path), "--run-dir", str(run_dir)],
-                               run_dir, cores=learner_cores)
+    config, rd = str(cfg_path), str(run_dir)
+    children["buffer"] = Child("buffer", component_argv("buffer", config, rd), run_dir, cores=learner_cores)
     eps = endpoints(cfg.transport, run_dir, side="connect")   # tcp, or ipc socket files (transport.use_ipc)
-    control = eps["control"]
-    deadline = time.time() + 60
-    keys = client_keys(cfg)
-    while buffer_stats(control, 0.5, keys) is None:
-        if should_stop():
-            return
-        if not children["buffer"].alive() or time.time() > deadline:
-            raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
-    learner_argv = [py, str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir)]
-    children["learner"] = Child("learner", learner_argv + (["--resume"] if resume else []), run_dir,
+    if not wait_for_buffer(eps["control"], client_keys(cfg), children["buffer"], 60, should_stop):
+        return
+    children["learner"] = Child("learner", component_argv("learner", config, rd, resume=resume), run_dir,
                                 env=learner_env(cfg, os.environ), cores=learner_cores)
-    connect = f"{eps['trajectory']},{control}"
-    children["actors"] = Child("actors", [py, str(REPO / "bin" / "actors"), str(cfg_path), "--num",
-                                          str(cfg.actor.num_actors), "--connect", connect, "--run-dir", str(run_dir)],
+    children["actors"] = Child("actors", component_argv("actors", config, rd, num=cfg.actor.num_actors,
+                                                        connect=f"{eps['trajectory']},{eps['control']}"),
                                run_dir, cores=actor_cores)
     if cfg.logging.serve_tensorboard:
         children["tensorboard"] = start_tensorboard(cfg, run_dir)
@@ -302,7 +197,7 @@ def start_tensorboard(cfg: Config, run_dir: Path) -> Child:
     return child
 
 
-def main_launch(cfg: Config, run_dir: Path, config_file: str, overrides: list[str], resume: bool = False) -> Optional[dict]:
+def main_launch(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[dict]:
     """Async / sync run on this host: buffer, learner and actors as child processes, evaluated from here."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = resolve_ports(cfg)
@@ -371,10 +266,9 @@ class LaunchedRun:
     def evaluate_start(self) -> None:
         if self.resume:
             # The learner continues from its checkpoint, which a kill -9 can leave behind the last export.
-            from learner.core import latest_tag
+            from learner.checkpoint_names import latest_version
 
-            tag = latest_tag(self.run_dir / "checkpoints") or "v0"
-            start = int(tag[1:]) if tag[1:].isdigit() else 0
+            start = latest_version(self.run_dir / "checkpoints") or 0
             self.recorder.mark_resumed(start)
             # Its weights were evaluated when the last part ended there; otherwise the first eval of this part
             # is the next periodic one (the exports on disk may be of updates the checkpoint does not have).
@@ -449,13 +343,7 @@ class LaunchedRun:
         milestone = self.evaluator.next_milestone()
         if milestone is None:
             return False
-        v, res = self.evaluator.evaluate(path=milestone)
-        self.recorder.eval_result(v, res)
-        if (cfg.run.target_success is not None and res["success_rate"] >= cfg.run.target_success
-                and self.recorder.confirm_result(v, self.evaluator.confirm())):
-            print(f"[train] target success {cfg.run.target_success} reached at version {v}", flush=True)
-            return True
-        return False
+        return self.evaluator.record(self.recorder, *self.evaluator.evaluate(path=milestone))
 
     def status_if_due(self) -> None:
         """Every ``logging.status_every_s``: the buffer's stats into the run record, a status line, a stall hint."""

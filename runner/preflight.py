@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-# The file that marks a checkpoint directory of each policy.arch (async_vla.policy.interface.CONFIG_FILE for ours;
+# The file that marks a checkpoint directory of each policy.arch (async_vla.policy.build.CONFIG_FILE for ours;
 # an HF directory's config.json for OpenVLA / OpenVLA-OFT). Read here without importing torch.
 POLICY_MARKERS = {"tiny": "async_vla_policy.json", "openvla": "config.json", "openvla_oft": "config.json"}
 

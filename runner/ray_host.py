@@ -1,6 +1,6 @@
 """The Ray actor that runs one of our commands on the node Ray placed it (``ProcessHost``), and the launcher's
-handle on it (``RayProcess``; runner/ray_launch.py, runner/ray_ranks.py). Standard library only at import: a Ray
-worker imports this module to build the actor."""
+handle on it (``RayProcess``; runner/ray_launch.py, runner/ray_ranks.py). Standard library and runner.commands only
+at import: a Ray worker imports this module to build the actor."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parent.parent
+from runner.commands import REPO
+
 log = logging.getLogger("runner.ray_host")
+PYTHON = "{python}"   # in a command line: the interpreter of the node it runs on (this ProcessHost's)
 CALL_TIMEOUT_S = 10.0   # a ProcessHost that does not answer a poll within this is being restarted (or gone)
 
 
@@ -46,7 +48,7 @@ class ProcessHost:
         full_env.update(env)
         from async_vla.child_process import die_with_parent
 
-        argv = [sys.executable if a == "{python}" else a for a in argv]
+        argv = [sys.executable if a == PYTHON else a for a in argv]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(REPO), env=full_env,
                                      start_new_session=True, preexec_fn=die_with_parent)
         self.stopping = False

@@ -1,7 +1,7 @@
 """Ray launcher (``run.launcher=ray``): the async / sync run of runner/launch.py placed on an existing Ray cluster.
 
 Each component is a Ray actor (``ProcessHost``) that runs the same command as the local launcher (bin/buffer,
-bin/learner, bin/actors) as its child process, with the resources of the ``ray`` config section:
+bin/learner, bin/actors: runner/commands.py) as its child process, with the resources of the ``ray`` config section:
 
 - buffer and learner (its rank 0 with ``per_rank``, below): pinned to the driver's node (bin/train's), so the run
   directory, TensorBoard, evaluation, ``summary.json`` and the buffer's ports are where they are with the local
@@ -38,13 +38,13 @@ from typing import Any, Optional
 from async_vla.config import Config, dump_config, load_config, write_resolved
 from async_vla.transport import endpoints
 from async_vla.placement import placed
+from runner.commands import REPO, component_argv
 from runner.launch import LaunchedRun, resolve_ports, start_tensorboard, stop_on_signals
 from runner.preflight import CannotStart
-from runner.ray_host import ProcessHost, RayProcess, ReturnCode
+from runner.ray_host import PYTHON, ProcessHost, RayProcess, ReturnCode
 from runner.ray_ranks import RankGroup, check_rank_placement, restart_decision, start_ranks
 
 log = logging.getLogger("runner.ray_launch")
-REPO = Path(__file__).resolve().parent.parent
 
 
 class Fleets:
@@ -134,7 +134,7 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from runner.launch import buffer_stats, client_keys
+    from runner.launch import client_keys, wait_for_buffer
 
     rc = cfg.ray
     driver_node, driver_ip = driver_address()
@@ -157,20 +157,16 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
     children: dict[str, Any] = {}
     try:
         buffer_mem = rc.buffer_memory_gb or (cfg.buffer.max_bytes + gib) / gib
-        children["buffer"] = on_driver("buffer", ["{python}", str(REPO / "bin" / "buffer"), str(cfg_path),
-                                                  "--run-dir", str(run_dir)],
+        children["buffer"] = on_driver("buffer", component_argv("buffer", str(cfg_path), str(run_dir), python=PYTHON),
                                        rc.buffer_cpus, 0, buffer_mem, rc.max_restarts)
-        control = endpoints(cfg.transport, run_dir, side="connect")["control"]
-        deadline, keys = time.time() + 120, client_keys(cfg)
-        while buffer_stats(control, 0.5, keys) is None:
-            if children["buffer"].state() in ("dead", "exited") or time.time() > deadline:
-                raise RuntimeError(f"buffer did not start:\n{children['buffer'].tail()}")
+        wait_for_buffer(endpoints(cfg.transport, run_dir, side="connect")["control"], client_keys(cfg),
+                        children["buffer"], 120)
         if rc.learner_placement == "per_rank":
             children["learner"] = start_ranks(cfg, cfg_path, remote_cfg, client_key_files(cfg), run_dir, resume,
                                               driver_node, driver_ip, host_cls)
         else:
-            learner_argv = ["{python}", str(REPO / "bin" / "learner"), str(cfg_path), "--run-dir", str(run_dir),
-                            "--ranks", str(cfg.learner.num_ranks)] + (["--resume"] if resume else [])
+            learner_argv = component_argv("learner", str(cfg_path), str(run_dir), python=PYTHON, resume=resume,
+                                          ranks=cfg.learner.num_ranks)
             children["learner"] = on_driver("learner", learner_argv, rc.learner_cpus, rc.learner_gpus,
                                             rc.learner_memory_gb, 0, rc.learner_resources)
         children["actors"] = Fleets(start_fleets(cfg, fleet_cfg, host_cls))
@@ -203,11 +199,9 @@ def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProce
     fleets, token = [], uuid.uuid4().hex[:8]   # this launch's fleets never reuse an earlier one's directory
     for i in range(rc.fleets):
         workdir = f"/tmp/async_vla-{cfg.run.name}-{token}-fleet{i}"   # node-local
-        argv = ["{python}", str(REPO / "bin" / "actors"), f"{workdir}/config.yaml", "--num", str(n),
-                "--first-id", str(i * n), "--connect", f"{eps['trajectory']},{eps['control']}",
-                "--run-dir", f"{workdir}/run"]
-        if cfg.transport.curve:
-            argv.append(f"transport.curve_dir={workdir}/keys")
+        argv = component_argv("actors", f"{workdir}/config.yaml", f"{workdir}/run", python=PYTHON, num=n,
+                              first_id=i * n, connect=f"{eps['trajectory']},{eps['control']}",
+                              overrides=[f"transport.curve_dir={workdir}/keys"] if cfg.transport.curve else [])
         opts: dict = dict(num_cpus=rc.fleet_cpus or n * cfg.actor.torch_threads, num_gpus=rc.fleet_gpus,
                           resources=dict(rc.fleet_resources), max_restarts=rc.max_restarts, max_task_retries=-1)
         if rc.fleet_memory_gb:
@@ -246,10 +240,9 @@ class RayRun(LaunchedRun):
         record follows the learner back to the checkpoint, as at a ``bin/train --resume``."""
         import ray
 
-        from learner.checkpoint_files import latest_tag
+        from learner.checkpoint_names import latest_version
 
-        tag = latest_tag(self.run_dir / "checkpoints")   # what rank 0 (on this node, the run directory) resumes
-        version = int(tag[1:]) if tag else None
+        version = latest_version(self.run_dir / "checkpoints")   # what rank 0 (on this node, the run dir) resumes
         restart, line = restart_decision(failed.failure, len(self.rank_restarts), self.cfg.ray.learner_restarts,
                                          version)
         print(line, flush=True)
@@ -306,7 +299,7 @@ class RayRun(LaunchedRun):
 def resolve_master_port(cfg: Config, driver_ip: str) -> Config:
     """``ray.learner_master_port``: 0 becomes a free port of the driver's node (rank 0's); a given one must be
     free there. Checked here, as the transport's ports are by bin/train's preflight."""
-    from runner.launch import free_port
+    from async_vla.hosts import free_port
     from runner.preflight import busy_ports
 
     if cfg.ray.learner_master_port == 0:

@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from async_vla.config import Config, dump_config
-from runner.ray_host import CALL_TIMEOUT_S, RayProcess, ReturnCode
+from runner.commands import component_argv
+from runner.ray_host import CALL_TIMEOUT_S, PYTHON, RayProcess, ReturnCode
 
 log = logging.getLogger("runner.ray_ranks")
-REPO = Path(__file__).resolve().parent.parent
 PLACEMENT_TIMEOUT_S = 120.0   # the ranks' placement group must be reserved, and every rank started, within this
 GIB = 1024**3
 
@@ -255,7 +255,6 @@ def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[s
             "CPUs): free them, lower the per-rank request (ray.learner_cpus / learner_gpus / learner_memory_gb / "
             "learner_resources), or add nodes") from None
     bundle_nodes = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
-    resume_flag = ["--resume"] if resume else []
     token = uuid.uuid4().hex[:8]   # this launch's ranks never reuse an earlier one's directory
     ranks: list[Any] = []
     for k in range(n):
@@ -266,7 +265,7 @@ def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[s
             workdir = f"/tmp/async_vla-{cfg.run.name}-{token}-rank{k}"   # node-local
             files, _ = rank_files(cfg, rank_cfg, workdir, key_files)
             config_file = f"{workdir}/config.yaml"
-        argv = ["{python}", str(REPO / "bin" / "learner"), config_file, "--run-dir", str(run_dir), *resume_flag]
+        argv = component_argv("learner", config_file, str(run_dir), python=PYTHON, resume=resume)
         opts: dict = dict(num_cpus=rc.learner_cpus, num_gpus=rc.learner_gpus, resources=dict(rc.learner_resources),
                           max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                               pg, placement_group_bundle_index=k))

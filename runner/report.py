@@ -195,7 +195,7 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
     ``eval/success_rate`` at that version and success.png. Returns the point.
 
     Why: on a CPU-bound simulator an evaluation during the run takes the actors' cores (a 50-episode LIBERO
-    eval is ~7,000 env steps); a run with ``run.eval_every=0`` and ``weights.export_keep`` large enough trains
+    eval is thousands of env steps); a run with ``run.eval_every=0`` and ``weights.export_keep`` large enough trains
     on the whole machine and its curve is filled in afterwards. The point's ``wall_s`` is the run's wall time
     at its first train point at or past that version (within a status interval of when the learner made it), so
     the curve is drawn against training time; it is marked ``after_run``. ``final_eval`` stays the run's own evaluation of its final policy.

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 from async_vla.config import Config, write_resolved
 from async_vla.metrics import Monitor
 from async_vla.transport import LocalPipe
-from runner.report import RunRecorder, eval_videos
+from runner.evaluator import HeldOut
+from runner.report import RunRecorder
 
 log = logging.getLogger("runner.serial")
 
@@ -66,7 +67,7 @@ class SerialRun:
 
         from actors.actor import SerialActor
         from async_vla.buffer import GroupBuffer
-        from async_vla.envs.base import make_env
+        from async_vla.envs import make_env
         from async_vla.policy import build_policy
         from learner.core import TorchLearner
 
@@ -95,6 +96,7 @@ class SerialRun:
         self.pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
         self.monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
         self.recorder = RunRecorder(cfg, run_dir, self.monitor, resume=resume)
+        self.held_out = HeldOut(cfg, self.policy, self.envs, self.task_ids)
         if resume:
             self.recorder.mark_resumed(self.learner.version)
         self.t_start = time.perf_counter()
@@ -120,31 +122,16 @@ class SerialRun:
             return True
         return False
 
-    def evaluate(self, version: int) -> float:
-        from async_vla.sft import evaluate_greedy
-
-        res = evaluate_greedy(self.policy, self.envs, self.task_ids, split=self.cfg.run.eval_split,
-                              videos=eval_videos(self.cfg))
-        self.recorder.eval_result(version, res)
-        return res["success_rate"]
-
-    def confirmed(self, version: int) -> bool:
-        """The target reached on the eval split holds on the second, disjoint held-out set too."""
-        from async_vla.sft import evaluate_greedy
-
-        return self.recorder.confirm_result(
-            version, evaluate_greedy(self.policy, self.envs, self.task_ids, split="confirm"))
-
     def evaluate_start(self) -> None:
         resumed = self.recorder.last_eval_version() == self.learner.version   # the last part ended with this eval
         if not resumed and (self.cfg.run.eval_at_start or self.learner.version > 0):
-            self.evaluate(self.learner.version)
+            self.recorder.eval_result(self.learner.version, self.held_out.score())
         self.last_status = time.perf_counter()
 
     def next_batch(self) -> Optional[list]:
         """Grant, roll out and feed groups to the buffer (through the wire encoding) until it forms a batch; None
-        once ``run.max_wall_s`` is over or a stop signal came first. A collapsed policy under dynamic sampling fills almost no group, so
-        one batch can take thousands of rollouts: the budget must hold inside it too."""
+        once ``run.max_wall_s`` is over or a stop signal came first. A collapsed policy under dynamic sampling fills
+        almost no group, so one batch can take thousands of rollouts: the budget must hold inside it too."""
         t0 = time.perf_counter()
         groups = None
         while groups is None:
@@ -192,13 +179,10 @@ class SerialRun:
 
     def evaluate_if_due(self) -> bool:
         """Evaluate at every ``run.eval_every``-th version; True once ``run.target_success`` is reached."""
-        cfg, version = self.cfg, self.learner.version
-        if cfg.run.eval_every and version % cfg.run.eval_every == 0:
-            rate = self.evaluate(version)
-            if cfg.run.target_success is not None and rate >= cfg.run.target_success and self.confirmed(version):
-                print(f"[train] target success {cfg.run.target_success} reached at version {version}", flush=True)
-                return True
-        return False
+        every, version = self.cfg.run.eval_every, self.learner.version
+        if not every or version % every:
+            return False
+        return self.held_out.record(self.recorder, version, self.held_out.score())
 
     def checkpoint_if_due(self) -> None:
         every = self.cfg.run.checkpoint_every
@@ -212,9 +196,9 @@ class SerialRun:
 
     def finish(self) -> dict:
         """A last evaluation (unless this version was just evaluated), checkpoint, policy, ledger, summary."""
-        cfg, version = self.cfg, self.learner.version
-        if not (cfg.run.eval_every and version % cfg.run.eval_every == 0):
-            self.evaluate(version)
+        version = self.learner.version
+        if self.recorder.last_eval_version() != version:
+            self.recorder.eval_result(version, self.held_out.score())
         self.learner.save_checkpoint(self.ckpt_dir, extra={"ledger": self.buffer.ledger, **self.extra})
         self.learner.export_policy(self.run_dir / "policy")
         self.buffer.write_ledger(self.run_dir)

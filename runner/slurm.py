@@ -1,6 +1,6 @@
 """A Slurm heterogeneous-job script for a config: component 0 runs the buffer and the learner ranks on one node,
-component 1 one actor fleet per node. The same commands as by hand (README "Multi-host"); nothing in it needs a
-shared filesystem:
+component 1 one actor fleet per node. The same commands as by hand (README "Multi-host"; each built by
+runner/commands.py, as every launcher's); nothing in it needs a shared filesystem:
 
 - the resolved config is written into the script (a quoted here-document), so what runs is what was rendered;
 - CURVE keys are made at job start on the learner node and streamed, with the config, to every actor node over
@@ -24,6 +24,7 @@ from typing import Optional
 import yaml
 
 from async_vla.config import Config
+from runner.commands import REPO, component_argv, shell_join
 
 MARGIN_S = 3600   # the wall-time limit leaves this much past run.max_wall_s for checkpoint, export and final eval
 
@@ -39,7 +40,7 @@ class SlurmLayout:
     learner_cpus: int = 16
     actor_cpus_per_node: int = 32
     partition: Optional[str] = None
-    repo: str = str(Path(__file__).resolve().parent.parent)
+    repo: str = str(REPO)
     run_dir: Optional[str] = None              # on the learner node; None: <run.out_dir>/<run.name> in REPO
 
 
@@ -64,6 +65,16 @@ def render_sbatch(cfg: Config, layout: SlurmLayout) -> str:
     if marker in config_text:
         raise ValueError(f"the config contains the here-document marker {marker!r}: rename what contains it")
     q = shlex.quote
+    server = ["${SERVER[@]}"]   # the learner node's: serve beyond loopback, with CURVE
+    buffer = shell_join(component_argv("buffer", "$CONFIG", "$RUN_DIR", overrides=server, python=None, repo="$REPO"))
+    learner = shell_join(component_argv("learner", "$CONFIG", "$RUN_DIR", overrides=server, python=None,
+                                        repo="$REPO", ranks=ranks))
+    # On each actor node: $0 the checkout, $1 the node-local directory, $2 the learner node's host name.
+    actors = shell_join(component_argv(
+        "actors", "$1/config.yaml", "$1/run", python=None, repo="$0", num=per_node,
+        first_id=f"$((SLURM_PROCID * {per_node}))",
+        overrides=["transport.connect_host=$2", "transport.curve=true", "transport.curve_dir=$1/keys",
+                   "weights.fetch=true"]))
 
     def sbatch(lines: list[str], gpus: int) -> list[str]:
         out = [f"#SBATCH {line}" for line in lines]
@@ -109,18 +120,15 @@ ACTOR_PEERS="$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | xargs
     | awk '{{print $1}}' | sort -u | paste -sd, -)"
 SERVER=(transport.host=0.0.0.0 transport.curve=true "transport.curve_dir=$RUN_DIR/keys"
         "transport.weights_allowed_peers=[$ACTOR_PEERS]")
-srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/buffer" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
-    > "$RUN_DIR/buffer.log" 2>&1 &
+srun --het-group=0 --ntasks=1 --overlap {buffer} > "$RUN_DIR/buffer.log" 2>&1 &
 BUFFER_PID=$!
 sleep 10   # the buffer binds its sockets; actors and learner ranks would retry anyway
-srun --het-group=0 --ntasks=1 --overlap "$REPO/bin/learner" "$CONFIG" "${{SERVER[@]}}" --run-dir "$RUN_DIR" \\
-    --ranks {ranks} > "$RUN_DIR/learner.log" 2>&1 &
+srun --het-group=0 --ntasks=1 --overlap {learner} > "$RUN_DIR/learner.log" 2>&1 &
 LEARNER_PID=$!
 # One fleet per node; node i's actors have ids i*{per_node} .. (SLURM_PROCID: the task's index in this step).
 # shellcheck disable=SC2016  # expanded by the bash on each actor node
-srun --het-group=1 --ntasks-per-node=1 bash -c 'exec "$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2" \\
-    transport.curve=true "transport.curve_dir=$1/keys" weights.fetch=true --num {per_node} --first-id $((SLURM_PROCID * {per_node})) \\
-    --run-dir "$1/run"' "$REPO" "$ACTOR_DIR" "$LEARNER_HOST" > "$RUN_DIR/actors.log" 2>&1 &
+srun --het-group=1 --ntasks-per-node=1 bash -c {q("exec " + actors)} "$REPO" "$ACTOR_DIR" "$LEARNER_HOST" \\
+    > "$RUN_DIR/actors.log" 2>&1 &
 ACTORS_PID=$!
 
 # The learner ends the run (run.max_versions / run.max_wall_s); then actors, then the buffer (final ledger).

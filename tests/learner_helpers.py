@@ -166,7 +166,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
     import time
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    from learner.core import tensors_digest
+    from learner.checkpoint_files import tensors_digest
     from learner.deepspeed_engine import DeepSpeedLearner
 
     cfg = small_cfg(f"learner.zero_stage={zero_stage}", "learner.num_ranks=2", "learner.micro_batch_trajectories=1",

@@ -247,7 +247,7 @@ def policy(cfg):
 
 
 def builtin_envs(cfg, n):
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
 
     return [make_env(cfg, i) for i in range(n)]
 

@@ -348,9 +348,9 @@ def test_recorder_rotation_bound_and_restart(tmp_path):
 
 
 def test_a_ledger_subclass_sees_every_trajectory_fate():
-    # The ledger is a collaborator told of each transition (what runner/audit.py's Tracer builds on): the fates it
-    # sees add up to the buffer's own counts, through filtering, staleness, training and a learner rollback.
-    from runner.audit import Tracer
+    # The ledger is a collaborator told of each transition (what runner/faults/audit.py's Tracer builds on): the
+    # fates it sees add up to the buffer's own counts, through filtering, staleness, training and a learner rollback.
+    from runner.faults.audit import Tracer
 
     tracer = Tracer(RUN)
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN, ledger=tracer)

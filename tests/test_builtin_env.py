@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from async_vla.config import load_config
-from async_vla.envs import builtin
-from async_vla.envs.base import Env, Observation, make_env
+from async_vla.envs import builtin, make_env
+from async_vla.envs.base import Env, Observation
 from async_vla.envs.builtin import TASKS, TabletopEnv
 from async_vla.envs.expert import ScriptedExpert, expert_episode
+from async_vla.envs.limits import BUILTIN_MAX_STEPS
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def test_interface_and_observation(env):
     assert obs.image.shape == (32, 32, 3) and obs.image.dtype == np.uint8
     assert obs.proprio.shape == (env.proprio_dim,) == (8,) and obs.proprio.dtype == np.float32
     assert obs.wrist_image is None
-    assert env.obs_image_size == 32 and env.max_steps(0) == builtin.DEFAULT_MAX_STEPS
+    assert env.obs_image_size == 32 and env.max_steps(0) == BUILTIN_MAX_STEPS
     for t in env.task_ids:
         assert isinstance(env.instruction(t), str) and len(env.instruction(t).split()) >= 4
     assert len({env.instruction(t) for t in env.task_ids}) == len(env.task_ids)

@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from async_vla.buffer.filters import difficulty_mask, mixed_outcome
 from async_vla.config import LossConfig
-from async_vla.grpo import (
-    aggregate,
-    difficulty_mask,
-    group_advantages,
-    importance_weight,
-    mixed_outcome,
-    nsr_uniforms,
-    policy_loss,
-)
+from async_vla.grpo import aggregate, group_advantages, importance_weight, nsr_uniforms, policy_loss
 from tests.grpo_reference import (
     draws_for,
     ref_aggregation_coef,

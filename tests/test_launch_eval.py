@@ -1,4 +1,4 @@
-"""bin/train's evaluator (runner.launch.Evaluator): which weights it scores - a milestone export, the latest
+"""bin/train's evaluator (runner.evaluator.Evaluator): which weights it scores - a milestone export, the latest
 export, or with weights.export=false the learner's final <run>/policy - and that it really loaded them."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 
 from async_vla.config import load_config
 from async_vla.policy import build_policy, save_policy
-from async_vla.policy.interface import read_policy_version, write_policy_version
+from async_vla.policy.build import read_policy_version, write_policy_version
 from async_vla.weights.export import MILESTONES, export_weights, milestones
-from runner.launch import Evaluator
+from runner.evaluator import Evaluator
 from timing import slack
 
 SMALL = ["env.num_train_init_states=2", "env.num_eval_init_states=1", "env.task_ids=[0]", "actor.group_size=2",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from async_vla.batching import collate
-from learner.core import TorchLearner, finite_params, tensors_digest
+from learner.checkpoint_files import tensors_digest
+from learner.core import TorchLearner, finite_params
 from tests.learner_helpers import StandInPolicy, make_groups, small_cfg
 
 
@@ -157,7 +158,7 @@ def test_real_tiny_policy_zero_step_and_export(dist_env, tmp_path, stage):
 def test_latest_tag_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     """A kill between removing a re-saved checkpoint and renaming its replacement leaves 'latest' naming a missing
     directory: resume takes the newest complete one (learner.pt present), never a half-written DeepSpeed dir."""
-    from learner.core import latest_tag
+    from learner.checkpoint_names import latest_tag
 
     assert latest_tag(tmp_path) is None
     for tag in ("v00000010", "v00000020"):

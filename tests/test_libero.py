@@ -30,7 +30,7 @@ def _cfg(*extra):
 
 @pytest.fixture(scope="module")
 def env():
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
 
     e = make_env(_cfg(), seed=0)
     yield e

@@ -42,7 +42,7 @@ def test_expert_solves_train_init_states_physics_only(env, task_id, init_state_i
 def test_demo_roundtrip_in_trajectory_format(env, tmp_path):
     from async_vla.demos import (DEMO_STATS_KEY, demo_action_stats, demos_to_trajectories, load_demos,
                                  record_expert_demos, save_demos, trajectories_to_samples)
-    from async_vla.policy.interface import default_tokenizer
+    from async_vla.policy.build import default_tokenizer
 
     cfg = load_config(overrides=["env.kind=libero"])
     demos, report = record_expert_demos(env, [(0, 2)], chunk_size=8)

@@ -9,7 +9,8 @@ import torch
 
 from async_vla.config import load_config
 from async_vla.policy import VLAPolicy, build_policy, load_policy, save_policy
-from async_vla.policy.interface import CONFIG_FILE, sample_tokens
+from async_vla.policy.build import CONFIG_FILE
+from async_vla.policy.interface import sample_tokens
 from async_vla.policy.model import word_ids
 
 B = 3

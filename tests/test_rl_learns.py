@@ -3,7 +3,7 @@ budget in versions; the final held-out success must beat the start by more than 
 one-sided Fisher exact test on the two success counts at p < 0.01), not merely be higher.
 
 It uses the touch tasks (6, 7: one policy call, big pads), the cheapest ones on which RL's gain is clear within a
-short CI budget; the quickstart's place tasks are what bin/quickstart measures (README "Measured"). A serial run
+short CI budget; the quickstart's place tasks are what bin/quickstart measures (docs/BENCHMARKS.md). A serial run
 repeats exactly on one machine but not across CPUs, so the budget leaves a wide margin on the machine it was
 calibrated on (p = 7e-5; docs/BENCHMARKS.md)."""
 
@@ -28,7 +28,7 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
     import torch
 
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
     from async_vla.policy import build_policy, save_policy
     from async_vla.sft import DEFAULT_BIN_SIGMA, collect_demos, sft_train
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from async_vla.config import load_config
-from async_vla.envs.base import make_env
+from async_vla.envs import make_env
 from async_vla.envs.expert import expert_episode
 from async_vla.policy import build_policy, load_policy
 from async_vla.sft import collect_demos, evaluate_greedy, rollout, sft_train, smoothed_targets

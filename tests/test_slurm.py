@@ -60,7 +60,7 @@ def test_rendered_script_is_a_heterogeneous_job_of_the_configs_run(script):
     assert '"$SLURM_JOB_NODELIST_HET_GROUP_1"' in text.split("ACTOR_PEERS=", 1)[1].split("\n", 1)[0]
     for command in ('"$REPO/bin/buffer" "$CONFIG"', '"$REPO/bin/learner" "$CONFIG"', "--ranks 8",
                     '"$0/bin/actors" "$1/config.yaml" "transport.connect_host=$2"', "--num 6", "--het-group=1",
-                    "--first-id $((SLURM_PROCID * 6))", "weights.fetch=true", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):
+                    '--first-id "$((SLURM_PROCID * 6))"', "weights.fetch=true", '"$REPO" "$ACTOR_DIR" "$LEARNER_HOST"'):
         assert command in text, command
     # Only the actor side of the keys leaves the learner node.
     bundle = next(line for line in text.splitlines() if "actor-bundle.tar" in line and "tar -C" in line)

@@ -5,7 +5,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from async_vla.hosts import free_port
 from async_vla.weights import native
 from async_vla.metrics import missing_required, read_scalars, read_tags
 
@@ -120,12 +120,6 @@ def test_sync_mode_trains_every_version_on_fresh_data(tmp_path):
     assert ledger["ledger"]["stale"] <= 2 * 4  # at most the groups in flight when a version lands
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensorboard_server_serves_a_scalar(tmp_path):
     from async_vla.metrics import Monitor
 
@@ -133,7 +127,7 @@ def test_tensorboard_server_serves_a_scalar(tmp_path):
     for step in range(3):
         mon.scalar("eval/success_rate", 0.25 * step, step)
     mon.close()
-    port = _free_port()
+    port = free_port()
     tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "tb"), "--host",
                            "127.0.0.1", "--port", str(port), "--load_fast=false"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -323,7 +323,7 @@ def test_vllm_policy_logprobs_equal_learner_recomputation():
 
 def test_vllm_policy_versions_on_trajectories_and_stale_refused():
     from actors.actor import SerialActor
-    from async_vla.envs.base import make_env
+    from async_vla.envs import make_env
 
     cfg = load_config(None, ["actor.group_size=2", "env.envs_per_actor=2", "env.max_steps=3", "run.name=vl",
                              "buffer.dynamic_sampling=false"])

@@ -6,6 +6,7 @@ import importlib.util
 
 from pydantic import Field, model_validator
 
+from async_vla.envs.limits import BUILTIN_MAX_STEPS, LIBERO_MAX_STEPS
 from async_vla.hosts import is_loopback
 
 from async_vla.config.sections import (
@@ -198,13 +199,7 @@ class Config(Section):
         """Env steps of the longest episode: ``env.max_steps``, else the env family's default."""
         if self.env.max_steps is not None:
             return self.env.max_steps
-        if self.env.kind == "libero":
-            from async_vla.envs.libero import SUITE_MAX_STEPS
-
-            return SUITE_MAX_STEPS[self.env.suite]
-        from async_vla.envs.builtin import DEFAULT_MAX_STEPS
-
-        return DEFAULT_MAX_STEPS
+        return LIBERO_MAX_STEPS[self.env.suite] if self.env.kind == "libero" else BUILTIN_MAX_STEPS
 
     @property
     def policy_calls_per_episode(self) -> int:

@@ -36,7 +36,7 @@ class RunConfig(Section):
     scheduler's limit some room beyond this (seconds on the built-in task, minutes for a LIBERO evaluation)."""
     eval_envs: Optional[int] = Field(None, ge=1)
     """Simulators bin/train's evaluator (and bin/eval) runs held-out episodes on, in parallel (None = the group
-    size, at most 8). LIBERO envs run in their own worker processes (env.worker) at ~1.5 GB each."""
+    size, at most 8). LIBERO envs run in their own worker processes (env.worker; their memory: docs/LIBERO.md)."""
     eval_every: int = Field(5, ge=0)
     """Greedy evaluation on held-out init states every this many versions (0 = only at the start and end).
     async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's
@@ -107,13 +107,13 @@ class EnvConfig(Section):
     decision: ``step_chunk`` (what actors, SFT and eval call) renders only the step whose observation the
     policy reads (the last of a chunk; reset always renders); the steps in between run physics alone. The
     images at those points are pixel-equal to every_step's (tests/test_libero.py), so fidelity is the same;
-    it only skips frames nobody reads (~6-10x env steps/s at 128 px on a CPU: docs/LIBERO.md)."""
+    it only skips frames nobody reads (the speed-up: docs/LIBERO.md, docs/BENCHMARKS.md)."""
     mujoco_gl: Literal["auto", "egl", "osmesa"] = "auto"
     """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
     hard_reset: bool = False
-    """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default, ~5x slower resets). The init
-    state sets qpos/qvel fully, so a soft reset gives the same physical state (checked in tests/test_libero.py).
-    Either way LIBERO re-places its static fixtures (a cabinet, a stove: model body poses, not part of an init
+    """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default; much slower resets: docs/LIBERO.md).
+    The init state sets qpos/qvel fully, so a soft reset gives the same physical state (checked in
+    tests/test_libero.py). Either way LIBERO re-places its static fixtures (a cabinet, a stove: model body poses, not part of an init
     state) at every reset, so one init state's scene differs by up to about a centimetre between episodes;
     greedy evaluations of the same weights vary with it (docs/LIBERO.md), unless pin_fixtures."""
     pin_fixtures: bool = False
@@ -136,7 +136,7 @@ class EnvConfig(Section):
     """Where an actor runs each env: subprocess (isolated: a crash or hang costs one env, see
     actors/env_worker.py), inline (in the actor process), auto (subprocess for libero, inline for builtin)."""
     worker_start_timeout_s: float = Field(300.0, gt=0)
-    """Seconds an env worker may take to start and build its simulator (LIBERO: ~10-30 s on 2 CPU cores)."""
+    """Seconds an env worker may take to start and build its simulator (slow for LIBERO on a loaded CPU)."""
     settle_steps: int = Field(10, ge=0)
     """No-op steps after reset so objects settle (LIBERO evaluations use 10)."""
     envs_per_actor: int = Field(8, ge=1)
@@ -213,7 +213,7 @@ class ActorConfig(Section):
     rest stays for the torch copy of the policy (vision encoder, projector, prompt embeddings) and the weight
     receive buffers."""
     torch_threads: int = Field(1, ge=1)
-    """torch intra-op threads per actor (oversubscription makes steps swing 20x on 2 cores)."""
+    """torch intra-op threads per actor (more threads than cores make step times swing widely)."""
     heartbeat_s: float = Field(1.0, gt=0)
     """Seconds between actor heartbeats."""
     hung_after_s: float = Field(60.0, gt=0)
@@ -340,8 +340,8 @@ class LearnerConfig(Section):
     lora_alpha: float = Field(16.0, gt=0)
     """LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank (OpenVLA's LoRA runs: 16)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass instead of keeping them (a 7B OpenVLA-OFT
-    micro-batch of one 64-call trajectory: ~130 GB of activations without, ~12 GB with; docs/GPU.md)."""
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (what that saves
+    for a 7B OpenVLA-OFT micro-batch: docs/GPU.md)."""
     deepspeed_config: Optional[str] = None
     """Path to a user DeepSpeed JSON that replaces the generated one."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -366,7 +366,7 @@ class LearnerConfig(Section):
     dist_timeout_s: float = Field(1800.0, gt=0)
     """torch.distributed timeout of the learner ranks' collectives (a rank that never arrives fails them)."""
     torch_threads: int = Field(1, ge=1)
-    """torch intra-op threads per learner rank on CPU (oversubscribed threads make steps swing 20x)."""
+    """torch intra-op threads per learner rank on CPU (more threads than cores make step times swing widely)."""
 
 
 class LossConfig(Section):
@@ -433,8 +433,8 @@ class WeightsConfig(Section):
     member (learner rank 0, each actor) has a GPU of its own on this host (placement), else gloo: NCCL refuses two
     ranks on one device. nccl on a shared GPU is refused before the run starts."""
     bucket_mb: float = Field(16.0, gt=0)
-    """Size cap of one broadcast bucket in MiB (gloo over loopback measured best at 8-16; 64 was up to 2x
-    slower, one flat buffer slower still; NCCL is content with larger)."""
+    """Size cap of one broadcast bucket in MiB (the default is what gloo over loopback measured best at; NCCL is
+    content with larger: docs/WEIGHTS.md)."""
     timeout_s: float = Field(30.0, gt=0)
     """A broadcast that takes longer (a dead or late actor) is abandoned and the group re-formed."""
     publish_every: int = Field(1, ge=1)
@@ -475,14 +475,14 @@ class WeightsConfig(Section):
     shm: bool = True
     """gloo only: when every actor of a group runs on the learner's host (it can read a probe file the learner
     writes to weights.shm_dir), pack the buckets into a shared-memory segment there and send only their
-    offsets over the group (gloo has no shared-memory transport; loopback TCP delivered ~15% of memcpy at
-    100M parameters). Costs two model-sized segments in shm_dir; falls back to the wire when they do not fit."""
+    offsets over the group (gloo has no shared-memory transport, and loopback TCP is far below memcpy speed:
+    docs/WEIGHTS.md). Costs two model-sized segments in shm_dir; falls back to the wire when they do not fit."""
     shm_dir: str = "/dev/shm"
     """Directory (a tmpfs) for the shared-memory segments of weights.shm."""
     doorbell: bool = True
     """weights.shm groups: exchange each version through a small shared page (futexes) instead of gloo round
-    trips, and let receivers check their verification share while the learner is still packing (10M parameters:
-    ~2x faster end to end, docs/WEIGHTS.md). Needs the native library (bin/build-native) on both sides and Linux;
+    trips, and let receivers check their verification share while the learner is still packing (faster end to
+    end: docs/WEIGHTS.md). Needs the native library (bin/build-native) on both sides and Linux;
     otherwise, or False, such groups use the gloo header/acknowledgement protocol."""
 
 
@@ -565,7 +565,7 @@ class RayConfig(Section):
     fleet_gpus: float = Field(0.0, ge=0)
     """GPUs requested per fleet."""
     fleet_memory_gb: Optional[float] = Field(None, gt=0)
-    """Memory requested per fleet in GiB (None = no request; LIBERO: ~1.5 GiB per env worker)."""
+    """Memory requested per fleet in GiB (None = no request; a LIBERO env worker's memory: docs/LIBERO.md)."""
     fleet_resources: Dict[str, float] = Field(default_factory=dict)
     """Custom resources per fleet, e.g. {actor_node: 1} to keep fleets on nodes started with
     ``ray start --resources '{"actor_node": 4}'``."""

@@ -1,15 +1,13 @@
-"""The simulator interface every env family implements (see docs/CONTRACTS.md) and ``make_env``."""
+"""The simulator interface every env family implements (see docs/CONTRACTS.md); ``async_vla.envs.make_env`` builds
+one."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from async_vla.config import Config
 
 Split = Literal["train", "val", "eval", "confirm"]
 """train: rollouts and demos; val: tuning; eval: the held-out set reported; confirm: a second, disjoint held-out
@@ -71,18 +69,3 @@ class Env(abc.ABC):
 
     def close(self) -> None:
         """Release simulator resources (no-op by default)."""
-
-
-def make_env(cfg: "Config", seed: int) -> Env:
-    """Build the env family named by ``cfg.env.kind``; ``seed`` drives any simulator randomness."""
-    kind = cfg.env.kind
-    if kind == "builtin":
-        from async_vla.envs.builtin import TabletopEnv
-
-        return TabletopEnv.from_config(cfg.env, seed=seed)
-    if kind == "libero":
-        # Imported lazily: LIBERO (MuJoCo, robosuite) is an optional extra.
-        from async_vla.envs import libero
-
-        return libero.make_libero_env(cfg, seed)
-    raise ValueError(f"env.kind={kind!r} is not one of builtin, libero")

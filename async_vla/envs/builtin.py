@@ -43,6 +43,7 @@ from typing import Optional
 import numpy as np
 
 from async_vla.envs.base import Env, Observation, Split
+from async_vla.envs.limits import BUILTIN_MAX_STEPS
 
 MAX_DELTA = 2.0  # gripper travel per step at |action| = 1: one step can cross the whole (2-wide) table
 GRASP_R = 0.2  # closing within this distance of a block's centre grasps it (blocks are drawn 0.2 wide)
@@ -62,7 +63,6 @@ EVAL_ID_OFFSET = 200_000
 CONFIRM_ID_OFFSET = 300_000
 SPLIT_OFFSETS = {"train": 0, "val": VAL_ID_OFFSET, "eval": EVAL_ID_OFFSET, "confirm": CONFIRM_ID_OFFSET}
 LAYOUT_SEED = 20261125  # fixed: layouts must not depend on the run seed (stable held-out set)
-DEFAULT_MAX_STEPS = 16  # two calls at the default 8-step chunks (the expert needs <= 3 steps); the quickstart sets 8
 PROPRIO_DIM = 8  # LIBERO-like: eef xyz, eef axis-angle (3), gripper (2)
 BLOCKS = ("red", "blue")
 PADS = ("green", "yellow")
@@ -178,7 +178,7 @@ class TabletopEnv(Env):
                             "eval": num_eval_init_states, "confirm": num_eval_init_states}
         if max(self.split_sizes.values()) > VAL_ID_OFFSET:
             raise ValueError(f"at most {VAL_ID_OFFSET} init states per split")
-        self._max_steps = max_steps or DEFAULT_MAX_STEPS
+        self._max_steps = max_steps or BUILTIN_MAX_STEPS
         self.seed = seed  # the dynamics are deterministic; kept for the interface
         self._scale = image_size / 2.0
         self._background = np.empty((image_size, image_size, 3), dtype=np.uint8)

@@ -41,15 +41,13 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from async_vla.envs.base import Env, Observation, Split
+from async_vla.envs.limits import LIBERO_MAX_STEPS
 
 if TYPE_CHECKING:
     from async_vla.config import Config, EnvConfig
 
 SUITES = {"spatial": "libero_spatial", "object": "libero_object", "goal": "libero_goal", "10": "libero_10",
           "90": "libero_90"}
-# Episode limits of OpenVLA-OFT's LIBERO evaluation (longest demo + margin per suite). SimpleVLA-RL runs 512
-# steps in every suite (rob_rollout.py): configs/libero_*.yaml set env.max_steps=512.
-SUITE_MAX_STEPS = {"spatial": 220, "object": 280, "goal": 300, "10": 520, "90": 400}
 PROPRIO_DIM = 8
 NOOP_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])  # LIBERO convention: -1 = open
 # Repo-local LIBERO path config written by bin/install-libero (keeps libero from prompting / downloading).
@@ -231,7 +229,7 @@ class LiberoEnv(Env):
         self.render_size = env_cfg.render_size or env_cfg.image_size
         self.proprio_dim = PROPRIO_DIM
         self.camera_names = ["agentview"] + (["robot0_eye_in_hand"] if env_cfg.wrist_camera else [])
-        self._max_steps = env_cfg.max_steps or SUITE_MAX_STEPS[env_cfg.suite]
+        self._max_steps = env_cfg.max_steps or LIBERO_MAX_STEPS[env_cfg.suite]
         self._init_states: dict[int, np.ndarray] = {}
         self._env = None  # libero OffScreenRenderEnv of the current task
         self._env_task: Optional[int] = None
@@ -516,7 +514,7 @@ def fixture_seed(suite: str, task_id: int, init_state_id: int) -> int:
 
 
 def make_libero_env(cfg: "Config", seed: int) -> LiberoEnv:
-    """Entry point used by ``async_vla.envs.base.make_env`` for env.kind=libero."""
+    """Entry point used by ``async_vla.envs.make_env`` for env.kind=libero."""
     return LiberoEnv(cfg.env, seed=seed)
 
 
@@ -527,5 +525,5 @@ def libero_available() -> bool:
     return importlib.util.find_spec("libero") is not None and importlib.util.find_spec("robosuite") is not None
 
 
-__all__ = ["LiberoEnv", "SUITES", "SUITE_MAX_STEPS", "libero_available", "libero_version", "make_libero_env",
+__all__ = ["LiberoEnv", "SUITES", "libero_available", "libero_version", "make_libero_env",
            "quat2axisangle", "select_mujoco_gl", "to_libero_action"]

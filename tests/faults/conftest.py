@@ -1,4 +1,4 @@
-"""tests/faults: reliability and security (issue 10). Slow tests drive a live local system (runner/live.py)."""
+"""tests/faults: reliability and security (issue 10). Slow tests drive a live local system (runner/faults/live.py)."""
 
 import sys
 from pathlib import Path

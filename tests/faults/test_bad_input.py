@@ -1,14 +1,14 @@
-"""Bad input into a real BufferService over real sockets: 10,000 hostile frames of 21 kinds (runner/fuzz.py), each one
-counted as malformed by reason, never a crash; a message over transport.max_message_mb is dropped by ZeroMQ before
-allocation and its sender disconnected, while everyone else carries on. The same against the live system during
-training (buffer as its own process, RSS measured): test_live_faults.py."""
+"""Bad input into a real BufferService over real sockets: 10,000 hostile frames of 21 kinds (runner/faults/fuzz.py),
+each one counted as malformed by reason, never a crash; a message over transport.max_message_mb is dropped by ZeroMQ
+before allocation and its sender disconnected, while everyone else carries on. The same against the live system
+during training (buffer as its own process, RSS measured): test_live_faults.py."""
 
 import time
 
 from test_buffer_service import running, service_cfg, stats
 
 from async_vla.transport import ControlClient, TrajectorySender
-from runner.fuzz import KINDS, fuzz, send_oversize
+from runner.faults.fuzz import KINDS, fuzz, send_oversize
 from test_buffer import make_traj
 
 RUN = "svc"

@@ -1,14 +1,13 @@
 """The control plane under hostile input. In process (BufferService, fake clock): an actor that stops heart-beating
 loses its grants, parked batch requests are bounded, the control file cannot raise eta past its limit, a bad batch
 request gets a reply the learner can read. Live (``bin/buffer`` as its own process): thousands of hostile frames and
-forged control messages from a local process (runner/fuzz.py), after which the buffer is up, its memory bounded,
+forged control messages from a local process (runner/faults/fuzz.py), after which the buffer is up, its memory bounded,
 eta and the groups in flight within their limits, and an honest actor and learner are served normally."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import load_config, write_resolved
 from async_vla.messages import BatchRequest, ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender, endpoints
-from runner.fuzz import CONTROL_KINDS, forge_control, fuzz
+from runner.commands import component_argv
+from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,8 +146,8 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
     cfg = load_config(str(yaml), overrides)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     log = open(tmp_path / "buffer.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "bin" / "buffer"), str(yaml), *overrides,
-                             "--run-dir", str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(component_argv("buffer", str(yaml), str(run_dir), overrides=overrides), env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
     eps = endpoints(cfg.transport, run_dir, side="connect")
     try:
         client = ControlClient(eps["control"])

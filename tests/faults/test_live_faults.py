@@ -1,15 +1,16 @@
 """Faults against one live local system (buffer, learner and actor fleet as separate processes, training for real;
-runner/live.py + runner/chaos.py, the code bin/chaos runs with longer settings). The tests share the system and run
-in file order; each one leaves it healthy for the next (run alone, each starts its own). The last test stops it
-cleanly and audits every buffer incarnation: ledgers balance, nothing trained beyond eta, nothing admitted twice.
+runner/faults/live.py + runner/faults/chaos.py, the code bin/chaos runs with longer settings). The tests share the
+system and run in file order; each one leaves it healthy for the next (run alone, each starts its own). The last test
+stops it cleanly and audits every buffer incarnation: ledgers balance, nothing trained beyond eta, nothing admitted
+twice.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from runner import audit, chaos
-from runner.live import LiveSystem
+from runner.faults import audit, chaos
+from runner.faults.live import LiveSystem
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from async_vla import messages as M
-from learner.core import TorchLearner, finite_params, tensors_digest
+from learner.checkpoint_files import tensors_digest
+from learner.core import TorchLearner, finite_params
 from learner_helpers import StandInPolicy, make_groups, small_cfg
 
 
@@ -67,7 +68,7 @@ def test_non_finite_step_is_skipped_and_counted(where, value):
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 0.5])
 def test_non_finite_behaviour_logprobs_never_cross_the_wire(value):
-    from runner.fuzz import template
+    from runner.faults.fuzz import template
 
     t = template(run_id="r")
     t.behav_logprobs[1, 3] = value

@@ -101,12 +101,12 @@ def hostile_frames(rng: np.random.Generator, base: M.Trajectory, run_id: str) ->
 def _sender(ctx, socket_type: int, endpoint: str, curve_keys, hwm: int):
     """A connected sending socket whose queued messages still leave at close: a loaded buffer may take a while to
     read thousands of them, and the tests count every one."""
-    from async_vla.transport import _secure_client
+    from async_vla.transport import secure_client
 
     sock = ctx.socket(socket_type)
     sock.sndhwm = hwm
     sock.linger = 120_000
-    _secure_client(sock, curve_keys)
+    secure_client(sock, curve_keys)
     sock.connect(endpoint)
     return sock
 
@@ -141,14 +141,14 @@ def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm
 
 def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -> int:
     """``count`` messages of ``nbytes`` each, every one from a fresh socket (ZeroMQ disconnects the sender)."""
-    from async_vla.transport import _secure_client
+    from async_vla.transport import secure_client
 
     ctx = zmq.Context()
     blob = b"\x00" * nbytes
     for _ in range(count):
         sock = ctx.socket(zmq.PUSH)
         sock.linger = 2000
-        _secure_client(sock, curve_keys)
+        secure_client(sock, curve_keys)
         sock.connect(endpoint)
         sock.send_multipart([blob])
         time.sleep(0.5)

@@ -1,11 +1,11 @@
-"""Fault-injection scenarios against a live local system (``runner/live.py``): bin/chaos and tests/faults.
+"""Fault-injection scenarios against a live local system (``runner/faults/live.py``): bin/chaos and tests/faults.
 
 Each scenario runs on an already training system, injects its fault, waits for the system to recover, and returns
 a dict of what it measured (nothing is asserted here: tests assert, bin/chaos tabulates). ``final_report`` runs
 after a clean stop and audits every buffer incarnation: ledgers balance, nothing trained beyond eta, no trajectory
 admitted twice.
 
-bad_input       10,000 hostile frames (runner/fuzz.py) into the trajectory socket + garbage into the control
+bad_input       10,000 hostile frames (runner/faults/fuzz.py) into the trajectory socket + garbage into the control
                 socket + messages over transport.max_message_mb, while training
 flood           protocol-following synthetic actors that produce instantly (>= 10x the learner's rate)
 actor_kills     kill -9 a random actor every ``every_s`` for ``duration_s``
@@ -26,11 +26,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from async_vla.transport import _secure_client
-from learner.core import latest_tag
-from runner import audit
-from runner.fuzz import fuzz, send_oversize
-from runner.live import LiveSystem, staleness_violations, unbalanced
+from async_vla.transport import secure_client
+from learner.checkpoint_names import latest_version
+from runner.faults import audit
+from runner.faults.fuzz import fuzz, send_oversize
+from runner.faults.live import LiveSystem, staleness_violations, unbalanced
 
 FLOOD_ACTOR_BASE = 1000  # synthetic actors' ids start here (the audit tells them apart)
 FLOOD_SENT: dict[str, list[str]] = {}   # what the flood scenario's synthetic actors sent (for the final audit)
@@ -63,7 +63,7 @@ def bad_input(sys_: LiveSystem, n: int = 10_000, n_control: int = 1000, oversize
     ctx = zmq.Context()   # garbage on the control channel (random bytes: never a valid message)
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 10_000
-    _secure_client(dealer, sys_.keys)
+    secure_client(dealer, sys_.keys)
     dealer.connect(sys_.control)
     rng = np.random.default_rng(seed + 1)
     for _ in range(n_control):
@@ -107,7 +107,7 @@ class _FloodActor(threading.Thread):
         self.sent_ids: dict[str, list[str]] = {}   # buffer incarnation -> trajectory ids its socket accepted
         self.wait_s = self.make_s = 0.0
         cfg = sys_.cfg
-        from runner.fuzz import template
+        from runner.faults.fuzz import template
 
         calls = max(1, (cfg.env.max_steps or 16) // cfg.policy.chunk_size)
         self.template = dataclasses.replace(template(cfg.run.name, cfg.env.task_ids[0], calls=calls,
@@ -320,16 +320,16 @@ def buffer_restart(sys_: LiveSystem, how: str = "kill", down_s: float = 3.0) -> 
 # ---------------------------------------------------------------------------------------------- learner
 def learner_kill(sys_: LiveSystem, outage_s: float = 10.0, min_version: int = 3) -> dict:
     ckpt_dir = sys_.run_dir / "checkpoints"
-    sys_.wait(lambda: latest_tag(ckpt_dir) is not None and sys_.version() >= min_version, 120, "a checkpoint")
+    sys_.wait(lambda: latest_version(ckpt_dir) is not None and sys_.version() >= min_version, 120, "a checkpoint")
     deadline = time.monotonic() + 20   # kill past a checkpoint if we can: the resumed learner is then behind
-    while time.monotonic() < deadline and sys_.version() <= int(latest_tag(ckpt_dir)[1:]):
+    while time.monotonic() < deadline and sys_.version() <= latest_version(ckpt_dir):
         time.sleep(0.02)
     actors0 = sys_.actor_status()
     refused0 = (sys_.stats() or {}).get("service", {}).get("grants_refused", 0)
     sys_.kill("learner")
     t_kill = time.monotonic()
     s_kill = sys_.stats()
-    k, c = s_kill["learner_version"], int(latest_tag(ckpt_dir)[1:])
+    k, c = s_kill["learner_version"], latest_version(ckpt_dir)
     rss0 = {a: _rss(st["pid"]) for a, st in actors0.items()}
     held_max, versions_seen = 0, collections.defaultdict(set)
     while time.monotonic() - t_kill < outage_s:

@@ -1,11 +1,11 @@
 """A live async system on this host whose parts can be killed and restarted one by one (fault injection).
 
 ``LiveSystem`` starts the same three processes as ``bin/train``'s async mode (``bin/buffer``, ``bin/learner``,
-``bin/actors``) from one resolved ``<run>/config.yaml``, but without the launcher's supervision: a test or
-``bin/chaos`` decides when a part dies (``kill``: SIGKILL, no clean-up) and when it comes back (``start_*``;
-the learner with ``--resume``). Everything it reads back comes from the system itself: the buffer's ledger
-over the control socket (``stats``) and in ``<run>/ledger*.json``, actors' status files (pids, versions), the
-learner's checkpoints and ``<run>/learner_resume.json``.
+``bin/actors``, with the command lines of runner/commands.py) from one resolved ``<run>/config.yaml``, but without
+the launcher's supervision: a test or ``bin/chaos`` decides when a part dies (``kill``: SIGKILL, no clean-up) and
+when it comes back (``start_*``; the learner with ``--resume``). Everything it reads back comes from the system
+itself: the buffer's ledger over the control socket (``stats``) and in ``<run>/ledger*.json``, actors' status files
+(pids, versions), the learner's checkpoints and ``<run>/learner_resume.json``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,7 +22,8 @@ import psutil
 from actors.status import read_status, status_path
 from async_vla.config import load_config, write_resolved
 from async_vla.transport import endpoints
-from runner.launch import REPO, Child, buffer_stats, client_keys, resolve_ports
+from runner.commands import REPO, component_argv
+from runner.launch import Child, buffer_stats, client_keys, resolve_ports
 
 DEFAULT_CONFIG = REPO / "configs" / "chaos.yaml"
 
@@ -55,18 +55,16 @@ class LiveSystem:
         return child
 
     def start_buffer(self, timeout_s: float = 60) -> None:
-        child = self._start("buffer", [sys.executable, str(REPO / "bin" / "buffer"), str(self.cfg_path),
-                                       "--run-dir", str(self.run_dir)])
+        child = self._start("buffer", component_argv("buffer", str(self.cfg_path), str(self.run_dir)))
         self.wait(lambda: self.stats(0.5) is not None, timeout_s, "the buffer to answer", child=child)
 
     def start_learner(self, resume: bool = False) -> None:
-        self._start("learner", [sys.executable, str(REPO / "bin" / "learner"), str(self.cfg_path), "--run-dir",
-                                str(self.run_dir)] + (["--resume"] if resume else []))
+        self._start("learner", component_argv("learner", str(self.cfg_path), str(self.run_dir), resume=resume))
 
     def start_actors(self) -> None:
-        self._start("actors", [sys.executable, str(REPO / "bin" / "actors"), str(self.cfg_path), "--num",
-                               str(self.cfg.actor.num_actors), "--connect", f"{self.trajectory},{self.control}",
-                               "--run-dir", str(self.run_dir)])
+        self._start("actors", component_argv("actors", str(self.cfg_path), str(self.run_dir),
+                                             num=self.cfg.actor.num_actors,
+                                             connect=f"{self.trajectory},{self.control}"))
 
     def start(self, min_version: int = 1, timeout_s: float = 240) -> None:
         """Buffer, learner, actors; returns once the learner has produced ``min_version``."""
