@@ -224,7 +224,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(NO_GPU, file=sys.stderr)
+        from runner.preflight import cuda_driver_problem, host_cuda
+
+        why = cuda_driver_problem(*host_cuda())
+        print(NO_GPU + (f"\n[gpu-check] {why}" if why else ""), file=sys.stderr)
         return 1
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     print(f"[gpu-check] {torch.cuda.device_count()} GPU(s): {names}; torch {torch.__version__}, CUDA "
