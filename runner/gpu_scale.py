@@ -259,10 +259,11 @@ def full_ft_plan(n_params: int, gpu_bytes: Optional[int], host_bytes: int) -> tu
     ``gpu_bytes`` (None: the CPU), or (None, why it is skipped). AdamW under ZeRO-3 bf16 holds 16 bytes per parameter
     (bf16 weights and gradients, fp32 master, two fp32 moments), plus activations and buffers (~15% here); with the
     optimizer offloaded the GPU keeps the 4 bytes of bf16 weights and gradients and the host the fp32 master,
-    moments and gradients (16)."""
+    moments and gradients (16), plus its transfer buffers: 20 asked for, so that a host short of it is skipped
+    rather than killed by the kernel's out-of-memory killer mid-table."""
     if gpu_bytes is None:
         return {}, "no offload (CPU)"
-    need, host_need = 16 * n_params * 1.15, 16 * n_params * 1.1
+    need, host_need = 16 * n_params * 1.15, 20 * n_params
     if need < gpu_bytes:
         return {}, f"no offload: ~{need / 1e9:.0f} GB of {gpu_bytes / 1e9:.0f} GB"
     if host_bytes >= host_need:
