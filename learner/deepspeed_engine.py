@@ -61,6 +61,7 @@ from torch import Tensor
 
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
+from async_vla.placement import claim_learner_device
 from learner.core import (LATEST_FILE, Learner, capture_rng_state, checkpoint_tag, frozen_copy, latest_tag,
                           policy_has_entropy, prune_checkpoints, restore_rng_state, save_policy_dir,
                           tensors_digest)
@@ -232,8 +233,7 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
                                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        claim_learner_device(os.environ)     # learner/__main__ has already; a learner built elsewhere has not
         store = _loopback_store(cfg)
         if store is not None:  # deepspeed.init_distributed below adopts the initialized default group
             dist.init_process_group(backend, store=store, rank=0, world_size=int(os.environ["WORLD_SIZE"]),
