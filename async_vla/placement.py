@@ -6,7 +6,11 @@ runs in the launcher process, is given a ``cuda:<index>`` device. Indices are as
 the launcher itself runs under ``CUDA_VISIBLE_DEVICES=2,3,...`` index 0 is GPU 2, and the children get the
 physical ids, so a placement means the same whatever the launcher was restricted to.
 
-No process is started here; bin/train (runner/launch.py) and the actor fleet (actors/fleet.py) apply these.
+A learner rank claims its GPU (``claim_learner_device``) before it builds anything, so every tensor it creates
+lands there and never on another rank's GPU 0.
+
+No process is started here; bin/train (runner/launch.py), the actor fleet (actors/fleet.py) and the learner
+(learner/__main__.py) apply these.
 """
 
 from __future__ import annotations
@@ -35,6 +39,32 @@ def learner_env(cfg: "Config", parent_env: Mapping[str, str]) -> dict[str, str]:
     """Environment overrides for the learner process (all ranks), {} when placement.gpus_learner is unset."""
     gpus = cfg.placement.gpus_learner
     return {} if gpus is None else {VISIBLE: _physical(gpus, parent_env, "gpus_learner")}
+
+
+def learner_rank_device(local_rank: int, cuda_devices: int) -> str:
+    """The device of the learner rank with ``LOCAL_RANK=local_rank`` on a host where the learner sees
+    ``cuda_devices`` GPUs: ``cuda:<local_rank>`` (bin/train gives the learner ``placement.gpus_learner`` in rank
+    order), or ``cpu`` without CUDA. A rank past the GPUs it sees is an error naming the fix."""
+    if cuda_devices == 0:
+        return "cpu"
+    if not 0 <= local_rank < cuda_devices:
+        raise ValueError(f"learner rank with LOCAL_RANK={local_rank} sees {cuda_devices} GPU(s): one GPU per rank is "
+                         f"needed (NCCL cannot run two ranks on one GPU); give the learner as many GPUs as ranks "
+                         f"(placement.gpus_learner, or {VISIBLE}) or set learner.num_ranks={cuda_devices}")
+    return f"cuda:{local_rank}"
+
+
+def claim_learner_device(env: Mapping[str, str]) -> str:
+    """Make this learner rank's GPU (``learner_rank_device`` of its ``LOCAL_RANK``) the process's current CUDA
+    device and return it (``cpu`` without CUDA). Called before any model is built, so nothing lands on GPU 0 by
+    default."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = learner_rank_device(int(env.get("LOCAL_RANK", "0")), count)
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    return device
 
 
 def actor_env(cfg: "Config", actor_id: int, parent_env: Mapping[str, str]) -> dict[str, str]:

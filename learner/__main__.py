@@ -176,7 +176,13 @@ class RankRun:
         if rank == 0:
             from async_vla.config import write_resolved
             write_resolved(cfg, run_dir)
-        policy = build_policy(cfg)
+        from async_vla.placement import claim_learner_device
+
+        load = {"device": claim_learner_device(os.environ)}   # this rank's GPU, current before anything is built
+        if cfg.learner.backend == "deepspeed":
+            from learner.deepspeed_engine import policy_load_kwargs
+            load = policy_load_kwargs(cfg, load["device"])    # ZeRO-3: on the CPU, then partitioned onto the GPU
+        policy = build_policy(cfg, **load)
         if cfg.learner.backend == "torch":
             from learner.core import TorchLearner
             self.learner = TorchLearner(cfg, policy)

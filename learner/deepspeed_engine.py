@@ -36,8 +36,13 @@ Full weights and checkpoints
   world size must match the one that saved (ZeRO partitions are per rank).
 - ``export_policy(dir)`` gathers all parameters and rank 0 writes the policy's own safetensors format.
 
-The model is built normally and partitioned by ``initialize`` (the whole model fits in one host's memory
-first). For models that do not, build the policy inside ``deepspeed.zero.Init()`` before passing it in.
+Placement. A rank claims its GPU before it builds the policy (``async_vla.placement.claim_learner_device``, in
+learner/__main__.py). Under ZeRO-3 it builds the policy on the CPU in the engine's dtype (``policy_load_kwargs``)
+and ``DeepSpeedLearner`` partitions it onto the rank's GPU with ``deepspeed.zero.Init(module=...)`` before
+``initialize``, one parameter at a time: no GPU ever holds the whole model (``initialize`` alone would first move
+the whole model to the GPU). The host holds each rank's full copy while it loads. Under ZeRO 0-2 the rank builds
+the policy on its GPU, which holds it whole anyway. ``placement`` records where the rank is and the parameter bytes
+it holds there.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from torch import Tensor
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
 from async_vla.hosts import free_port
+from async_vla.placement import claim_learner_device
 from learner.checkpoint_files import capture_rng_state, restore_rng_state, tensors_digest
 from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
 from learner.core import Learner, frozen_copy, policy_has_entropy, save_policy_dir
@@ -116,6 +122,44 @@ def make_ds_config(cfg: Config, world: int, on_gpu: Optional[bool] = None) -> di
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def policy_load_kwargs(cfg: Config, device: str) -> dict:
+    """``build_policy``'s ``device`` / ``dtype`` for a rank whose own device is ``device``: the CPU in the engine's
+    dtype under ZeRO-3 (``DeepSpeedLearner`` partitions it onto ``device``), ``device`` otherwise."""
+    if cfg.learner.zero_stage != 3:
+        return {"device": device}
+    bf16 = resolve_precision(cfg, device.startswith("cuda")) == "bf16"
+    return {"device": "cpu", "dtype": torch.bfloat16 if bf16 else torch.float32}
+
+
+def partition_zero3(module: torch.nn.Module, ds_config: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """Partition ``module``'s parameters over the ranks onto ``device`` (one full parameter there at a time), cast to
+    ``dtype`` first, and move its buffers there: what ``initialize`` then takes as a model built under
+    ``zero.Init`` (it leaves such a model where it is). Every rank must call."""
+    import deepspeed
+
+    for p in module.parameters():
+        if p.dtype != dtype and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    deepspeed.zero.Init(module=module, config_dict_or_path=ds_config, dtype=dtype)
+    for sub in module.modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            sub._buffers[name] = buf.to(device)
+
+
+def param_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the full parameters, bytes of parameter data this process holds): under ZeRO-3 its partitions plus
+    any parameter held whole (persistence threshold, or gathered now); otherwise every parameter."""
+    full = held = 0
+    for p in module.parameters():
+        size = p.element_size()
+        full += int(getattr(p, "ds_numel", p.numel())) * size
+        held += p.data.numel() * size
+        part = getattr(p, "ds_tensor", None)
+        if part is not None:
+            held += part.numel() * part.element_size()
+    return full, held
 
 
 def batch_size_keys(cfg: Config, world: int) -> dict:
@@ -184,8 +228,7 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
                                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        claim_learner_device(os.environ)     # learner/__main__ has already; a learner built elsewhere has not
         store = _loopback_store(cfg)
         if store is not None:  # deepspeed.init_distributed below adopts the initialized default group
             dist.init_process_group(backend, store=store, rank=0, world_size=int(os.environ["WORLD_SIZE"]),
@@ -210,10 +253,18 @@ class DeepSpeedLearner(Learner):
         on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(cfg, on_gpu)
         self.ds_config = load_ds_config(cfg, world)
-        # The KL reference is copied before initialize partitions the policy's parameters in place (ZeRO-3).
+        # The KL reference is copied before its parameters are partitioned in place (ZeRO-3).
         ref = frozen_copy(policy) if self.uses_reference else None
         self.module = LogProbModule(policy)
         self.module.eval()  # no dropout: learner and actor log-probs agree at equal weights
+        built_on = str(next(policy.parameters()).device)
+        zero = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        if zero == 3:
+            dtype = torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
+            device = torch.device(f"cuda:{torch.cuda.current_device()}") if on_gpu else torch.device("cpu")
+            for m in (self.module, ref):
+                if m is not None:
+                    partition_zero3(m, self.ds_config, dtype, device)
         lc = cfg.learner
         params = [p for p in self.module.parameters() if p.requires_grad]
         client_opt = None
@@ -239,8 +290,13 @@ class DeepSpeedLearner(Learner):
                 self.ref_engine.eval()
             else:   # ZeRO 0-2 keep a whole policy on every rank anyway: the reference is one more, unwrapped
                 self.ref_module = LogProbModule(ref.to(device=self.engine.device, dtype=self._dtype))
-        log.info("rank %d/%d: DeepSpeed ZeRO-%d %s on %s%s", rank, world, self.stage, self.precision,
-                 self.engine.device, " (+ KL reference)" if ref is not None else "")
+        full, held = param_bytes(self.module)
+        self.placement = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                          "device": str(self.engine.device), "built_on": built_on, "param_bytes": full,
+                          "param_bytes_here": held}
+        log.info("rank %d/%d: DeepSpeed ZeRO-%d %s on %s (policy built on %s; holds %.2f of its %.2f GB of "
+                 "parameters)%s", rank, world, self.stage, self.precision, self.engine.device, built_on, held / 1e9,
+                 full / 1e9, " (+ KL reference)" if ref is not None else "")
 
     # ------------------------------------------------------------------------------------- hooks
     @property

@@ -6,6 +6,10 @@
   packed into 64 MiB buckets, in GB/s and as a fraction of the device's own copy bandwidth (needs 2 GPUs);
 - with ``policy.path=...``: one greedy LIBERO episode of that checkpoint (bin/eval on task 0, one init state).
 
+``--scale`` instead builds an OpenVLA-OFT-shaped 7.5 B model with random weights and measures the actor's forward,
+a ZeRO-3 learner step (LoRA and full fine-tuning) and the weight hand-off on one GPU (runner/gpu_scale.py), writing
+its table into docs/GPU.md; ``--scale --size tiny`` runs the same on a tiny model, on the CPU too.
+
 Without CUDA it prints that nothing was checked and returns 1. The no-GPU path, the table format and the choice of
 test files are tested in tests/test_gpu_check.py; which checks have run on which GPU: docs/GPU.md.
 """
@@ -212,14 +216,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("config", nargs="?", help="YAML config for the LIBERO episode (e.g. configs/libero_spatial.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides; policy.path=<checkpoint> runs the episode")
     ap.add_argument("--skip-tests", action="store_true", help="only the benchmark and the episode")
+    ap.add_argument("--scale", action="store_true", help="measure an OpenVLA-OFT-shaped model instead (gpu_scale.py)")
+    ap.add_argument("--size", choices=("7b", "tiny"), default="7b", help="--scale: the model's size (tiny: CPU too)")
+    ap.add_argument("--doc", type=Path, default=None,
+                    help="--scale: write the table into this file's marked block (default docs/GPU.md for 7b)")
     args = ap.parse_intermixed_args(argv)
+    if args.scale:
+        return scale(args.size, args.doc if args.doc is not None or args.size != "7b" else REPO / "docs" / "GPU.md")
     if args.config and "=" in args.config:       # only overrides given
         args.overrides.insert(0, args.config)
         args.config = None
     import torch
 
     if not torch.cuda.is_available():
-        print(NO_GPU, file=sys.stderr)
+        from runner.preflight import cuda_driver_problem, host_cuda
+
+        why = cuda_driver_problem(*host_cuda())
+        print(NO_GPU + (f"\n[gpu-check] {why}" if why else ""), file=sys.stderr)
         return 1
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     print(f"[gpu-check] {torch.cuda.device_count()} GPU(s): {names}; torch {torch.__version__}, CUDA "
@@ -234,6 +247,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows.append(libero_episode(args.config, args.overrides))
     print(table(rows))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+def scale(size: str, doc: Optional[Path]) -> int:
+    """``--scale``: the table of runner/gpu_scale.py on this host's GPU (or the CPU for the tiny size)."""
+    import tempfile
+
+    import torch
+
+    from runner.gpu_scale import run_scale, table, write_into_doc
+
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif size == "tiny":
+        device = "cpu"
+    else:
+        print(NO_GPU, file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as work:
+        rows, facts = run_scale(size, device, Path(work))
+    text = table(rows, facts)
+    print(text)
+    if doc is not None:
+        write_into_doc(doc, text)
+        print(f"[gpu-check] table written into {doc}")
+    return 1 if any(r["value"] == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # The file that marks a checkpoint directory of each policy.arch (async_vla.policy.build.CONFIG_FILE for ours;
 # an HF directory's config.json for OpenVLA / OpenVLA-OFT). Read here without importing torch.
 POLICY_MARKERS = {"tiny": "async_vla_policy.json", "openvla": "config.json", "openvla_oft": "config.json"}
+# NVIDIA's minor version compatibility (docs.nvidia.com/deploy/cuda-compatibility): the oldest Linux driver branch
+# that runs anything built with each CUDA major.
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}
+CUDA12_INDEX = "https://download.pytorch.org/whl/cu128"
+DRIVER_FILE = Path("/proc/driver/nvidia/version")
 
 
 class CannotStart(Exception):
@@ -27,6 +33,11 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     errors += _policy_path(cfg)
     errors += _deepspeed_json(cfg.learner.deepspeed_config)
     errors += _placement(cfg)
+    driver = cuda_driver_problem(*host_cuda())
+    if driver is not None:    # torch cannot use this host's GPUs: an error when the config asks for GPUs
+        from async_vla.placement import placed
+
+        (errors if placed(cfg) else warnings).append(driver)
     if cfg.transport.curve and cfg.run.mode != "serial":
         errors += _curve_keys(cfg.transport.curve_dir)
     if cfg.policy.path is None and cfg.policy.arch == "tiny" and not resume:
@@ -68,6 +79,54 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
     if cfg.logging.serve_tensorboard:
         errors += busy_ports(cfg.logging.tensorboard_host, [("logging.tensorboard_port", cfg.logging.tensorboard_port)])
     return errors, warnings
+
+
+def host_cuda(driver_file: Path = DRIVER_FILE) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(torch's version, the CUDA version torch was built with, the NVIDIA driver's version) on this host, read from
+    torch's ``version.py`` and the driver's /proc entry without importing torch; None for what is absent."""
+    import importlib.metadata as md
+    import importlib.util
+
+    torch_version = torch_cuda = driver = None
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        version_py = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+        text = version_py.read_text() if version_py.is_file() else ""
+        found = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        torch_cuda = found.group(1) if found else None
+        torch_version = md.version("torch")
+    if driver_file.is_file():
+        found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", driver_file.read_text())
+        driver = found.group(1) if found else None
+    return torch_version, torch_cuda, driver
+
+
+def cuda_driver_problem(torch_version: Optional[str], torch_cuda: Optional[str], driver: Optional[str]) -> Optional[str]:
+    """Why torch cannot use this host's NVIDIA GPUs (torch.cuda.is_available() would be False), with the fix; None when
+    it can, or when the host has no NVIDIA driver. See docs/GPU.md "Driver"."""
+    if driver is None or torch_version is None:
+        return None
+    if torch_cuda is None:
+        return (f"torch {torch_version} is a CPU build on a host with NVIDIA driver {driver}: nothing would run on the "
+                "GPUs; install the locked GPU stack: pip install -e '.[gpu]' (README \"GPU install\")")
+    need = MIN_DRIVER.get(int(torch_cuda.split(".")[0]))
+    have = int(driver.split(".")[0])
+    if need is None or have >= need:
+        return None
+    pins = "torch==" + torch_version.split("+")[0]
+    import importlib.metadata as md
+
+    try:
+        pins += " torchvision==" + md.version("torchvision").split("+")[0]
+    except md.PackageNotFoundError:
+        pass
+    fix = f"update the driver to >= {need}"
+    if have >= MIN_DRIVER[12]:
+        fix += (f", or install PyTorch's CUDA 12 build of the same pins: pip install --force-reinstall {pins} "
+                f"--index-url {CUDA12_INDEX} (vLLM's PyPI wheel is a CUDA 13 build: keep actor.backend=torch then)")
+    return (f"torch {torch_version} is a CUDA {torch_cuda} build, which needs an NVIDIA driver >= {need}, but this host "
+            f"has driver {driver}: torch cannot use its GPUs (torch.cuda.is_available() is False). Fix: {fix} "
+            "(docs/GPU.md \"Driver\")")
 
 
 def _placement(cfg: Any, gpus_dir: Path = Path("/proc/driver/nvidia/gpus")) -> list[str]:
@@ -114,6 +173,11 @@ def _policy_path(cfg: Any) -> list[str]:
     if marker and not (where / marker).is_file():
         return [f"policy.path: {path} has no {marker}, so it is not a policy.arch={cfg.policy.arch} checkpoint; "
                 f"set it to {what}"]
+    if cfg.policy.arch in ("openvla", "openvla_oft"):   # the flavour the loader would refuse (vla_checkpoint.py)
+        from async_vla.vla_checkpoint import checkpoint_problems
+
+        return [f"policy.path: {path} cannot be trained as policy.arch={cfg.policy.arch}: {problem}"
+                for problem in checkpoint_problems(where, cfg.policy.arch)]
     return []
 
 

@@ -105,8 +105,9 @@ class RunRecorder:
             self.monitor.video(f"eval/video/task{video['task_id']}_init{video['init_state_id']}", video["frames"],
                                version, self.cfg.logging.eval_video_fps)
         self.monitor.flush()
+        took = f" in {res['wall_s']:.1f}s" if "wall_s" in res else ""     # the evaluation's own time; wall: the run's
         print(f"[eval] version {version}: greedy {res.get('split', 'eval')} success {res['success_rate']:.3f} "
-              f"({res.get('episodes', '?')} episodes, {wall:.0f}s)", flush=True)
+              f"({res.get('episodes', '?')} episodes{took}; run at {wall:.0f}s)", flush=True)
         self.save_progress(force=True)
 
     def confirm_result(self, version: int, res: dict) -> bool:

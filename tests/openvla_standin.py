@@ -41,14 +41,22 @@ def standin_processor() -> SimpleNamespace:
     return SimpleNamespace(tokenizer=StandInTokenizer(), image_processor=StandInImageProcessor())
 
 
+# The remote code's model class of each flavour (tests/standin_vla_remote.py): OpenVLA's autoregressive forward,
+# SimpleVLA-RL's OFT forward (no labels), openvla-oft's OFT forward (labels mark the placeholders).
+FLAVOURS = {"openvla": "StandInVLAForActionPrediction", "oft": "StandInOFTForActionPrediction",
+            "oft_labels": "StandInOFTLabelsForActionPrediction"}
+
+
 def StandInPrismatic(action_positions: int = 0, patch: int = 8, hidden: int = 32, seed: int = 0,
-                     norm_stats: Optional[dict] = None):
+                     norm_stats: Optional[dict] = None, flavour: Optional[str] = None):
     """The remote code's model built in this process (no checkpoint directory). ``action_positions`` > 0 makes it
-    OFT (its forward appends the platform's chunk x dim placeholders)."""
+    OFT (SimpleVLA-RL's forward, which appends the platform's chunk x dim placeholders) unless ``flavour`` names
+    one of ``FLAVOURS``."""
     from tests import standin_vla_remote as remote
 
     torch.manual_seed(seed)
-    return remote.StandInVLAForActionPrediction(remote.StandInVLAConfig(   # eager: as the loader builds Prismatic
+    cls = getattr(remote, FLAVOURS[flavour or ("oft" if action_positions else "openvla")])
+    return cls(remote.StandInVLAConfig(   # eager: as the loader builds Prismatic
         hidden_size=hidden, patch=patch, action_positions=action_positions, norm_stats=norm_stats or {},
         attn_implementation="eager"))
 
@@ -70,11 +78,13 @@ WORDS = ("in what action should the robot take to out pick up put place push ope
 
 
 def write_standin_checkpoint(path, oft: bool = False, norm_stats: Optional[dict] = None, image_size: int = 16,
-                             seed: int = 0, dataset_statistics: Optional[dict] = None) -> None:
+                             seed: int = 0, dataset_statistics: Optional[dict] = None,
+                             flavour: Optional[str] = None) -> None:
     """A directory ``load_openvla_policy`` loads as it loads a real OpenVLA(-OFT) checkpoint: config.json with an
-    ``auto_map`` to remote code saved beside it (tests/standin_vla_remote.py), safetensors weights, and an
-    ``AutoProcessor`` (a fast word-level tokenizer with BOS, and a SigLIP image processor); with
-    ``dataset_statistics`` also the ``dataset_statistics.json`` an OpenVLA-OFT SFT run writes beside the weights."""
+    ``auto_map`` to remote code saved beside it (tests/standin_vla_remote.py; the model class of ``flavour``, by
+    default SimpleVLA-RL's OFT forward when ``oft`` else OpenVLA's), safetensors weights, and an ``AutoProcessor`` (a
+    fast word-level tokenizer with BOS, and a SigLIP image processor); with ``dataset_statistics`` also the
+    ``dataset_statistics.json`` an OpenVLA-OFT SFT run writes beside the weights."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -83,13 +93,15 @@ def write_standin_checkpoint(path, oft: bool = False, norm_stats: Optional[dict]
 
     auto_model = "AutoModelForVision2Seq" if hasattr(transformers, "AutoModelForVision2Seq") else \
         "AutoModelForImageTextToText"
+    flavour = flavour or ("oft" if oft else "openvla")
+    cls = getattr(remote, FLAVOURS[flavour])
     remote.StandInVLAConfig.register_for_auto_class()
-    remote.StandInVLAForActionPrediction.register_for_auto_class(auto_model)
+    cls.register_for_auto_class(auto_model)
     remote.StandInVLAProcessor.register_for_auto_class("AutoProcessor")
     torch.manual_seed(seed)
-    cfg = remote.StandInVLAConfig(action_positions=56 if oft else 0, norm_stats=norm_stats or {},
+    cfg = remote.StandInVLAConfig(action_positions=0 if flavour == "openvla" else 56, norm_stats=norm_stats or {},
                                   attn_implementation="eager")
-    remote.StandInVLAForActionPrediction(cfg).save_pretrained(path)
+    cls(cfg).save_pretrained(path)
 
     vocab = {"[UNK]": 0, "<s>": BOS, **{w: i + 2 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

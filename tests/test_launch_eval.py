@@ -144,3 +144,16 @@ def test_ctrl_c_while_the_buffer_starts_returns_at_once_with_what_was_started(tm
     children = launch.start_children(load_config(None, SMALL), tmp_path, tmp_path / "config.yaml", resume=False,
                                      should_stop=lambda: True)
     assert list(children) == ["buffer"] and started == ["buffer"] and time.monotonic() - t0 < min(slack(5), 55)   # not the 60 s wait
+
+
+def test_the_eval_line_says_how_long_the_evaluation_took_and_when_in_the_run(tmp_path, capsys):
+    """An H100 run's async evaluations were read as taking 45-52 s beside the learner (docs/GPU.md): that was the
+    run's clock when each was recorded; each took a few seconds. The line now says both."""
+    from async_vla.metrics import Monitor
+    from runner.report import RunRecorder
+
+    recorder = RunRecorder(load_config(None, SMALL), tmp_path, Monitor(tmp_path, enabled=False))
+    recorder.wall_offset = 41.0
+    recorder.eval_result(10, {"success_rate": 0.52, "successes": 104, "episodes": 200, "wall_s": 3.24, "by_task": {}})
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[eval] version 10: greedy eval success 0.520 (200 episodes in 3.2s; run at 41s)"), line

@@ -225,6 +225,8 @@ def test_shipped_libero_configs_follow_simplevla_rl(name):
     assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_beta) == (0.2, 0.28, 0.0)
     assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.learner.weight_decay == 0.01
     assert cfg.learner.grad_clip == 1.0 and cfg.learner.gradient_checkpointing and cfg.learner.micro_batch_trajectories == 1
+    # run_openvla_oft_rl_libero.sh: 64 x 8 = 512 trajectories per batch, ppo_mini_batch_size 128, one epoch: 4 steps
+    assert cfg.learner.minibatches * cfg.learner.steps_per_batch == 4
     if not cfg.learner.lora_rank:
         assert cfg.learner.lr == 5e-6 and cfg.learner.num_ranks == 4 and cfg.learner.zero_stage == 3
     p = cfg.placement                   # every process placed; learner ranks never share a GPU with an actor

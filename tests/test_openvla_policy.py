@@ -1,7 +1,11 @@
 """``OpenVLAPolicy`` (the loader's side of a real OpenVLA / OpenVLA-OFT checkpoint) on a tiny stand-in for
 Prismatic's forward contract (tests/openvla_standin.py): sampling with the KV cache and the learner's
 teacher-forced recomputation agree, per-instruction batching, OFT's parallel positions, the checkpoint's action
-statistics. Loading a real checkpoint from disk: tests/test_policy.py (needs ASYNC_VLA_OPENVLA_PATH)."""
+statistics; and the checkpoint flavours a user may bring (stand-ins of each): SimpleVLA-RL's and openvla-oft's own
+OFT remote code run, every flavour GRPO cannot train is refused before anything starts. Loading a real checkpoint
+from disk: tests/test_policy.py (needs ASYNC_VLA_OPENVLA_PATH)."""
+
+import re
 
 import numpy as np
 import pytest
@@ -184,3 +188,107 @@ def test_gpu_bf16_sampled_logprobs_stay_close_to_the_learners(tmp_path, arch):
     assert np.abs(np.exp(re - logp) - 1).max() < 0.05, gap.max()
     greedy, _ = pol.act(images, proprio, INSTR, 0.0)
     assert np.array_equal(greedy, pol.act(images, proprio, INSTR, 0.0)[0])   # greedy is deterministic on the GPU
+
+
+# ------------------------------------------------------------------- checkpoint flavours (async_vla/vla_checkpoint.py)
+def _oft_cfg(path, *more):
+    return load_config(None, ["policy.arch=openvla_oft", f"policy.path={path}", "policy.chunk_size=8",
+                              "policy.decoding=parallel", "transport.trajectory_port=0", "transport.control_port=0",
+                              "transport.batch_port=0", "transport.weights_port=0", *more])
+
+
+def test_openvla_ofts_own_remote_code_runs_as_its_predict_action_does(tmp_path):
+    """An OFT checkpoint that carries openvla-oft's modeling_prismatic.py (whose forward needs labels marking the
+    placeholders) runs too: the loader builds them with the model's own helpers and takes the action positions of
+    the whole sequence's logits; with the same weights, the action logits are SimpleVLA-RL's forward's exactly."""
+    from async_vla.policy import build_policy
+    from runner.preflight import preflight
+
+    write_standin_checkpoint(tmp_path / "oft_labels", flavour="oft_labels", norm_stats=STATS, seed=4)
+    write_standin_checkpoint(tmp_path / "oft", flavour="oft", norm_stats=STATS, seed=4)
+    cfg = _oft_cfg(tmp_path / "oft_labels")
+    assert preflight(cfg, tmp_path / "run", False)[0] == []
+    pol = build_policy(cfg)
+    assert pol.forward_contract == "oft_labels"
+    images, proprio = _obs()
+    with pytest.raises(TypeError):             # why it needs the loader's help: upstream fails the same way
+        pol.model(input_ids=pol._prompt_ids(INSTR[0])[None], attention_mask=None, pixel_values=pol._pixels(images[:1]))
+    toks, logp = pol.act(images, proprio, INSTR, 1.6, torch.Generator().manual_seed(0))
+    re = pol.token_logprobs(images, proprio, INSTR, torch.from_numpy(toks), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    ref = build_policy(_oft_cfg(tmp_path / "oft"))
+    assert ref.forward_contract == "oft_logits"
+    idx = pol.tokenizer.token_to_index(torch.from_numpy(toks))
+    torch.testing.assert_close(pol.action_logits(images, proprio, INSTR, idx),
+                               ref.action_logits(images, proprio, INSTR, idx), atol=1e-5, rtol=0)
+
+
+def _component(path, name: str) -> None:
+    torch.save({"weight": torch.zeros(2, 2)}, path / f"{name}--150000_checkpoint.pt")   # openvla-oft finetune.py's names
+
+
+def _edit_config(path, **changes) -> None:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _l1_with_proprio(path):     # openvla-oft's published LIBERO checkpoints: L1 head and proprio projector
+    _component(path, "action_head")
+    _component(path, "proprio_projector")
+
+
+def _diffusion(path):
+    _component(path, "action_head")
+    _component(path, "noisy_action_projector")
+
+
+def _lora_adapter_only(path):
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    (path / "lora_adapter").mkdir()
+
+
+def _without_its_package(path):     # openvla-oft's remote code imports its prismatic package
+    modeling = path / "standin_vla_remote.py"
+    modeling.write_text("from prismatic.vla.constants import IGNORE_INDEX\n" + modeling.read_text())
+
+
+@pytest.mark.parametrize("flavour,change,arch,why", [
+    ("oft", _l1_with_proprio, "openvla_oft", r"continuous l1-regression action head.*--use_l1_regression False.*"
+                                             r"proprioception.*use_proprio=False"),
+    ("oft", _diffusion, "openvla_oft", r"continuous diffusion action head"),
+    ("oft", lambda p: _component(p, "vision_backbone"), "openvla_oft", r"FiLM.*--use_film False"),
+    ("oft", lambda p: _edit_config(p, use_proprio=True), "openvla_oft", r"proprioception"),
+    ("oft", _lora_adapter_only, "openvla_oft", r"LoRA adapter.*merge_lora_weights_and_save"),
+    ("oft", lambda p: _edit_config(p, auto_map=None), "openvla_oft", r"no remote code.*overwrite_vla_ckpt_utils.sh"),
+    ("oft_labels", _without_its_package, "openvla_oft", r"imports prismatic.*moojink/openvla-oft.*"
+                                                        r"overwrite_vla_ckpt_utils.sh"),
+    ("oft", lambda p: None, "openvla", r"OpenVLA-OFT forward.*set policy.arch=openvla_oft"),
+    ("openvla", lambda p: None, "openvla_oft", r"autoregressive OpenVLA forward.*set policy.arch=openvla "),
+])
+def test_a_checkpoint_grpo_cannot_train_is_refused_before_anything_starts(tmp_path, flavour, change, arch, why):
+    """Each flavour async_vla cannot train is refused by bin/train's preflight (before any process starts) and by
+    the loader (before loading), naming why and the fix."""
+    from async_vla.policy import build_policy
+    from runner.preflight import preflight
+
+    path = tmp_path / "ckpt"
+    write_standin_checkpoint(path, flavour=flavour, norm_stats=STATS)
+    change(path)
+    openvla = arch == "openvla"
+    cfg = load_config(None, [f"policy.arch={arch}", f"policy.path={path}", f"policy.chunk_size={1 if openvla else 8}",
+                             f"policy.decoding={'autoregressive' if openvla else 'parallel'}",
+                             "transport.trajectory_port=0", "transport.control_port=0", "transport.batch_port=0",
+                             "transport.weights_port=0"])
+    errors = [e for e in preflight(cfg, tmp_path / "run", False)[0] if e.startswith("policy.path")]
+    assert len(errors) >= 1 and re.search(why, " ".join(errors), re.S), errors
+    with pytest.raises(ValueError, match=f"cannot be trained as policy.arch={arch}") as refused:
+        build_policy(cfg)
+    assert re.search(why, str(refused.value), re.S)

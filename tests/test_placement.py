@@ -5,6 +5,7 @@ processes actually see."""
 import io
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,72 @@ def test_preflight_refuses_nccl_weights_on_a_shared_gpu(tmp_path):
     ok = load_config(None, ["transport.trajectory_port=0", "transport.control_port=0", "transport.batch_port=0",
                             "transport.weights_port=0"])
     assert not any("weights.backend" in e for e in preflight(ok, tmp_path / "run", False)[0])
+
+
+def test_a_learner_rank_gets_its_own_gpu_or_the_cpu():
+    from async_vla.placement import learner_rank_device
+
+    assert [learner_rank_device(r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert learner_rank_device(3, 0) == "cpu"
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 sees 2 GPU.*placement.gpus_learner"):
+        learner_rank_device(2, 2)
+
+
+RANK_CHILD = """
+import json, sys
+from pathlib import Path
+from async_vla.config import load_config
+from learner.__main__ import RankRun
+r = RankRun(load_config(None, json.loads(sys.argv[1])), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+print("PLACEMENT " + json.dumps(r.learner.placement), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [3, 0])
+def test_each_rank_builds_the_policy_where_it_should_and_holds_its_share(tmp_path, stage):
+    """Three learner ranks (bin/learner's RankRun, gloo on CPU) start from an OpenVLA-OFT checkpoint directory. Each
+    records the device it claimed (its LOCAL_RANK's; the CPU here), where it built the policy and the parameter bytes
+    it holds: under ZeRO-3 the policy is built on the CPU and each rank then holds a third of it (no device ever
+    holds it whole); under ZeRO-0 each rank builds it on its own device and holds it whole."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from tests.openvla_standin import write_standin_checkpoint
+
+    write_standin_checkpoint(tmp_path / "ckpt", oft=True, norm_stats={"builtin": {
+        "action": {"q01": [-1.0] * 7, "q99": [1.0] * 7}}})
+    world = 3
+    overrides = ["policy.arch=openvla_oft", f"policy.path={tmp_path / 'ckpt'}", "policy.decoding=parallel",
+                 f"learner.num_ranks={world}", f"learner.zero_stage={stage}", "learner.zero3_persistence_threshold=0",
+                 "logging.tensorboard=false", "buffer.groups_per_batch=3"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(__file__).resolve().parent.parent)
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CHILD, json.dumps(overrides), str(tmp_path / "run"),
+                                       str(r), str(world)], env=env, cwd=root, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    records = []
+    for p in procs:
+        out, err = p.communicate(timeout=540)
+        assert p.returncode == 0, err[-3000:]
+        records.append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("PLACEMENT "))[10:]))
+    assert [rec["local_rank"] for rec in records] == [0, 1, 2]
+    assert all(rec["device"] == "cpu" for rec in records)             # what each rank claimed: no CUDA here
+    full = records[0]["param_bytes"]
+    assert full > 4_000_000 and all(rec["param_bytes"] == full for rec in records)   # the same model everywhere
+    if stage == 3:
+        assert all(rec["built_on"] == "cpu" for rec in records)
+        for rec in records:   # a third each, up to ZeRO's padding of each parameter to a multiple of the world
+            assert full / world <= rec["param_bytes_here"] <= full / world * 1.02, rec
+    else:
+        assert all(rec["built_on"] == rec["device"] and rec["param_bytes_here"] == full for rec in records)

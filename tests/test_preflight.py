@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from async_vla.config import load_config
 from runner.preflight import preflight
 
 REPO = Path(__file__).resolve().parent.parent
+FREE_PORTS = ["transport.trajectory_port=0", "transport.control_port=0", "transport.batch_port=0",
+              "transport.weights_port=0"]
 
 
 def test_a_missing_or_wrong_policy_path_is_an_error_naming_the_field(tmp_path):
@@ -162,3 +165,44 @@ def test_bin_train_stops_on_them_before_starting_anything(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2 and "cannot start:" in out.stderr and "policy.path: " in out.stderr
     assert not (tmp_path / "x").exists()                         # no run directory, no process
+
+
+@pytest.mark.parametrize("proc_line,driver", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024", "550.54.15"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)", "580.65.06"),
+])
+def test_the_driver_version_is_read_from_its_proc_entry(tmp_path, proc_line, driver):
+    from runner.preflight import host_cuda
+
+    (tmp_path / "version").write_text(proc_line + "\nGCC version:  gcc version 12.2.0\n")
+    torch_version, torch_cuda, found = host_cuda(tmp_path / "version")
+    assert found == driver and torch_version == torch.__version__ and torch_cuda == torch.version.cuda
+    assert host_cuda(tmp_path / "absent")[2] is None
+
+
+def test_a_cuda_build_of_torch_the_driver_cannot_run_is_named_with_the_fix():
+    """PyPI's torch 2.11.0 Linux wheel is a CUDA 13 build: a driver older than 580 leaves torch.cuda.is_available()
+    False. Said with the fix: a newer driver or PyTorch's CUDA 12 build of the same pins (driver >= 525)."""
+    from runner.preflight import cuda_driver_problem
+
+    old = cuda_driver_problem("2.11.0", "13.0", "550.54.15")
+    assert "CUDA 13.0 build" in old and "driver >= 580" in old and "550.54.15" in old
+    assert "torch==2.11.0" in old and "--index-url https://download.pytorch.org/whl/cu128" in old
+    too_old = cuda_driver_problem("2.11.0", "13.0", "470.239.06")
+    assert "driver to >= 580" in too_old and "cu128" not in too_old        # no CUDA 12 build runs there either
+    assert cuda_driver_problem("2.11.0+cu128", "12.8", "550.54.15") is None
+    assert cuda_driver_problem("2.11.0", "13.0", "580.65.06") is None
+    assert cuda_driver_problem("2.11.0", "13.0", None) is None                # no NVIDIA driver: nothing to fit
+    assert "CPU build" in cuda_driver_problem("2.13.0+cpu", None, "580.65.06")
+
+
+def test_preflight_refuses_a_placed_run_whose_torch_cannot_use_the_driver(tmp_path, monkeypatch):
+    import runner.preflight as pf
+
+    monkeypatch.setattr(pf, "host_cuda", lambda: ("2.11.0", "13.0", "550.54.15"))
+    placed = load_config(None, ["placement.gpus_learner=[0]", *FREE_PORTS])
+    errors, _ = pf.preflight(placed, tmp_path / "run", False)
+    assert any("needs an NVIDIA driver >= 580" in e for e in errors), errors
+    unplaced = load_config(None, FREE_PORTS)
+    errors, warnings = pf.preflight(unplaced, tmp_path / "run2", False)
+    assert not any("driver" in e for e in errors) and any("needs an NVIDIA driver >= 580" in w for w in warnings)

@@ -50,13 +50,15 @@ ARCHITECTURE_FIELDS = ("decoding", "hidden_size", "num_layers", "num_heads", "in
                        "lang_keypoints", "action_head", "action_head_freqs")
 
 
-def build_policy(cfg: "Config") -> VLAPolicy:
-    """A tiny random policy, or the checkpoint at ``cfg.policy.path`` (ours, or an OpenVLA/OFT HF dir)."""
+def build_policy(cfg: "Config", device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> VLAPolicy:
+    """A tiny random policy, or the checkpoint at ``cfg.policy.path`` (ours, or an OpenVLA/OFT HF dir), on ``device``
+    in ``dtype``. Unset: an OpenVLA checkpoint loads onto the current GPU in bf16 (the CPU in fp32 without one), a
+    tiny policy stays on the CPU in fp32."""
     pcfg = cfg.policy
     if pcfg.arch in ("openvla", "openvla_oft"):
         from async_vla.policy.openvla_loader import load_openvla_policy
 
-        return load_openvla_policy(pcfg)
+        return load_openvla_policy(pcfg, device, dtype)
     if pcfg.path is not None:
         policy = load_policy(pcfg.path)
         mismatched = [k for k in ARCHITECTURE_FIELDS if getattr(policy.policy_cfg, k) != getattr(pcfg, k)]
@@ -65,11 +67,12 @@ def build_policy(cfg: "Config") -> VLAPolicy:
                           f"the checkpoint's values are used", stacklevel=2)
         if pcfg.unnorm_key is not None:
             policy.tokenizer.unnorm_key = pcfg.unnorm_key
-        return policy
-    from async_vla.policy.model import TinyVLA
+    else:
+        from async_vla.policy.model import TinyVLA
 
-    torch.manual_seed(cfg.run.seed)
-    return TinyVLA(pcfg, default_tokenizer(pcfg, cfg.env.kind))
+        torch.manual_seed(cfg.run.seed)
+        policy = TinyVLA(pcfg, default_tokenizer(pcfg, cfg.env.kind))
+    return policy.to(device=device, dtype=dtype) if device is not None or dtype is not None else policy
 
 
 def save_policy(policy: VLAPolicy, directory: Union[str, Path]) -> Path:

@@ -14,14 +14,18 @@ code shipped with the checkpoint; transformers >= 5 renamed the auto class to
 - ``openvla`` (autoregressive): tokens are sampled one by one with the KV cache; the learner recomputes them
   with one teacher-forced pass (logits at the last T positions of prompt + tokens[:-1]). Plain OpenVLA
   predicts one step, so it needs ``policy.chunk_size=1`` (7 tokens per call).
-- ``openvla_oft`` (parallel): one forward pass over the prompt; the checkpoint's forward returns the logits of
-  exactly ``chunk_size * action_dim`` action positions (SimpleVLA-RL's OFT remote code returns ``[B, 56, vocab]``
-  under ``ROBOT_PLATFORM=LIBERO``, which the loader sets; any other count is an error), and its language model
-  runs bidirectionally (async_vla/policy/prismatic.py: the platform trap, the attention, the statistics).
+- ``openvla_oft`` (parallel): one forward pass over the prompt giving the logits of exactly ``chunk_size *
+  action_dim`` action positions (any other count is an error), its language model run bidirectionally
+  (async_vla/policy/prismatic.py: the platform trap, the attention, the statistics). Two remote codes are run
+  (async_vla/vla_checkpoint.py reads which one the directory carries): SimpleVLA-RL's, whose forward returns
+  ``[B, 56, vocab]`` under ``ROBOT_PLATFORM=LIBERO`` (which the loader sets), and openvla-oft's own, whose forward
+  needs labels marking the placeholders (built with the model's own helpers, as its ``predict_action`` does).
+  Checkpoints GRPO cannot train (continuous action heads, proprio, FiLM, an unmerged LoRA adapter, remote code
+  that cannot run here) are refused before loading, naming the fix; bin/train's preflight refuses them first.
 - Un-normalisation uses ``dataset_statistics.json`` of the checkpoint directory when present, else the model's
   ``norm_stats``: ``[unnorm_key]["action"]`` (q01, q99, mask; no mask = every dimension, as upstream), with
   SimpleVLA-RL's ``libero_X`` -> ``libero_X_no_noops`` fallback.
-- Proprio is ignored (OpenVLA has no proprio input; OFT's proprio projector is not part of the HF model).
+- Proprio is not fed (OpenVLA has no proprio input; a checkpoint trained with OFT's proprio projector is refused).
 
 Tests: on a tiny stand-in for Prismatic's forward contract, written to disk as a checkpoint directory with its
 own remote code and processor (tests/openvla_standin.py), CI loads it through ``load_openvla_policy``, samples,
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -44,10 +49,11 @@ from torch import Tensor
 from async_vla.image_ops import center_crop_resize
 from async_vla.policy.interface import ArrayLike, VLAPolicy, sample_tokens
 from async_vla.policy.prismatic import (
-    STATISTICS_FILE, check_action_positions, check_remote_code_dependencies, ensure_robot_platform,
-    load_dataset_statistics, make_bidirectional, resolve_unnorm_key,
+    STATISTICS_FILE, check_action_positions, drop_lm_labels, ensure_robot_platform, load_dataset_statistics,
+    make_bidirectional, resolve_unnorm_key,
 )
 from async_vla.tokenizer import ActionStats, ActionTokenizer
+from async_vla.vla_checkpoint import FORWARDS, require_trainable
 
 if TYPE_CHECKING:
     from async_vla.config import PolicyConfig
@@ -87,14 +93,27 @@ def _stats_from_checkpoint(model, action_dim: int) -> dict[str, ActionStats]:
 
 
 class OpenVLAPolicy(VLAPolicy):
-    """A Prismatic OpenVLA(-OFT) model with action logits restricted to the 256 action ids."""
+    """A Prismatic OpenVLA(-OFT) model with action logits restricted to the 256 action ids. ``forward`` is its remote
+    code's contract (async_vla/vla_checkpoint.py; default: the arch's first, SimpleVLA-RL's for OFT)."""
 
-    def __init__(self, model, processor, policy_cfg: "PolicyConfig"):
+    def __init__(self, model, processor, policy_cfg: "PolicyConfig", forward: Optional[str] = None):
         super().__init__()
         self.model = model
         self.processor = processor
         self.policy_cfg = policy_cfg
         self.decoding = "parallel" if policy_cfg.arch == "openvla_oft" else "autoregressive"
+        self.forward_contract = forward or FORWARDS[policy_cfg.arch][0]
+        if self.forward_contract not in FORWARDS[policy_cfg.arch]:
+            raise ValueError(f"policy.arch={policy_cfg.arch} runs a {' or '.join(FORWARDS[policy_cfg.arch])} forward, "
+                             f"not {self.forward_contract}")
+        if self.forward_contract == "oft_labels":
+            module = sys.modules[type(model).__module__]
+            missing = [n for n in ("_prepare_input_for_action_prediction", "_prepare_labels_for_action_prediction")
+                       if not hasattr(model, n)] + ([] if hasattr(module, "IGNORE_INDEX") else ["IGNORE_INDEX"])
+            if missing:
+                raise ValueError(f"openvla-oft's forward contract needs the remote code's {missing}")
+            self._ignore_index = int(module.IGNORE_INDEX)
+            drop_lm_labels(model.language_model)
         stats = _stats_from_checkpoint(model, policy_cfg.action_dim)
         key = resolve_unnorm_key(policy_cfg.unnorm_key, stats)
         if key is None and len(stats) > 1:
@@ -166,16 +185,32 @@ class OpenVLAPolicy(VLAPolicy):
                 prev = action_tokens[rows, :-1].to(self.device) + self._lo  # bin indices -> token ids
                 ids = torch.cat([ids, prev], dim=1)
             if self.decoding == "parallel":
-                # SimpleVLA-RL's OFT forward (dp_rob.py and rob_rollout.py call it with these three arguments)
-                out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows])
-                logits = out if isinstance(out, Tensor) else out.logits
-                check_action_positions(logits, self.policy_cfg.chunk_size, self.policy_cfg.action_dim)
-                result[rows] = self._logits(logits)
+                result[rows] = self._logits(self._oft_action_logits(ids, pixels[rows]))
                 continue
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows],
                              use_cache=False)
             result[rows] = self._logits(out)[:, -t:]
         return result
+
+    def _oft_action_logits(self, ids: Tensor, pixels: Tensor) -> Tensor:
+        """``[B, chunk x dim, vocab]``: the logits of the action positions of one parallel OFT pass."""
+        mask = torch.ones_like(ids)
+        if self.forward_contract == "oft_logits":
+            # SimpleVLA-RL's OFT forward (dp_rob.py and rob_rollout.py call it with these three arguments)
+            out = self.model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+            logits = out if isinstance(out, Tensor) else out.logits
+        else:
+            # openvla-oft's forward, given what its predict_action builds with the model's own helpers: placeholders
+            # and the stop token appended, labels marking them. Its logits span [BOS, patches, prompt, placeholders,
+            # stop]; the action logits are those of the positions before each placeholder (predict_action's slice
+            # from NUM_PATCHES + NUM_PROMPT_TOKENS), counted here from the end.
+            ids_ext, mask_ext = self.model._prepare_input_for_action_prediction(ids, mask)
+            labels = self.model._prepare_labels_for_action_prediction(torch.full_like(ids, self._ignore_index), ids_ext)
+            out = self.model(input_ids=ids_ext, attention_mask=mask_ext, pixel_values=pixels, labels=labels)
+            n = ids_ext.shape[1] - ids.shape[1] - 1           # placeholders appended, by the remote code's constants
+            logits = out.logits[:, -n - 2:-2]
+        check_action_positions(logits, self.policy_cfg.chunk_size, self.policy_cfg.action_dim)
+        return logits
 
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
                 generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
@@ -211,19 +246,22 @@ def use_sdpa(lm) -> None:
                     __import__("transformers").__version__)
 
 
-def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None) -> OpenVLAPolicy:
-    """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory); fp32 on CPU, bf16 on GPU."""
+def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None,
+                        dtype: Optional[torch.dtype] = None) -> OpenVLAPolicy:
+    """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory) onto ``device`` in ``dtype``: by default
+    the current GPU in bf16 (the CPU in fp32 without one). A learner rank passes its own GPU, or the CPU under ZeRO-3
+    (then partitioned: learner/deepspeed_engine.py)."""
     from transformers import AutoProcessor
 
     if policy_cfg.path is None:
         raise ValueError(f"policy.arch={policy_cfg.arch} needs policy.path (a local checkpoint directory)")
     if policy_cfg.arch == "openvla" and policy_cfg.chunk_size != 1:
         raise ValueError("policy.arch=openvla predicts one step (7 tokens) per call: set policy.chunk_size=1")
-    check_remote_code_dependencies(policy_cfg.path)
+    flavour = require_trainable(policy_cfg.path, policy_cfg.arch)   # what preflight refuses, refused here too
     if policy_cfg.arch == "openvla_oft":
         ensure_robot_platform(policy_cfg.chunk_size, policy_cfg.action_dim)   # before the remote code is imported
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # attn_implementation="eager" at construction: Prismatic's `_supports_sdpa` is a property that reads
     # self.language_model, which transformers >= 4.5x asks for in PreTrainedModel.__init__, before the remote code
     # has built it (AttributeError on SimpleVLA-RL's modeling_prismatic.py under 4.57.6, checked on CPU). The
@@ -236,4 +274,4 @@ def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None
     if statistics is not None:     # fsdp_workers.py: the file's statistics replace the config's norm_stats
         model.norm_stats = statistics
     processor = AutoProcessor.from_pretrained(policy_cfg.path, trust_remote_code=True)
-    return OpenVLAPolicy(model, processor, policy_cfg)
+    return OpenVLAPolicy(model, processor, policy_cfg, flavour.forward)

@@ -76,7 +76,8 @@ def check_action_positions(logits: torch.Tensor, chunk_size: int, action_dim: in
                             + (f", constants.py's fallback when {PLATFORM_ENV} is unset" if name == FALLBACK_PLATFORM
                                else "") + f": the remote code was imported with other constants; set "
                             f"{PLATFORM_ENV}={robot_platform(chunk_size, action_dim)} before loading, in a fresh "
-                            f"process)")
+                            f"process (openvla-oft's own constants.py reads the words of the command line instead: "
+                            f"no 'aloha' or 'bridge' in it))")
                     break
         raise ValueError(f"the OpenVLA-OFT forward returned logits of shape {tuple(logits.shape)}; expected "
                          f"[batch, {want}, vocab]: policy.chunk_size x policy.action_dim = {chunk_size} x "
@@ -119,6 +120,21 @@ def make_bidirectional(language_model: torch.nn.Module) -> torch.nn.Module:
     return language_model
 
 
+def _no_labels(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    kwargs["labels"] = None
+    return args, kwargs
+
+
+def drop_lm_labels(language_model: torch.nn.Module) -> torch.nn.Module:
+    """Call ``language_model`` without labels. openvla-oft's forward passes its placeholder labels on to the language
+    model, which would compute a loss nobody reads; its ``predict_action`` runs the language model without them.
+    Idempotent."""
+    if not getattr(language_model, "_async_vla_no_labels", False):
+        language_model.register_forward_pre_hook(_no_labels, with_kwargs=True)
+        language_model._async_vla_no_labels = True
+    return language_model
+
+
 # ----------------------------------------------------------------------------------------- statistics
 def load_dataset_statistics(directory: Union[str, Path]) -> Optional[dict]:
     """``<checkpoint>/dataset_statistics.json`` (the statistics the SFT run wrote), or None when absent."""
@@ -142,33 +158,3 @@ def resolve_unnorm_key(key: Optional[str], available: Mapping[str, Any]) -> Opti
         log.warning("policy.unnorm_key=%s: using the checkpoint's %s_no_noops statistics (as SimpleVLA-RL does)", key, key)
         return f"{key}_no_noops"
     return key
-
-
-# ---------------------------------------------------------------------------------------------- dependencies
-PRISMATIC_TIMM_VERSIONS = ("0.9.10", "0.9.11", "0.9.12", "0.9.16")   # modeling_prismatic.py refuses any other
-GPU_EXTRA_HINT = "install the locked GPU stack: pip install -e '.[gpu]' (README \"GPU install\")"
-
-
-def check_remote_code_dependencies(directory: Union[str, Path]) -> None:
-    """Refuse, before loading, what the checkpoint's Prismatic remote code would refuse or fail on: timm outside
-    the versions modeling_prismatic.py accepts, and transformers 5 (which removed the ``transformers.
-    tokenization_utils`` names processing_prismatic.py imports). Checks only what the shipped .py files import."""
-    import importlib.metadata as md
-
-    sources = "\n".join(p.read_text(errors="replace") for p in Path(directory).glob("*.py"))
-    problems = []
-    if "import timm" in sources:
-        try:
-            timm_version = md.version("timm")
-        except md.PackageNotFoundError:
-            timm_version = None
-        if timm_version not in PRISMATIC_TIMM_VERSIONS:
-            problems.append(f"timm {timm_version or 'not installed'} (its remote code accepts only "
-                            f"{', '.join(PRISMATIC_TIMM_VERSIONS)})")
-    if "transformers.tokenization_utils import" in sources:
-        tf_version = md.version("transformers")
-        if int(tf_version.split(".")[0]) >= 5:
-            problems.append(f"transformers {tf_version} (its processor imports transformers.tokenization_utils names "
-                            "that transformers 5 removed; it needs 4.x)")
-    if problems:
-        raise RuntimeError(f"checkpoint {directory}: " + "; ".join(problems) + f": {GPU_EXTRA_HINT}")
