@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
-from actors.status import parse_share, sent_log_path, status_path, write_status
-from actors.weight_loading import load_weights, load_weights_path  # noqa: F401 - part of this module's API
+from actors.status import sent_log_path, status_path, write_status
+from actors.weight_loading import load_weights
 from actors.vllm_weights import StaleWeights
 from async_vla.buffer.filters import is_stale
 from async_vla.messages import (
@@ -145,23 +145,20 @@ class SerialActor:
     def spec_for(self, group_id: str) -> GroupSpec:
         """Task and init state of a group: a pure function of (group id, run seed).
 
-        Every actor that runs a share of the same group must pick the same init state, so nothing here
-        depends on the actor. Buffer ids end in a global counter (``<run>-g<n>``): tasks cycle with it so
-        every task gets an equal share of groups; other ids fall back to a hash.
+        Nothing here depends on the actor: a group re-run elsewhere gets the same spec. Buffer ids end in a global
+        counter (``<run>-g<n>``): tasks cycle with it so every task gets an equal share of groups; other ids fall
+        back to a hash.
         """
-        gid, k, n = parse_share(group_id)
-        m = COUNTER_RE.search(gid)
-        counter = int(m.group(1)) if m else stable_hash("task", gid)
+        m = COUNTER_RE.search(group_id)
+        counter = int(m.group(1)) if m else stable_hash("task", group_id)
         task_id = self.task_ids[counter % len(self.task_ids)]
         ids = self.train_init_states(task_id)
-        init_state_id = ids[stable_hash("init", self.cfg.run.seed, gid) % len(ids)]
-        g = self.cfg.actor.group_size
-        members = None if n == 1 else [i for i in range(g) if i % n == k]
-        return GroupSpec(gid, task_id, init_state_id, g, members)
+        init_state_id = ids[stable_hash("init", self.cfg.run.seed, group_id) % len(ids)]
+        return GroupSpec(group_id, task_id, init_state_id, self.cfg.actor.group_size)
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def iter_group(self, group_id: str) -> Iterator[Trajectory]:
-        """Stream the trajectories of this actor's members of a group as each episode ends."""
+        """Stream the trajectories of a group as each episode ends."""
         return self.rollout.run(self.spec_for(group_id))
 
     def run_one_group(self, grant: Union[AdmissionGrant, str]) -> list[Trajectory]:
@@ -213,8 +210,6 @@ class Actor:
         self.core: Optional[SerialActor] = None
         self._grant_sent_at: Optional[float] = None
         self._retry_at = 0.0
-        self._path_weights: Optional[tuple[int, str]] = None
-        self._path_loaded: Optional[tuple] = None
         self._subscriber: Any = None
         self._eta = int(cfg.max_staleness)  # updated from every grant (eta can change live)
         self._behind_since: Optional[float] = None
@@ -321,24 +316,12 @@ class Actor:
         return self.core.version if self.core is not None else 0
 
     def _poll_weights(self) -> Optional[tuple]:
-        """Newest weights, (version, state[, lineage]): the learner's broadcast first, else an exported directory
-        named by a grant, else a catch-up from the exports."""
+        """Newest weights, (version, state[, lineage]): the learner's broadcast first, else a catch-up from the
+        exports."""
         if self._subscriber is not None:
             new = self._subscriber.poll()
             if new is not None:
                 return new[0], new[1], self._subscriber.lineage
-        if self._path_weights is not None:
-            version, path = self._path_weights
-            self._path_weights = None
-            try:
-                sig = (path, Path(path).stat().st_mtime_ns)
-            except OSError:
-                sig = None
-            if version > self._version() and sig is not None and sig != self._path_loaded:
-                self._path_loaded = sig  # an export that lags the learner is read once, not on every grant
-                got = load_weights_path(path, version)
-                if got[0] != self._version():
-                    return got
         return self._catch_up_from_export()
 
     def _mirror_export(self, newer_than: int) -> None:
@@ -407,8 +390,6 @@ class Actor:
                 self._refused_at_version = self._asked_version
             else:
                 self._quick_retries = 0
-            if msg.weights_path and msg.learner_version > self._version():
-                self._path_weights = (msg.learner_version, msg.weights_path)
         elif isinstance(msg, Shutdown):
             self.request_stop(f"shutdown from buffer: {msg.reason}")
         else:

@@ -12,9 +12,8 @@ Weight swaps happen only through the ``maybe_swap`` callback, which the rollout 
 calls (``between_chunks``) or only before a wave of episodes starts (``between_episodes``); never while
 a forward pass is running.
 
-A group may be run by several actors ("spread" mode): ``GroupSpec.members`` selects the member indices
-this actor runs; every member carries the group id and the full group size G, so the buffer assembles
-the group from whichever actors produced it. With fewer envs than members, members run in waves.
+Every member carries the group id and the group size G, so the buffer assembles the group as its members
+arrive. With fewer envs than members, members run in waves.
 """
 
 from __future__ import annotations
@@ -51,20 +50,12 @@ def _is_isolated(env: Any) -> bool:
 
 @dataclass
 class GroupSpec:
-    """What to roll out: a group id issued by the buffer, its task and init state, and which members."""
+    """What to roll out: a group id issued by the buffer, its task and init state, and its size G."""
 
     group_id: str
     task_id: int
     init_state_id: int
     group_size: int
-    members: Optional[Sequence[int]] = None
-    """Member indices (0..G-1) this actor runs; None = all G."""
-
-    def member_ids(self) -> list[int]:
-        ids = list(range(self.group_size)) if self.members is None else [int(m) for m in self.members]
-        if not ids or any(not 0 <= m < self.group_size for m in ids) or len(set(ids)) != len(ids):
-            raise ValueError(f"group {self.group_id}: members {self.members} must be distinct in [0, {self.group_size})")
-        return ids
 
 
 @dataclass
@@ -170,12 +161,12 @@ class GroupRollout:
 
     # ------------------------------------------------------------------------------------------------
     def run(self, spec: GroupSpec) -> Iterator[Trajectory]:
-        """Roll out this actor's members of ``spec``; yield each trajectory as soon as its episode ends.
+        """Roll out the G members of ``spec``; yield each trajectory as soon as its episode ends.
 
         Crashed episodes are counted and dropped (the buffer expires the incomplete group); if
         ``should_stop`` turns True the group is abandoned and ``self.stopped`` is set.
         """
-        members = spec.member_ids()
+        members = list(range(spec.group_size))
         instruction, limit = self._task_info(spec.task_id)
         self.stopped = False
         for start in range(0, len(members), len(self.envs)):

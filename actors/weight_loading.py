@@ -1,5 +1,5 @@
-"""Putting weights into an actor's policy: a received set of named tensors, or a file / directory named by a
-grant or an export (``<run>/weights``). Used by the actor loop and by the launcher's evaluator."""
+"""Putting weights into a policy: a received set of named tensors, or an exported file / directory
+(``<run>/weights``) or a saved checkpoint. Used by the actor loop, the launcher's evaluator and ``bin/eval``."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = 
 
 
 def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
-    """Weights named by a grant: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
-    ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none, so the grant's is used."""
+    """Weights at ``path``: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
+    ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none: ``fallback_version``."""
     from async_vla.weights.export import read_latest
 
     p = Path(path)

@@ -153,27 +153,6 @@ class Trajectory(Message):
 
 
 @dataclass
-class WeightVersion(Message):
-    """Learner -> actors: a new policy version exists (and how to fetch it)."""
-
-    KIND: ClassVar[str] = "weight_version"
-    SCALARS: ClassVar[dict] = {"version": _INT, "num_params": _INT, "checksum": _FLOAT, "num_buckets": _INT,
-                               "nbytes": _INT, "t": _FLOAT, "path": _STR}
-    version: int
-    num_params: int = 0
-    checksum: float = 0.0
-    num_buckets: int = 0
-    nbytes: int = 0
-    t: float = field(default_factory=time.time)
-    path: str = ""
-    """Where a late or restarted actor can load these weights (exported checkpoint directory)."""
-
-    def validate(self) -> None:
-        if self.version < 0:
-            raise MalformedMessage("negative_version")
-
-
-@dataclass
 class GrantRequest(Message):
     """Actor -> buffer: may I start ``want`` new groups?"""
 
@@ -190,14 +169,13 @@ class AdmissionGrant(Message):
 
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
-                               "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR,
-                               "error": _STR, "buffer_id": _STR}
+                               "max_staleness": _INT, "retry_after_s": _FLOAT, "error": _STR,
+                               "buffer_id": _STR}
     actor_id: int
     group_ids: list = field(default_factory=list)
     learner_version: int = 0
     max_staleness: int = 0
     retry_after_s: float = 0.0
-    weights_path: str = ""
     error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
     buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 
@@ -324,7 +302,7 @@ class WeightsChunk(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Trajectory, WeightVersion, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
+    for cls in (Trajectory, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
                 BatchHeader, ControlCommand, Shutdown, WeightsFetch, WeightsChunk)
 }
 

@@ -40,8 +40,7 @@ while has_room() is False. The version moves one per batch whatever learner.mini
 (docs/LEARNER.md "Versions"); with reuse > 1 groups are consumed more than once, which only loosens pacing, the
 eta check still holds.
 
-Bounds on control input: eta never exceeds ``max_staleness_limit``; a version announced on the control socket
-(``announce_version``) is at most ``max_version_step`` past the latest batch request's; one actor holds at most
+Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
 ``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes
 back the grants of an actor that went silent (the service calls it; counted as groups "reclaimed").
 
@@ -66,7 +65,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from async_vla.buffer.filters import difficulty_mask, is_stale, mixed_outcome
-from async_vla.buffer.ledger import STATES, Ledger, write_json_atomic  # noqa: F401 - STATES is part of this API
+from async_vla.buffer.ledger import Ledger, write_json_atomic
 from async_vla.messages import ControlCommand, Message, Trajectory
 
 log = logging.getLogger(__name__)
@@ -149,7 +148,6 @@ class GroupBuffer:
         self._horizon = -1               # newest version the dead learner(s) reached: (c, horizon] is "ahead"
         self._max_bv_seen = -1
         self._session: Optional[str] = None   # the learner's (BatchRequest.session), once one was given
-        self.requested_version = 0             # version of the latest batch request (bounds announce_version)
         if self.max_staleness > self.cfg.max_staleness_limit:
             raise ValueError(f"max_staleness ({self.max_staleness}) exceeds buffer.max_staleness_limit "
                              f"({self.cfg.max_staleness_limit}); lower it or raise the limit")
@@ -434,18 +432,6 @@ class GroupBuffer:
             self._v_base = v
         self._purge_stale()
 
-    def announce_version(self, v: int) -> int:
-        """The learner's version as told on the control socket (ControlCommand set_learner_version, which anyone
-        who reaches the socket can send): at most ``max_version_step`` past the latest batch request's version,
-        else ValueError naming the limit; never backwards. Returns the version now."""
-        v, limit = int(v), self.requested_version + self.cfg.max_version_step
-        if v > limit:
-            raise ValueError(f"set_learner_version {v} is more than buffer.max_version_step="
-                             f"{self.cfg.max_version_step} past the learner's latest batch request (version "
-                             f"{self.requested_version}); a learner moves its version with BatchRequest")
-        self.set_learner_version(v)
-        return self.version
-
     def rollback(self, version: int, resumed: bool = False) -> None:
         """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
 
@@ -540,7 +526,6 @@ class GroupBuffer:
         elif version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
             self.rollback(version)
         self.set_learner_version(version)
-        self.requested_version = int(version)
         batch = self._batches.get(version)
         if batch is None:
             batch = self._form(version)

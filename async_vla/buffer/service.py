@@ -17,8 +17,7 @@ socket, ControlCommand("stats")). Each ``step()``:
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
-Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, a set_learner_version
-within buffer.max_version_step of the latest batch request (GroupBuffer.announce_version), grants per actor within
+Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
@@ -130,7 +129,6 @@ class BufferService:
         self._idle_poll = zmq.Poller()
         for sock in (self.control.socket, self.batches.socket, self.receiver.socket):
             self._idle_poll.register(sock, zmq.POLLIN)
-        self.weights_path = ""
         self.incarnation = uuid.uuid4().hex[:12]
         """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
         self.counters: collections.Counter = collections.Counter()
@@ -334,7 +332,7 @@ class BufferService:
         self.control.reply(peer, AdmissionGrant(
             actor_id=req.actor_id, group_ids=ids, learner_version=self.buffer.version,
             max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else bc.grant_retry_s,
-            weights_path=self.weights_path, error=error, buffer_id=self.incarnation))
+            error=error, buffer_id=self.incarnation))
 
     def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
         other = bool(req.session) and any(r.session and r.session != req.session for _, r, _ in self._parked)
@@ -399,19 +397,6 @@ class BufferService:
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool):
                     raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
                 return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))
-            if cmd.command == "set_learner_version":
-                if not isinstance(cmd.value, int) or isinstance(cmd.value, bool) or cmd.value < 0:
-                    raise ValueError(f"set_learner_version needs an int >= 0, got {cmd.value!r}")
-                try:
-                    return ControlCommand("ok", self.buffer.announce_version(int(cmd.value)))
-                except ValueError:
-                    self.counters["learner_version_refused"] += 1
-                    raise
-            if cmd.command == "set_weights_path":
-                if not isinstance(cmd.value, (str, type(None))) or len(cmd.value or "") > 4096:
-                    raise ValueError("set_weights_path needs a path (a str of at most 4096 characters)")
-                self.weights_path = str(cmd.value or "")
-                return ControlCommand("ok", self.weights_path)
             if cmd.command == "stats":
                 return ControlCommand("stats", json.dumps(self.stats()))
             raise ValueError(f"unknown command {cmd.command[:64]!r}")

@@ -241,11 +241,6 @@ class BufferConfig(Section):
     max_staleness_limit: int = Field(16, ge=0)
     """Ceiling on eta: max_staleness, and every live change of it (ControlCommand set_max_staleness, the file
     <run>/control/max_staleness), must lie in [0, this]; a change above it is refused with an error naming it."""
-    max_version_step: int = Field(16, ge=1)
-    """ControlCommand set_learner_version may move the learner version at most this far past the version of the
-    learner's latest BatchRequest (the learner's own word: a string of forged commands cannot ratchet it up); a
-    larger value is refused with an error naming this key. A learner announces at most one version past its last
-    batch request; batch requests themselves are not bounded by it (a resumed learner may start at any version)."""
     pacing: bool = True
     """Grant new groups only while started-unfinished + accepted <= (eta + v + 1) * B."""
     group_timeout_s: float = Field(120.0, gt=0)

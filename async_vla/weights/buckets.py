@@ -17,9 +17,8 @@ The packer (``async_vla.weights.packer``) applies the same rule while tensors st
 gather layer by layer and copy each full tensor into its bucket before the next layer is gathered.
 
 Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
-bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float (the
-``WeightVersion.checksum`` field). Integer sums are order-independent, hence identical across processes,
-thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
+bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float. Integer sums are
+order-independent, hence identical across processes, thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
 its rounding depends on the reduction order). It catches stale versions, missing or zeroed buckets and
 layout mix-ups; it does not catch a permutation of 8-byte words inside one tensor.
 """
