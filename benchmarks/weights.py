@@ -129,7 +129,7 @@ def _receiver(run_dir: str, port: int, actor_id: int, ready, loaded) -> None:
             continue
         got_at = time.monotonic()         # the actor holds the version: what a broadcast must achieve
         _load(model, got[1])
-        loaded.put((actor_id, got[0], got_at, time.monotonic()))
+        loaded.put((actor_id, got[0].version, got_at, time.monotonic()))
         del got                           # let go of the received version (its segment is unpinned), as an actor does
 
 

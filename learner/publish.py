@@ -12,11 +12,12 @@ from typing import Any, Optional
 log = logging.getLogger("learner")
 
 
-def make_publisher(cfg: Any, run_dir: Path) -> Any:
-    """Rank 0's ``WeightPublisher`` (a broken install fails here, loudly, instead of training without broadcast)."""
+def make_publisher(cfg: Any, run_dir: Path, lineage: str) -> Any:
+    """Rank 0's ``WeightPublisher`` for the versions of learner ``lineage`` (a broken install fails here, loudly,
+    instead of training without broadcast)."""
     from async_vla.weights import WeightPublisher
 
-    return WeightPublisher(cfg, run_dir)
+    return WeightPublisher(cfg, run_dir, lineage=lineage)
 
 
 def publish_weights(learner: Any, publisher: Optional[Any], verify_ranks: bool = False) -> dict:

@@ -16,7 +16,7 @@ from actors.rollout import GroupRollout, GroupSpec
 from actors.status import parse_connect
 from async_vla.config import load_config
 from async_vla.envs.base import Env, Observation
-from async_vla.messages import AdmissionGrant, Trajectory, decode, encode
+from async_vla.messages import ROOT, AdmissionGrant, PolicyTag, Trajectory, decode, encode
 from async_vla.tokenizer import ActionTokenizer
 
 CHUNK, DOF = 8, 7
@@ -100,7 +100,8 @@ def make_rollout(envs, policy=None, **kw):
             state["v"] = versions(len(swaps))
 
     ro = GroupRollout(policy or ScriptedPolicy(), envs, run_id="r", actor_id=3, temperature=1.6,
-                      version=lambda: state["v"], maybe_swap=maybe_swap, crash_types=(Crash,), **kw)
+                      policy_tag=lambda: PolicyTag(ROOT, state["v"]), maybe_swap=maybe_swap, crash_types=(Crash,),
+                      **kw)
     return ro, swaps
 
 
@@ -184,7 +185,8 @@ def test_isolated_env_process_death_costs_one_episode():
     cfg = load_config(None, [])
     envs = [SubprocessEnv(cfg, seed, factory=dying_env) for seed in range(3)]
     try:
-        ro = GroupRollout(ScriptedPolicy(), envs, run_id="r", actor_id=0, temperature=1.0, version=lambda: 0)
+        ro = GroupRollout(ScriptedPolicy(), envs, run_id="r", actor_id=0, temperature=1.0,
+                          policy_tag=lambda: PolicyTag(ROOT, 0))
         assert ro._pool is not None  # isolated workers are stepped concurrently
         trajs = list(ro.run(GroupSpec("g", 0, 0, 3)))
         assert sorted(t.traj_id for t in trajs) == ["g/m0", "g/m2"]
@@ -246,7 +248,7 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
     from actors.actor import SerialActor
 
     envs = builtin_envs(cfg, 4)
-    actor = SerialActor(cfg, 1, policy, envs, version=2)
+    actor = SerialActor(cfg, 1, policy, envs, tag=PolicyTag("l", 2))
     trajs = actor.run_one_group(AdmissionGrant(actor_id=1, group_ids=["rt-g5"], learner_version=2))
     assert len(trajs) == 4
     spec = actor.spec_for("rt-g5")
@@ -255,7 +257,7 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
     for t in map(roundtrip, trajs):
         assert (t.group_id, t.group_size, t.run_id, t.actor_id) == ("rt-g5", 4, "rt", 1)
         assert t.task_id == spec.task_id and t.init_state_id == spec.init_state_id
-        assert t.chunk_versions.tolist() == [2] * t.num_calls and t.behaviour_version == 2
+        assert t.chunk_versions.tolist() == [2] * t.num_calls and t.tag == PolicyTag("l", 2)
         assert t.images.shape[1:] == (cfg.env.image_size, cfg.env.image_size, 3)
         assert t.action_tokens.shape[1] == cfg.tokens_per_call
         assert int(t.token_mask.sum()) == t.env_steps * cfg.policy.action_dim
@@ -272,8 +274,9 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     # Different weights, so "the policy holds them" can only be true if the swap happened.
     state = {k: v + 0.01 if v.is_floating_point() else v.clone() for k, v in original.items()}
-    offers = iter([None, (7, state), None, None, None, None])
-    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), version=6, weights_source=lambda: next(offers, None))
+    offers = iter([None, (PolicyTag("l", 7), state), None, None, None, None])
+    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), tag=PolicyTag("l", 6),
+                        weights_source=lambda: next(offers, None))
     try:
         trajs = actor.run_one_group("rt-g1")
         for t in trajs:
@@ -282,6 +285,14 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
         with torch.no_grad():
             assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
             assert not all(torch.equal(policy.state_dict()[k], v) for k, v in original.items())
+        # A new learner's weights (another lineage) arriving mid-group wait for the group to end: every
+        # trajectory of a group carries one lineage, and the next group starts with them.
+        offers = iter([None, (PolicyTag("m", 3), original), None, None, None, None])
+        first = actor.run_one_group("rt-g2")
+        assert all(t.lineage == "l" and set(t.chunk_versions.tolist()) == {7} for t in first)
+        assert actor.tag == PolicyTag("l", 7)
+        second = actor.run_one_group("rt-g3")
+        assert actor.tag == PolicyTag("m", 3) and all(t.tag == PolicyTag("m", 3) for t in second)
     finally:
         policy.load_state_dict(original)  # the policy fixture is shared with the module's other tests
 

@@ -349,7 +349,7 @@ def test_a_doorbell_post_before_packing_is_followed_or_aborted_without_leaving_t
         assert not st["formed"] and st["failures"] == 0, st
         for s in subs:
             got = s.poll(timeout=10)
-            assert got[0] == 5 and checksum(got[1]) == checksum(model)
+            assert got[0].version == 5 and checksum(got[1]) == checksum(model)
             del got
         epoch = st["epoch"]
         with pytest.raises(RuntimeError, match="gather failed"):

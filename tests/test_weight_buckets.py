@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from async_vla.messages import ROOT, PolicyTag
 from async_vla.weights.buckets import Layout, checksum, plan, spec_of, unpack
 from async_vla.weights.packer import pack
 from async_vla.weights.export import export_weights, read_latest, write_safetensors
@@ -231,13 +232,14 @@ def test_export_pointer_pruning_and_standard_reader(tmp_path):
         export_weights(tmp_path, v, model, checksum(model), keep=2)
     assert sorted(p.name for p in tmp_path.glob("v*.safetensors")) == ["v2.safetensors", "v3.safetensors"]
     assert (tmp_path / "latest").read_text().strip() == "v3.safetensors"
-    version, tensors, csum = read_latest(tmp_path)
-    assert version == 3 and csum == checksum(model) and checksum(tensors) == csum
-    assert read_latest(tmp_path, newer_than=3) is None and read_latest(tmp_path, newer_than=2)[0] == 3
+    tag, tensors, csum = read_latest(tmp_path)
+    assert tag == PolicyTag(ROOT, 3) and csum == checksum(model) and checksum(tensors) == csum
+    assert read_latest(tmp_path, newer_than=PolicyTag(ROOT, 3)) is None
+    assert read_latest(tmp_path, newer_than=PolicyTag(ROOT, 2))[0].version == 3
     std = load_file(str(tmp_path / "v3.safetensors"))                 # the stock reader agrees
     assert all(torch.equal(std[k], model[k]) for k in model)
     (tmp_path / "latest").write_text("../../etc/passwd")               # an untrusted pointer is not followed
-    assert read_latest(tmp_path)[0] == 3
+    assert read_latest(tmp_path)[0].version == 3
     layout, buckets = pack(model.items(), 4096)                        # views sharing storage export fine
     write_safetensors(tmp_path / "views.safetensors", unpack(layout, buckets))
     assert checksum(load_file(str(tmp_path / "views.safetensors"))) == checksum(model)

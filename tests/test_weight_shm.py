@@ -191,7 +191,7 @@ def _publish_and_check(pub, subs, versions, rows=64) -> list[dict]:
         assert st["confirmed"] == len(subs) and st["failures"] == 0, st
         for s in subs:
             got = s.poll(timeout=10)
-            assert got is not None and got[0] == v and checksum(got[1]) == checksum(model)
+            assert got is not None and got[0].version == v and checksum(got[1]) == checksum(model)
             del got                                 # loaded and let go of, as an actor does
         stats.append(st)
     return stats
@@ -232,7 +232,7 @@ def test_more_buckets_than_the_header_carries_offsets_for(tmp_path):
             st = pub.publish(v, model.items())
             assert st["transport"] == "shm" and st["confirmed"] == 1 and st["num_buckets"] > INLINE_OFFSETS, st
             got = subs[0].poll(timeout=10)
-            assert got[0] == v and all(torch.equal(got[1][k], t) for k, t in model.items())
+            assert got[0].version == v and all(torch.equal(got[1][k], t) for k, t in model.items())
             del got
     finally:
         subs[0].close()
@@ -365,7 +365,7 @@ def test_an_actor_holding_an_old_version_keeps_it_intact_while_newer_ones_arrive
         first = _model(1)
         assert pub.publish(1, first.items())["confirmed"] == 1
         held = subs[0].poll(timeout=10)             # taken, not loaded yet: its segment stays pinned
-        assert held is not None and held[0] == 1
+        assert held is not None and held[0].version == 1
         stats = _publish_and_check(pub, subs, [2, 3, 4])
         assert {s["transport"] for s in stats} == {"shm"}
         assert pub._shm.remade_pinned == 1          # v3 could not reuse v1's segment: it got a fresh one
@@ -399,7 +399,7 @@ def test_members_announced_before_packing_wait_it_out_or_leave_when_it_fails(tmp
         assert st["announced_early"] and st["confirmed"] == 2 and not st["formed"] and st["failures"] == 0, st
         for s in subs:
             got = s.poll(timeout=10)
-            assert got[0] == 2 and checksum(got[1]) == checksum(model)
+            assert got[0].version == 2 and checksum(got[1]) == checksum(model)
             del got
         with pytest.raises(RuntimeError, match="gather failed"):
             pub.publish(3, _slow(model, 0.3, fail=True))    # announced, then packing fails: group dropped
@@ -475,7 +475,7 @@ def test_a_failed_pack_never_moves_the_next_version_into_the_slot_still_being_ex
         assert pub.wait_for_actors(1, 20) == 1
         for v in (1, 2, 3):
             assert pub.publish(v, models[v].items())["transport"] == "shm"   # packed in place, then exported
-            assert subs[0].poll(timeout=10)[0] == v  # taken and let go of ...
+            assert subs[0].poll(timeout=10)[0].version == v  # taken and let go of ...
         assert subs[0].poll() is None                # ... and unpinned: only the export still reads v3
         with pytest.raises(RuntimeError, match="gather failed"):
             pub.publish(4, _slow(models[3], 0.0, fail=True))
@@ -487,5 +487,5 @@ def test_a_failed_pack_never_moves_the_next_version_into_the_slot_still_being_ex
     from async_vla.weights.export import read_latest
     for v in (3, 5):
         (tmp_path / "weights" / "latest").write_text(f"v{v}.safetensors\n")
-        version, tensors, csum = read_latest(tmp_path / "weights")
-        assert version == v and checksum(tensors) == checksum(models[v]) == csum
+        tag, tensors, csum = read_latest(tmp_path / "weights")
+        assert tag.version == v and checksum(tensors) == checksum(models[v]) == csum

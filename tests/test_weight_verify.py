@@ -110,7 +110,7 @@ def _actor(run_dir: str, port: int, actor_id: int, overrides: dict, q, polls: bo
             continue
         got = sub.poll(timeout=0.2)
         if got is not None:
-            q.put(("got", actor_id, got[0], checksum(got[1])))
+            q.put(("got", actor_id, got[0].version, checksum(got[1])))
         if sub.stats["checksum_errors"] != errors:
             errors = sub.stats["checksum_errors"]
             q.put(("errors", actor_id, errors))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from async_vla.config import Config
+from async_vla.messages import PolicyTag
 from async_vla.weights.buckets import checksum
 from async_vla.weights import WeightPublisher, WeightSubscriber
 from tests.weight_helpers import FAST, mixed_model, weights_cfg
@@ -33,8 +34,8 @@ def test_publish_without_actors_exports_and_fetch_latest(tmp_path):
         assert st["receivers"] == 0 and st["failures"] == 0 and st["checksum"] == checksum(model)
         sub = WeightSubscriber(cfg, 7, tmp_path)                          # port from <run>/weights/endpoint.json
         try:
-            version, tensors = sub.fetch_latest()
-            assert version == 1 and checksum(tensors) == st["checksum"] and sub.version == 1
+            tag, tensors = sub.fetch_latest()
+            assert tag == PolicyTag(pub.lineage, 1) and checksum(tensors) == st["checksum"] and sub.version == 1
         finally:
             sub.close()
     finally:
@@ -75,13 +76,13 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
         assert st["receivers"] == 2 and st["confirmed"] == 2, st
         held = []
         for s in subs:
-            version, tensors = s.poll(timeout=10)
-            assert version == 5 and checksum(tensors) == checksum(model) and s.lineage == 0
+            tag, tensors = s.poll(timeout=10)
+            assert tag == PolicyTag(pub.lineage, 5) and checksum(tensors) == checksum(model)
             assert s.poll() is None                                      # handed out once
             held.append(tensors)
         for version in (6, 7):                                           # receive buffers are pooled ...
             assert pub.publish(version, mixed_model(version).items())["confirmed"] == 2
-            assert all(s.poll(timeout=10)[0] == version for s in subs)
+            assert all(s.poll(timeout=10)[0].version == version for s in subs)
         assert all(checksum(h) == checksum(model) for h in held)         # ... but never while still viewed
         pub.close()
         deadline = time.monotonic() + 10
@@ -93,15 +94,14 @@ def test_threads_receive_and_follow_a_restarted_publisher(tmp_path):
         model = mixed_model(5)
         st = pub.publish(8, model.items())
         assert st["confirmed"] == 2, st
-        assert all(s.poll(timeout=10)[0] == 8 for s in subs)
-        assert all(s.lineage == 1 for s in subs)                          # a new learner session, counted
+        assert all(s.poll(timeout=10)[0] == PolicyTag(pub.lineage, 8) for s in subs)   # the new learner's
         pub.close()
         pub = WeightPublisher(cfg, tmp_path)        # resumed from an older checkpoint: its versions restart lower
         assert pub.wait_for_actors(2, 30) == 2
         assert pub.publish(6, mixed_model(6).items())["confirmed"] == 2
         got = [s.poll(timeout=10) for s in subs]
-        assert all(g is not None and g[0] == 6 and checksum(g[1]) == checksum(mixed_model(6)) for g in got)
-        assert all(s.lineage == 2 for s in subs)     # what lets the vLLM backend's guard take the lower version
+        assert all(g is not None and g[0] == PolicyTag(pub.lineage, 6) and checksum(g[1]) == checksum(mixed_model(6))
+                   for g in got)                 # its lineage is what lets the vLLM backend's guard take it
     finally:
         t0 = time.monotonic()
         for s in subs:
@@ -119,7 +119,7 @@ def test_subscriber_waits_for_a_publisher_that_starts_later_and_closes_promptly(
     try:
         assert pub.wait_for_actors(1, 30) == 1
         assert pub.publish(1, mixed_model(6).items())["confirmed"] == 1
-        assert sub.poll(timeout=10)[0] == 1
+        assert sub.poll(timeout=10)[0].version == 1
     finally:
         pub.close()
         t0 = time.monotonic()
@@ -150,13 +150,13 @@ def _actor_main(run_dir: str, port: int, actor_id: int, overrides: dict, q, fetc
     sub = WeightSubscriber(cfg, actor_id, run_dir, "127.0.0.1", port)
     if fetch:
         got = sub.fetch_latest()
-        q.put(("fetched", actor_id, got[0] if got else -1, checksum(got[1]) if got else 0.0))
+        q.put(("fetched", actor_id, got[0].version if got else -1, checksum(got[1]) if got else 0.0))
     q.put(("ready", actor_id, os.getpid()))
     parent = os.getppid()
     while os.getppid() == parent:                                         # exit if the test process died
         got = sub.poll(timeout=0.5)
         if got is not None:
-            q.put(("got", actor_id, got[0], checksum(got[1])))
+            q.put(("got", actor_id, got[0].version, checksum(got[1])))
 
 
 class _Actors:

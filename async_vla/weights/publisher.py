@@ -66,7 +66,8 @@ BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors t
 class WeightPublisher:
     """Learner rank 0: hosts the store, forms groups of live actors, broadcasts and exports weights."""
 
-    def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None):
+    def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None,
+                 lineage: Optional[str] = None):
         self.cfg = cfg.weights
         self.timeout_s = float(world_timeout_s or cfg.weights.timeout_s)
         self.backend = resolve_backend(cfg)
@@ -91,8 +92,10 @@ class WeightPublisher:
             self.guard = StoreGuard(cfg.transport.host, cfg.transport.weights_port, store_port,
                                     cfg.transport.weights_allowed_peers)
         self.port = self.guard.port if self.guard is not None else store_port
-        self.session = uuid.uuid4().hex
-        self._store.set("w/session", self.session)
+        self.lineage = uuid.uuid4().hex if lineage is None else lineage
+        """The learner lineage every version published here belongs to (None given: a new one, as a learner start
+        mints; subscribers tag what they receive with it)."""
+        self._store.set("w/lineage", self.lineage)
         self._store.set("w/wire", str(WIRE_VERSION))
         for key in ("w/tokens", "w/leaves"):    # counters read with multi_get, which waits for missing keys
             self._store.add(key, 0)
@@ -104,7 +107,7 @@ class WeightPublisher:
         self._shm: Optional[ShmPublisher] = None
         if self.cfg.shm and self.backend == "gloo":
             try:
-                self._shm = ShmPublisher(self.cfg.shm_dir, self.session, self._pool)
+                self._shm = ShmPublisher(self.cfg.shm_dir, self.lineage, self._pool)
             except OSError as exc:
                 log.warning("weights: no shared-memory path in %s (%s); broadcasting over gloo only",
                             self.cfg.shm_dir, exc)
@@ -119,7 +122,7 @@ class WeightPublisher:
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
-                                   "session": self.session, "pid": os.getpid()}))
+                                   "lineage": self.lineage, "pid": os.getpid()}))
         os.replace(tmp, self._endpoint)
         self._registry = MemberRegistry()
         self._members = self._registry.members      # token -> Member
@@ -127,7 +130,7 @@ class WeightPublisher:
         self._epoch = 0
         self._group: Optional[SendTransport] = None    # this epoch's path (transport_wire / _shm / _bell)
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
-        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session,
+        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.lineage,
                                   milestone_every=cfg.run.eval_every)
         self._last_pack_s = 0.0
         self._layout: Optional[Layout] = None     # the last version's (reused while the tensors stay the same)
@@ -387,7 +390,7 @@ class WeightPublisher:
             self._shm.close()
             self._shm = None
         with contextlib.suppress(OSError):
-            if json.loads(self._endpoint.read_text()).get("session") == self.session:
+            if json.loads(self._endpoint.read_text()).get("lineage") == self.lineage:
                 self._endpoint.unlink()
         if self.guard is not None:
             self.guard.close()

@@ -4,8 +4,9 @@ A background thread registers with the learner's store, sleeps in its mailbox (a
 membership epoch on the path its roster names (``async_vla.weights.transport``: a process group, or a doorbell
 page it serves until the epoch is dropped) and receives every version; ``poll()`` hands the newest one to the
 actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
-(``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
-crash and ``--resume``) is followed even when its versions restart lower.
+(``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. Every version is handed out with
+its ``PolicyTag``: the lineage the learner's store names (``w/lineage``) and the version. A new learner (after a
+crash and ``--resume``) is followed whatever its versions, and what the old one sent but nobody took is dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from async_vla.weights.transport_bell import BellCache, BellReceiver
 from async_vla.weights.transport_shm import ShmReceiver
 from async_vla.weights.transport_wire import WireReceiver
 from async_vla.hosts import is_loopback
+from async_vla.messages import PolicyTag
 from async_vla.weights.wire import WIRE_VERSION, port_open, td
 
 log = logging.getLogger(__name__)
@@ -64,18 +66,15 @@ class WeightSubscriber:
         self.device = device
         self._lock = threading.Condition()
         self._hb_lock = threading.Lock()     # separate, so a slow store never blocks poll()
-        self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
-        self._delivered = -1
-        self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
-        self._lineage = 0               # how many times we moved on to a new learner incarnation
-        self._handed_lineage = 0
-        self._export_session = ""       # session of the export fetch_latest handed out last ("": none/unknown)
+        self._latest: Optional[tuple[PolicyTag, dict[str, torch.Tensor]]] = None
+        self._delivered = -1            # newest version of the followed lineage handed out
+        self._live: Optional[str] = None   # the lineage of the learner we follow (None: none reached yet)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
         self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire / _shm / _bell)
         self.bell_cache = BellCache()     # doorbell epochs: layouts and plans, kept across epochs
         self.pool = BufferPool()          # buckets of versions received over the wire
         self._shm_reader: Optional[ShmReader] = None
-        self._shm_refused = False      # a segment of this learner session could not be read: use the wire
+        self._shm_refused = False      # a segment of this learner could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
                       "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0, "byes": 0}
@@ -85,8 +84,8 @@ class WeightSubscriber:
         self._beat.start()
 
     # ------------------------------------------------------------------ public
-    def poll(self, timeout: float = 0.0) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """The newest received (version, tensors) not handed out yet, or None. Non-blocking by default."""
+    def poll(self, timeout: float = 0.0) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
+        """The newest received (tag, tensors) not handed out yet, or None. Non-blocking by default."""
         end = time.monotonic() + timeout
         with self._lock:
             while self._latest is None and timeout > 0 and not self._stop.is_set():
@@ -94,48 +93,36 @@ class WeightSubscriber:
                     break
             out, self._latest = self._latest, None
             if out is not None:
-                self._delivered = max(self._delivered, out[0])
-                self._handed_lineage = self._lineage   # (a session change clears _latest under this lock)
+                self._delivered = max(self._delivered, out[0].version)
         reader = self._shm_reader
         if reader is not None:   # the version our caller loaded last time is let go of by now: unpin it
             reader.release_unused()
         return out
 
-    def fetch_latest(self, newer_than: int = -1) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts);
-        None if there are none newer than ``newer_than`` (checked before any tensor is read). Once connected,
-        only exports of the learner session we follow count (a dead learner's ``latest`` can outlive it), and a
-        ``newer_than`` from an older session (``lineage``) is ignored: version numbers restart on a resume."""
+    def fetch_latest(self, newer_than: Optional[PolicyTag] = None
+                     ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
+        """Load the newest export from ``<run>/weights`` (actor start, or after missing broadcasts): (tag, tensors),
+        or None if it is not newer than ``newer_than`` (checked before any tensor is read). Once a learner was
+        reached, only its exports count (a dead learner's ``latest`` can outlive it)."""
         with self._lock:
-            live, lineage = self._publisher_session, self._lineage
-            if live and self._handed_lineage < lineage:
-                newer_than = -1
-        meta: dict = {}
-        got = read_latest(self.weights_dir, newer_than=newer_than, session=live, meta_out=meta)
+            live = self._live
+        got = read_latest(self.weights_dir, newer_than=newer_than, lineage=live)
         if got is None:
             return None
-        version, tensors, _ = got
+        tag, tensors, _ = got
         with self._lock:
-            if self._lineage != lineage:     # we moved on to another learner session while reading
+            if self._live != live:     # we moved on to another learner while reading
                 return None
-            self._delivered = max(self._delivered, version)
-            if self._latest is not None and self._latest[0] <= version:
-                self._latest = None
-            self._handed_lineage, self._export_session = lineage, meta.get("session", "")
-        return version, tensors
+            if live is None or tag.lineage == live:   # (before any learner was reached: reset when one is)
+                self._delivered = max(self._delivered, tag.version)
+                if self._latest is not None and self._latest[0].version <= tag.version:
+                    self._latest = None
+        return tag, tensors
 
     @property
     def version(self) -> int:
-        """Newest version handed out by poll() / fetch_latest() (-1 = none yet)."""
+        """Newest version of the learner followed handed out by poll() / fetch_latest() (-1 = none yet)."""
         return self._delivered
-
-    @property
-    def lineage(self) -> int:
-        """Which learner session the version ``poll()`` last returned belongs to: 0 for the first one this
-        subscriber followed, +1 at every move to a new one (a resumed learner, whose versions restart lower). A
-        policy that refuses old versions (the vLLM backend's ``VersionGuard``) takes a lower version of a
-        newer lineage."""
-        return self._handed_lineage
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -208,15 +195,15 @@ class WeightSubscriber:
             return
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
-        session = store.get("w/session").decode()
+        lineage = store.get("w/lineage").decode()
         if not self._wire_matches(store, port):
             return
-        if session != self._publisher_session:
-            self._follow_session(session)
+        if lineage != self._live:
+            self._follow(lineage)
         # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
         probe = store.get("w/shm").decode() if store.check(["w/shm"]) else ""
         shm = (self.cfg.shm and not self._shm_refused and views_tracked()
-               and probe_ok(probe, session, self.cfg.shm_dir))
+               and probe_ok(probe, lineage, self.cfg.shm_dir))
         token = self._register(store, hb_store, shm)
         if token is None:
             return
@@ -237,20 +224,14 @@ class WeightSubscriber:
                       self.weights_dir)
         return False
 
-    def _follow_session(self, session: str) -> None:
-        """A new learner incarnation. After a resume from an older checkpoint its versions restart below the ones
-        the dead learner sent: accept them (its lineage is the one being trained), and drop anything of the old
-        lineage not yet handed out."""
+    def _follow(self, lineage: str) -> None:
+        """A new learner (the first, or one restarted): its versions are tagged with its lineage from now on, and
+        whatever the previous one sent that was not handed out yet is dropped."""
         with self._lock:
-            # (also at the first connection, when what we handed out is a dead learner's export)
-            moved = bool(self._publisher_session) or (self._delivered >= 0 and bool(self._export_session)
-                                                      and self._export_session != session)
-            if moved:
-                log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
-                         self._delivered)
-                self._delivered, self._latest = -1, None
-                self._lineage += 1
-            self._publisher_session = session
+            if self._live is not None:
+                log.info("weights: actor %d follows a new learner %s (last version %d)", self.actor_id,
+                         lineage[:12], self._delivered)
+            self._delivered, self._latest, self._live = -1, None, lineage
             self._shm_refused, self._shm_reader = False, None
 
     def _register(self, store, hb_store, shm: bool) -> Optional[int]:
@@ -360,6 +341,6 @@ class WeightSubscriber:
                                                            if nbytes is None else nbytes))
             with self._lock:
                 if version > self._delivered:
-                    self._latest = (version, tensors)   # drops an older one nobody took
+                    self._latest = (PolicyTag(self._live, version), tensors)   # drops an older one nobody took
         if reader is not None:
             reader.release_unused()
