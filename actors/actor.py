@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 PolicyFactory = Callable[[Any], Any]
 EnvFactory = Callable[[Any, int], Any]
 COUNTER_RE = re.compile(r"g(\d+)$")
-CATCH_UP_GRACE_S = 1.0  # refused for our weights this long before reading the export (a broadcast is on its way)
 
 
 def stable_hash(*parts: Any) -> int:
@@ -219,12 +218,9 @@ class Actor:
         self._grant_sent_at: Optional[float] = None
         self._retry_at = 0.0
         self._subscriber: Any = None
+        self.weights: Any = None       # the WeightSources chain (async_vla.weights.sources), built with the policy
         self._refused = ""             # why the last grant was empty (AdmissionGrant.refused; "" = granted)
-        self._behind_since: Optional[float] = None   # since when the buffer refuses our weights
         self._asked: Optional[PolicyTag] = None       # the weights our last GrantRequest asked with
-        self._next_fetch = 0.0
-        self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
-        self.fetched_remote = 0   # exports mirrored from the buffer's weights file server (weights.fetch)
         self._next_hb = self._next_stats = 0.0
         self._stats_mark = RolloutStats()
         self._stats_t = time.monotonic()
@@ -278,10 +274,12 @@ class Actor:
         policy = self.policy_factory(self.cfg)
         tag = PolicyTag(ROOT, 0)
         from async_vla.weights import WeightSubscriber
+        from async_vla.weights.sources import Broadcast, CatchUp, WeightSources
 
         self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
-        self._mirror_export(None)
-        latest = self._subscriber.fetch_latest()
+        catch_up = CatchUp(self._subscriber, self._mirror if self.cfg.weights.fetch else None)
+        self.weights = WeightSources(Broadcast(self._subscriber), catch_up)
+        latest = catch_up.latest()
         if latest is not None:
             tag = latest[0]
             load_weights(policy, latest[1], tag)
@@ -292,7 +290,8 @@ class Actor:
         with ThreadPoolExecutor(n_envs) as pool:
             envs = list(pool.map(lambda seed: self.env_factory(self.cfg, seed), seeds))
         self.core = SerialActor(self.cfg, self.actor_id, policy, envs, tag=tag,
-                                weights_source=self._poll_weights, tick=self.tick, should_stop=self.stopping)
+                                weights_source=lambda: self.weights.poll(self._tag(), self._refused), tick=self.tick,
+                                should_stop=self.stopping)
         log.info("actor %d ready: policy %s, %d envs, tasks %s, swap %s", self.actor_id, tag, n_envs,
                  self.core.task_ids, self.cfg.actor.swap)
 
@@ -320,52 +319,18 @@ class Actor:
     def _tag(self) -> PolicyTag:
         return self.core.tag if self.core is not None else PolicyTag(ROOT, 0)
 
-    def _poll_weights(self) -> Optional[tuple[PolicyTag, dict]]:
-        """Newest weights, (tag, state): the learner's broadcast first, else a catch-up from the exports."""
-        if self._subscriber is not None:
-            new = self._subscriber.poll()
-            if new is not None:
-                return new
-        return self._catch_up_from_export()
-
-    def _mirror_export(self, newer_than: Optional[PolicyTag]) -> None:
-        """weights.fetch (no shared run directory): copy the learner's newest export, if newer, from the buffer's
-        weights file server into our own <run>/weights, where fetch_latest reads it."""
-        if not self.cfg.weights.fetch or self._subscriber is None:
-            return
-        from async_vla.buffer.weights_files import mirror_latest
+    def _mirror(self, newer_than: Optional[PolicyTag]) -> None:
+        """weights.fetch (no shared run directory): copy the learner's newest export, if newer, from the file server
+        on the learner's node into our own <run>/weights, where the subscriber's fetch_latest reads it."""
         from async_vla.transport import CurveKeys
+        from async_vla.weights.files import mirror_latest
 
         t = self.cfg.transport
         keys = CurveKeys.load(t.curve_dir, "client") if t.curve else None
         got = mirror_latest(f"tcp://{t.connect_host}:{t.weights_fetch_port}", self._subscriber.weights_dir,
                             newer_than, keys=keys, timeout_s=self.cfg.actor.grant_timeout_s)
         if got is not None:
-            self.fetched_remote += 1
-            log.info("actor %d: fetched export %s from the buffer's weights file server", self.actor_id, got)
-
-    def _catch_up_from_export(self) -> Optional[tuple[PolicyTag, dict]]:
-        """Missed broadcasts (joined the group after a version went out, or a broadcast failed): once the
-        buffer has refused our weights for a while (too old, or not the learner's), read the learner's newest
-        export from <run>/weights. Without this an actor that missed the broadcast of version v could wait forever
-        when nothing newer comes (sync mode: the learner waits for data this actor would only produce with v)."""
-        now = time.monotonic()
-        if self._subscriber is None or self._refused not in ("behind", "dead"):
-            self._behind_since = None
-            return None
-        if self._behind_since is None:
-            self._behind_since = now
-        if now - self._behind_since < CATCH_UP_GRACE_S or now < self._next_fetch:
-            return None  # the broadcast is probably on its way
-        self._next_fetch = now + CATCH_UP_GRACE_S
-        self._mirror_export(self._tag())
-        got = self._subscriber.fetch_latest(newer_than=self._tag())   # reads tensors only if newer
-        if got is None:
-            return None
-        self.fetched_exports += 1
-        log.info("actor %d: caught up from the exported weights: %s -> %s (learner at v%d)", self.actor_id,
-                 self._tag(), got[0], self.learner_version)
-        return got
+            log.info("actor %d: fetched export %s from the weights file server", self.actor_id, got)
 
     # ---- control channel ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
@@ -485,6 +450,7 @@ class Actor:
             "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
             "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
             "groups_granted": self.groups_granted, "swaps": t.swaps, "sent": self.sent,
+            "weights_from": dict(self.weights.taken) if self.weights is not None else {},
             "sent_by_buffer": dict(self.sent_by_buffer),
             "dropped_on_stop": self.dropped_on_stop,
             "control_dropped": dict(self.control.dropped.by_reason) if hasattr(self, "control") else {}})

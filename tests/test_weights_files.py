@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from async_vla.buffer import weights_files
-from async_vla.buffer.weights_files import WeightsFileServer, mirror_latest
+from async_vla.weights import files as weights_files
+from async_vla.weights.files import WeightsFileServer, mirror_latest
 from async_vla.messages import PolicyTag
 from async_vla.weights.export import export_weights, read_latest
 

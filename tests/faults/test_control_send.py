@@ -109,37 +109,33 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
 
 def test_a_refusal_answers_the_weights_asked_with(tmp_path, unreachable, monkeypatch):
     """An empty grant is waited out (retry_after_s) unless the actor's weights change: new weights are a new
-    question, asked at once. Only a refusal of the weights themselves ("behind", "dead": the buffer says so)
-    starts the catch-up from the learner's exports, after a grace period for the broadcast on its way.
-    The actor's clock is frozen here (``actors.actor.time``), so the waits it picks are read exactly."""
+    question, asked at once. The refusal's reason is what the actor's weight sources see (a catch-up starts only
+    on "behind" / "dead": tests/test_weight_sources.py). The actor's clock is frozen here (``actors.actor.time``),
+    so the waits it picks are read exactly."""
     import types
 
     import actors.actor as actor_module
-    from actors.actor import CATCH_UP_GRACE_S, Actor
+    from actors.actor import Actor
     from actors.rollout import RolloutStats
     from async_vla.messages import AdmissionGrant, PolicyTag
 
     cfg = load_config(None, [])
     actor = Actor(cfg, 3, tmp_path, {"trajectory": unreachable(), "control": unreachable()})
     actor._connect()
-    clock = [1000.0]
-    monkeypatch.setattr(actor_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time,
+    now = 1000.0
+    monkeypatch.setattr(actor_module, "time", types.SimpleNamespace(monotonic=lambda: now, time=time.time,
                                                                      sleep=time.sleep))
     actor.core = types.SimpleNamespace(maybe_swap=lambda: None, tag=PolicyTag("l", 5), totals=RolloutStats())
-    exports = [(PolicyTag("l", 9), {})]
-    actor._subscriber = types.SimpleNamespace(fetch_latest=lambda newer_than: exports.pop(), close=lambda: None)
     try:
         actor._asked = PolicyTag("l", 5)
         actor._handle(AdmissionGrant(actor_id=3, refused="wait", retry_after_s=5.0))
-        assert actor._retry_at - clock[0] == 5.0 and actor._catch_up_from_export() is None
+        assert actor._retry_at - now == 5.0 and actor._refused == "wait"
         actor.core.tag = PolicyTag("l", 6)                   # new weights: asked at once
         assert actor._next_group() is None and actor._asked == PolicyTag("l", 6)
         actor._handle(AdmissionGrant(actor_id=3, refused="behind", retry_after_s=5.0))
-        assert actor._catch_up_from_export() is None         # within the grace period: the broadcast may come
-        clock[0] += CATCH_UP_GRACE_S
-        assert actor._catch_up_from_export() == (PolicyTag("l", 9), {}) and actor.fetched_exports == 1
+        assert actor._refused == "behind"
         actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"]))
-        assert list(actor.pending) == ["g1"] and actor._catch_up_from_export() is None
+        assert list(actor.pending) == ["g1"] and actor._refused == ""
     finally:
         actor.core = None
         actor.control.close()
