@@ -63,9 +63,6 @@ def weight_metrics(stats: dict, version: int) -> dict[str, float]:
     values = {"weights/sync_s": float(stats.get("sync_s", 0.0)), "weights/bytes": float(stats.get("bytes", 0)),
               "weights/receivers": float(stats.get("receivers", 0)),
               "weights/confirmed": float(stats.get("confirmed", 0)),
-              "weights/shared_memory": float(stats.get("transport") == "shm"),
-              "weights/doorbell": float(bool(stats.get("doorbell"))),
-              "weights/shm_pinned_remakes": float(stats.get("shm_remade", 0)),
               "weights/version": float(version)}
     if "rank_checksum_ok" in stats:
         values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]
@@ -73,7 +70,7 @@ def weight_metrics(stats: dict, version: int) -> dict[str, float]:
 
 
 def close_publisher(publisher: Optional[Any]) -> None:
-    """Wait for the last export, then release the publisher's store, group and segments."""
+    """Wait for the last export, then release the publisher's store and group."""
     if publisher is not None:
         publisher.wait_export()
         publisher.close()

@@ -2,11 +2,10 @@
 files a restarted actor starts from, and the sources an actor takes new weights from. Design: docs/WEIGHTS.md.
 
 Inside: ``publisher`` / ``subscriber`` / ``members`` (control plane: store, epochs, membership), ``transport``
-(the interface of a path) with ``transport_wire`` / ``transport_shm`` / ``transport_bell`` (one per path), ``wire`` (one
-version over a torch.distributed group), ``buckets`` / ``packer`` / ``pool`` (bucket layout, packing, buffer
-reuse), ``shm`` / ``shm_reader`` (same-host shared-memory segments), ``bell`` / ``bell_versions`` (the same-host
-doorbell), ``export`` (files), ``files`` (the newest export served from the learner's node, torch-free),
-``sources`` (an actor's chain: broadcast, then catch-up) and ``native`` (the C kernels).
+(the interface of a path) with ``transport_wire`` (a gloo or NCCL group), ``wire`` (one version over a
+torch.distributed group), ``buckets`` / ``packer`` / ``pool`` (bucket layout, packing, buffer reuse), ``export``
+(files), ``files`` (the newest export served from the learner's node, torch-free), ``sources`` (an actor's chain:
+broadcast, then catch-up) and ``native`` (the packing kernel).
 
 The names below are imported on first use, so ``async_vla.weights.files`` loads without torch (the buffer process
 serves the exports and never imports it)."""

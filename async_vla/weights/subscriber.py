@@ -1,10 +1,9 @@
 """Actor side of the weight broadcast (the publisher and the design: ``async_vla.weights``, docs/WEIGHTS.md).
 
 A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
-membership epoch on the path its roster names (``async_vla.weights.transport``: a process group, or a doorbell
-page it serves until the epoch is dropped) and receives every version; ``poll()`` hands the newest one to the
-actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
-(``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. Every version is handed out with
+membership epoch on the path its roster names (``async_vla.weights.transport``; ``transport_wire``: a process
+group) and receives every version; ``poll()`` hands the newest one to the actor between chunks. Every version is
+handed out with
 its ``PolicyTag``: the lineage the learner's store names (``w/lineage``) and the version. A new learner (after a
 crash and ``--resume``) is followed whatever its versions, and what the old one sent but nobody took is dropped.
 """
@@ -25,14 +24,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from async_vla.weights import bell as weight_bell
 from async_vla.weights.export import read_latest
-from async_vla.weights.pool import BufferPool, views_tracked
-from async_vla.weights.shm import probe_ok
-from async_vla.weights.shm_reader import ShmReader
+from async_vla.weights.pool import BufferPool
 from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
-from async_vla.weights.transport_bell import BellCache, BellReceiver
-from async_vla.weights.transport_shm import ShmReceiver
 from async_vla.weights.transport_wire import WireReceiver
 from async_vla.hosts import is_loopback
 from async_vla.messages import PolicyTag
@@ -70,11 +64,8 @@ class WeightSubscriber:
         self._delivered = -1            # newest version of the followed lineage handed out
         self._live: Optional[str] = None   # the lineage of the learner we follow (None: none reached yet)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
-        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire / _shm / _bell)
-        self.bell_cache = BellCache()     # doorbell epochs: layouts and plans, kept across epochs
+        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire)
         self.pool = BufferPool()          # buckets of versions received over the wire
-        self._shm_reader: Optional[ShmReader] = None
-        self._shm_refused = False      # a segment of this learner could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
                       "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0, "byes": 0}
@@ -94,9 +85,6 @@ class WeightSubscriber:
             out, self._latest = self._latest, None
             if out is not None:
                 self._delivered = max(self._delivered, out[0].version)
-        reader = self._shm_reader
-        if reader is not None:   # the version our caller loaded last time is let go of by now: unpin it
-            reader.release_unused()
         return out
 
     def fetch_latest(self, newer_than: Optional[PolicyTag] = None
@@ -128,9 +116,6 @@ class WeightSubscriber:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-        epoch = self._epoch
-        if epoch is not None:     # our thread may sleep on a doorbell's futexes: wake it
-            epoch.wake()
         with self._hb_lock:
             hb, self._hb = self._hb, None
         if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
@@ -200,14 +185,10 @@ class WeightSubscriber:
             return
         if lineage != self._live:
             self._follow(lineage)
-        # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
-        probe = store.get("w/shm").decode() if store.check(["w/shm"]) else ""
-        shm = (self.cfg.shm and not self._shm_refused and views_tracked()
-               and probe_ok(probe, lineage, self.cfg.shm_dir))
-        token = self._register(store, hb_store, shm)
+        token = self._register(store, hb_store)
         if token is None:
             return
-        self._serve_mailbox(store, token, probe)
+        self._serve_mailbox(store, token)
 
     def _wire_matches(self, store, port: int) -> bool:
         """The learner speaks our weight wire version. A learner from another release: its stream would fail
@@ -232,15 +213,13 @@ class WeightSubscriber:
                 log.info("weights: actor %d follows a new learner %s (last version %d)", self.actor_id,
                          lineage[:12], self._delivered)
             self._delivered, self._latest, self._live = -1, None, lineage
-            self._shm_refused, self._shm_reader = False, None
 
-    def _register(self, store, hb_store, shm: bool) -> Optional[int]:
+    def _register(self, store, hb_store) -> Optional[int]:
         """A new token with this actor's member info, and the heartbeat on it; None when closing."""
         token = store.add("w/tokens", 1)
         store.add(f"w/hb/{token}", 1)      # before the member info: the publisher reads every member's at once
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
-                                                   "host": socket.gethostname(), "shm": bool(shm),
-                                                   "bell": bool(shm and weight_bell.available())}))
+                                                   "host": socket.gethostname()}))
         with self._hb_lock:
             if self._stop.is_set():
                 return None
@@ -248,9 +227,9 @@ class WeightSubscriber:
         self.stats["connects"] += 1
         return token
 
-    def _serve_mailbox(self, store, token: int, probe: str) -> None:
-        """Wait in the mailbox: an invite is acknowledged, its roster joins the epoch (a doorbell epoch is served
-        until it is dropped), a broadcast announcement of the current gloo / NCCL epoch is received."""
+    def _serve_mailbox(self, store, token: int) -> None:
+        """Wait in the mailbox: an invite is acknowledged, its roster joins the epoch, a broadcast announcement of the
+        current epoch is received."""
         mbox = f"w/mbox/{token}"
         store.set_timeout(td(POP_TIMEOUT_S))
         pending = -1
@@ -278,18 +257,16 @@ class WeightSubscriber:
                 store.set(f"w/e{epoch}/ack/{token}", "1")
             elif kind == "roster" and epoch == pending:
                 pending = -1
-                self._epoch = self._join(store, msg, epoch, token, probe)
-                if self._epoch is not None and not self._epoch.serve():
-                    self._leave_group()
+                self._epoch = self._join(store, msg, epoch)
             elif kind == "bcast" and self._epoch is not None and epoch == self._epoch.epoch:
                 if not self._epoch.take():
                     self._leave_group()
 
-    def _join(self, store, msg: dict, epoch: int, token: int, probe: str) -> Optional[ReceiveTransport]:
+    def _join(self, store, msg: dict, epoch: int) -> Optional[ReceiveTransport]:
         """This member's end of the epoch on the path its roster names; None (counted) when it cannot join."""
-        path = BellReceiver if msg.get("bell") else ShmReceiver if msg.get("shm") else WireReceiver
+        path = WireReceiver
         try:
-            joined = path(self, store, msg, epoch, token, probe)
+            joined = path(self, store, msg, epoch)
         except path.JOIN_ERRORS as exc:
             self.stats["failures"] += 1
             log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
@@ -312,35 +289,15 @@ class WeightSubscriber:
         with self._lock:
             self._lock.notify_all()
 
-    def reader_for(self, prefix: str) -> ShmReader:
-        """The mappings of the learner's segments under ``prefix``, kept across epochs: mapped once."""
-        if self._shm_reader is None or self._shm_reader.prefix != prefix:
-            self._shm_reader = ShmReader(prefix)
-        return self._shm_reader
-
-    def refuse_shm(self, store, token: int, exc: BaseException) -> None:
-        """Registered as able to read the learner's segments, but cannot: leave this registration (so a retry does
-        not invite this token again) and register again without (a new token re-forms the group on the wire);
-        do not claim it again for this learner."""
-        self._shm_refused, self._shm_reader = True, None
-        self._leave(store, token)
-        log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering for the "
-                    "wire", self.actor_id, exc)
-
-    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader],
-                  nbytes: Optional[int] = None) -> None:
-        """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch),
-        then unpin what nobody holds any more, so the publisher may rewrite it."""
+    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float) -> None:
+        """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch)."""
         if not ok:
             self.stats["checksum_errors"] += 1
             log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, version)
-        else:
-            self.stats.update(received=self.stats["received"] + 1, last_version=version,
-                              last_recv_s=time.monotonic() - t0,
-                              bytes=self.stats["bytes"] + (sum(t.nbytes for t in tensors.values())
-                                                           if nbytes is None else nbytes))
-            with self._lock:
-                if version > self._delivered:
-                    self._latest = (PolicyTag(self._live, version), tensors)   # drops an older one nobody took
-        if reader is not None:
-            reader.release_unused()
+            return
+        self.stats.update(received=self.stats["received"] + 1, last_version=version,
+                          last_recv_s=time.monotonic() - t0,
+                          bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
+        with self._lock:
+            if version > self._delivered:
+                self._latest = (PolicyTag(self._live, version), tensors)   # drops an older one nobody took
