@@ -165,8 +165,8 @@ CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "grant_huge", "grant_ze
 
 def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
     """(kind, frames) of one forged control message: well-formed on the wire (it decodes) but out of bounds or
-    pretending to be someone else, except "garbage" (random bytes). Never a lower-version or new-session
-    BatchRequest: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
+    pretending to be someone else, except "garbage" (random bytes). Never a BatchRequest of another learner
+    lineage: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
     kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
     actor = int(rng.integers(0, 10**9))
     msg: M.Message

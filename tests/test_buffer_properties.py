@@ -222,3 +222,4 @@ def test_a_dead_learners_data_is_never_trained(sc):
         replayed.clock.t = t
         replayed.apply_journal(m)
     assert replayed.ledger == buf.ledger and replayed.lag_histogram == buf.lag_histogram
+    assert replayed.admission.capacity() == buf.admission.capacity()       # pacing's state too

@@ -50,7 +50,7 @@ class Admission:
         self.v_base = 0
         self.running = 0
         self.accepted = 0
-        self._heard = False                         # has the learner spoken (v_base set)?
+        self.heard = False                          # has the learner spoken (v_base set)?
         self._left: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.eta_changes: list[dict] = []
 
@@ -92,8 +92,8 @@ class Admission:
             raise ValueError(f"batch request from learner lineage {lineage.id[:12]!r}, which a newer learner "
                              "replaced: refused")
         new = lineage is not None and (self.lineage is None or lineage.id != self.lineage.id)
-        if not self._heard:
-            self.v_base, self._heard = version, True
+        if not self.heard:
+            self.v_base, self.heard = version, True
         elif new:
             self.v_base += version - self.version
         elif version < self.version:

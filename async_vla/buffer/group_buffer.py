@@ -76,7 +76,7 @@ class _Group:
     traj_ids: set = field(default_factory=set)
     key: Optional[tuple] = None         # (group_size, task_id, init_state_id, run_id, lineage) members share
     min_bv: int = 2**62                 # oldest behaviour version among members (its lag)
-    newest: int = -1                    # newest policy version of any member's call (never trained at a lag < 0)
+    max_bv: int = -1                    # newest behaviour version among members (never trained at a lag < 0)
     actor: Optional[int] = None         # the actor it was granted to (None: not granted by this buffer)
     nbytes: int = 0
     uses: int = 0
@@ -85,7 +85,7 @@ class _Group:
 
     @property
     def newest_tag(self) -> PolicyTag:
-        return PolicyTag(self.key[4], self.newest)
+        return PolicyTag(self.key[4], self.max_bv)
 
 
 @dataclass(eq=False)
@@ -204,8 +204,7 @@ class GroupBuffer:
             g.key, g.size = key, traj.group_size
         elif key != g.key:
             return self.books.malformed("group_mismatch")
-        newest = int(traj.chunk_versions.max())
-        if self.admission.is_dead(PolicyTag(traj.lineage, newest)):
+        if self.admission.is_dead(traj.tag):
             self.books.settle("ahead")
             self._drop_open(g, "ahead")
             return "ahead"
@@ -213,7 +212,7 @@ class GroupBuffer:
         g.traj_ids.add(traj.traj_id)
         g.last_t = now
         g.min_bv = min(g.min_bv, int(traj.behaviour_version))
-        g.newest = max(g.newest, newest)
+        g.max_bv = max(g.max_bv, int(traj.behaviour_version))
         g.nbytes += traj.nbytes
         self.held_bytes += traj.nbytes
         self._largest = max(self._largest, traj.nbytes)
@@ -384,9 +383,9 @@ class GroupBuffer:
         """The learner is at ``version``, as ``lineage`` (None: the one followed so far). Within one lineage the
         version only moves forward (an older one: ValueError); a new lineage is followed wherever it starts (see
         the module docstring), a lineage left behind is refused (ValueError)."""
-        old, was = self.version, self.admission.lineage
+        old, was, heard = self.version, self.admission.lineage, self.admission.heard
         new = self.admission.follow(version, lineage)
-        if not new and self.version == old:
+        if not new and self.version == old and heard:
             return
         self._record(self.clock(), ControlCommand("j.learner", f"{self.version} {lineage.encode() if new else ''}"
                                                    .rstrip()))
@@ -474,7 +473,7 @@ class GroupBuffer:
         self._purge_stale()
         # Never a lag < 0: a group sampled with weights newer than the learner's version (the broadcast outran
         # the learner's batch request) waits for the version to catch up.
-        usable = [g for g in self._ready if g.newest <= self.version]
+        usable = [g for g in self._ready if g.max_bv <= self.version]
         if len(usable) < self.B:
             return None
         self._record(self.clock(), ControlCommand("j.batch", int(version)))
