@@ -28,12 +28,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
-from actors.status import parse_share, sent_log_path, status_path, write_status
-from actors.weight_loading import load_weights, load_weights_path  # noqa: F401 - part of this module's API
+from actors.status import sent_log_path, status_path, write_status
+from actors.weight_loading import load_weights
 from actors.vllm_weights import StaleWeights
-from async_vla.buffer.filters import is_stale
 from async_vla.messages import (
-    ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, Shutdown, Trajectory, encode,
+    ROOT, ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, PolicyTag, Shutdown, Trajectory, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -41,9 +40,6 @@ log = logging.getLogger(__name__)
 PolicyFactory = Callable[[Any], Any]
 EnvFactory = Callable[[Any, int], Any]
 COUNTER_RE = re.compile(r"g(\d+)$")
-QUICK_RETRY_S = 0.02     # re-ask this soon when a refusal predates the weights we hold (see _handle)
-QUICK_RETRIES = 10       # at most this many in a row, then the buffer's retry_after_s applies
-CATCH_UP_GRACE_S = 1.0  # behind by more than eta this long before reading the export (a broadcast takes ~10 ms)
 
 
 def stable_hash(*parts: Any) -> int:
@@ -77,15 +73,18 @@ class SerialActor:
     ``run_one_group(grant)`` rolls out every group of an ``AdmissionGrant`` (or one group id) and returns
     its trajectories; ``iter_group(group_id)`` streams them. New weights come in through
     ``set_weights`` (serial mode) or the ``weights_source`` callback, polled at the swap points of
-    ``cfg.actor.swap``; it returns None or (version, state[, lineage]).
+    ``cfg.actor.swap``; it returns None or (tag, state). Weights of another lineage (a new learner) wait for the
+    group to end: every trajectory of a group carries one lineage. ``tag``: the policy's at the start.
     """
 
-    def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *, version: int = 0,
-                 weights_source: Optional[Callable[[], Optional[tuple]]] = None,
+    def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *,
+                 tag: PolicyTag = PolicyTag(ROOT, 0),
+                 weights_source: Optional[Callable[[], Optional[tuple[PolicyTag, dict]]]] = None,
                  tick: Optional[Callable[[], None]] = None, should_stop: Optional[Callable[[], bool]] = None):
         self.cfg, self.actor_id, self.policy, self.envs = cfg, int(actor_id), policy, list(envs)
-        self.version = int(version)
-        self.lineage: Optional[int] = None   # learner session of the installed weights (WeightSubscriber.lineage)
+        self.tag = tag
+        self._held: Optional[tuple[PolicyTag, dict]] = None   # another lineage's weights, for the next group
+        self._in_group = False
         self.weights_source = weights_source
         self.totals = RolloutStats()
         self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
@@ -95,36 +94,36 @@ class SerialActor:
         self.generator.manual_seed(stable_hash("actor", cfg.run.seed, actor_id) % 2**63)
         self.rollout = GroupRollout(
             policy, self.envs, run_id=cfg.run.name, actor_id=self.actor_id, temperature=cfg.actor.temperature,
-            version=lambda: self.version, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
+            policy_tag=lambda: self.tag, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
             should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps)
 
     # ---- weights ------------------------------------------------------------------------------------
-    def set_weights(self, version: int, state: Optional[dict] = None, lineage: Optional[int] = None) -> None:
-        """Install weights ``state`` (None = the policy object was updated in place) as ``version``; ``lineage``
-        numbers the learner session it came from (a resumed learner's lower versions are taken: see
-        ``WeightSubscriber.lineage``)."""
+    @property
+    def version(self) -> int:
+        return self.tag.version
+
+    def set_weights(self, tag: PolicyTag, state: Optional[dict] = None) -> None:
+        """Install weights ``state`` (None = the policy object was updated in place) as ``tag``."""
         if state is not None:
             try:
-                load_weights(self.policy, state, int(version), lineage)
-                if lineage is not None:
-                    self.lineage = int(lineage)
+                load_weights(self.policy, state, tag)
             except StaleWeights as exc:   # the vLLM backend refuses old versions; keep what is installed
-                log.warning("actor %d: %s; keeping v%d", self.actor_id, exc, self.version)
+                log.warning("actor %d: %s; keeping %s", self.actor_id, exc, self.tag)
                 return
-        if int(version) != self.version:
+        if tag != self.tag:
             self.totals.swaps += 1
-            log.info("actor %d: policy version %d -> %d", self.actor_id, self.version, version)
-        self.version = int(version)
+            log.info("actor %d: policy %s -> %s", self.actor_id, self.tag, tag)
+        self.tag = tag
 
     def maybe_swap(self) -> None:
-        """Swap point: take the newest weights the source has, if they differ from ours."""
-        if self.weights_source is None:
-            return
-        new = self.weights_source()
-        if new is None:
-            return
-        lineage = new[2] if len(new) > 2 else None   # a resumed learner may reuse our version number
-        if int(new[0]) != self.version or lineage is not None and lineage != self.lineage:
+        """Swap point: take the newest weights the source has, if they differ from ours (another lineage's only
+        between groups: until then they are held)."""
+        new = self.weights_source() if self.weights_source is not None else None
+        if new is not None and self._in_group and new[0].lineage != self.tag.lineage:
+            self._held, new = new, None
+        if not self._in_group:
+            new, self._held = new or self._held, None
+        if new is not None and new[0] != self.tag:
             self.set_weights(*new)
 
     # ---- group specs --------------------------------------------------------------------------------
@@ -145,24 +144,29 @@ class SerialActor:
     def spec_for(self, group_id: str) -> GroupSpec:
         """Task and init state of a group: a pure function of (group id, run seed).
 
-        Every actor that runs a share of the same group must pick the same init state, so nothing here
-        depends on the actor. Buffer ids end in a global counter (``<run>-g<n>``): tasks cycle with it so
-        every task gets an equal share of groups; other ids fall back to a hash.
+        Nothing here depends on the actor: a group re-run elsewhere gets the same spec. Buffer ids end in a global
+        counter (``<run>-g<n>``): tasks cycle with it so every task gets an equal share of groups; other ids fall
+        back to a hash.
         """
-        gid, k, n = parse_share(group_id)
-        m = COUNTER_RE.search(gid)
-        counter = int(m.group(1)) if m else stable_hash("task", gid)
+        m = COUNTER_RE.search(group_id)
+        counter = int(m.group(1)) if m else stable_hash("task", group_id)
         task_id = self.task_ids[counter % len(self.task_ids)]
         ids = self.train_init_states(task_id)
-        init_state_id = ids[stable_hash("init", self.cfg.run.seed, gid) % len(ids)]
-        g = self.cfg.actor.group_size
-        members = None if n == 1 else [i for i in range(g) if i % n == k]
-        return GroupSpec(gid, task_id, init_state_id, g, members)
+        init_state_id = ids[stable_hash("init", self.cfg.run.seed, group_id) % len(ids)]
+        return GroupSpec(group_id, task_id, init_state_id, self.cfg.actor.group_size)
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def iter_group(self, group_id: str) -> Iterator[Trajectory]:
-        """Stream the trajectories of this actor's members of a group as each episode ends."""
-        return self.rollout.run(self.spec_for(group_id))
+        """Stream the trajectories of a group as each episode ends."""
+        if self._held is not None:   # a new learner's weights, held back while the last group ran
+            held, self._held = self._held, None
+            self.set_weights(*held)
+        spec = self.spec_for(group_id)
+        self._in_group = True
+        try:
+            yield from self.rollout.run(spec)
+        finally:
+            self._in_group = False
 
     def run_one_group(self, grant: Union[AdmissionGrant, str]) -> list[Trajectory]:
         """Every trajectory of the group(s) of a grant (serial mode: no sockets)."""
@@ -213,17 +217,10 @@ class Actor:
         self.core: Optional[SerialActor] = None
         self._grant_sent_at: Optional[float] = None
         self._retry_at = 0.0
-        self._path_weights: Optional[tuple[int, str]] = None
-        self._path_loaded: Optional[tuple] = None
         self._subscriber: Any = None
-        self._eta = int(cfg.max_staleness)  # updated from every grant (eta can change live)
-        self._behind_since: Optional[float] = None
-        self._refused_at_version = -1  # the version we asked with when the buffer last said "not now"
-        self._asked_version = -1       # our version in the last GrantRequest sent
-        self._quick_retries = 0
-        self._next_fetch = 0.0
-        self.fetched_exports = 0  # times the export fallback caught this actor up after missed broadcasts
-        self.fetched_remote = 0   # exports mirrored from the buffer's weights file server (weights.fetch)
+        self.weights: Any = None       # the WeightSources chain (async_vla.weights.sources), built with the policy
+        self._refused = ""             # why the last grant was empty (AdmissionGrant.refused; "" = granted)
+        self._asked: Optional[PolicyTag] = None       # the weights our last GrantRequest asked with
         self._next_hb = self._next_stats = 0.0
         self._stats_mark = RolloutStats()
         self._stats_t = time.monotonic()
@@ -275,25 +272,27 @@ class Actor:
     def _build(self) -> None:
         """Policy (latest published weights if any, else the initial checkpoint) and the envs."""
         policy = self.policy_factory(self.cfg)
-        version = 0
+        tag = PolicyTag(ROOT, 0)
         from async_vla.weights import WeightSubscriber
+        from async_vla.weights.sources import Broadcast, CatchUp, WeightSources
 
         self._subscriber = WeightSubscriber(self.cfg, self.actor_id, self.run_dir)
-        self._mirror_export(-1)
-        latest = self._subscriber.fetch_latest()
+        catch_up = CatchUp(self._subscriber, self._mirror if self.cfg.weights.fetch else None)
+        self.weights = WeightSources(Broadcast(self._subscriber), catch_up)
+        latest = catch_up.latest()
         if latest is not None:
-            load_weights(policy, latest[1], int(latest[0]), self._subscriber.lineage)
-            version = int(latest[0])
+            tag = latest[0]
+            load_weights(policy, latest[1], tag)
         policy.eval()
         n_envs = min(self.cfg.env.envs_per_actor, self.cfg.actor.group_size)
         seeds = [stable_hash("env", self.cfg.run.seed, self.actor_id, j) % 2**31 for j in range(n_envs)]
         # Built concurrently: isolated simulators start in their own processes (LIBERO: 10-30 s each).
         with ThreadPoolExecutor(n_envs) as pool:
             envs = list(pool.map(lambda seed: self.env_factory(self.cfg, seed), seeds))
-        self.core = SerialActor(self.cfg, self.actor_id, policy, envs, version=version,
-                                weights_source=self._poll_weights, tick=self.tick, should_stop=self.stopping)
-        self.core.lineage = self._subscriber.lineage if self._subscriber is not None else None
-        log.info("actor %d ready: version %d, %d envs, tasks %s, swap %s", self.actor_id, version, n_envs,
+        self.core = SerialActor(self.cfg, self.actor_id, policy, envs, tag=tag,
+                                weights_source=lambda: self.weights.poll(self._tag(), self._refused), tick=self.tick,
+                                should_stop=self.stopping)
+        log.info("actor %d ready: policy %s, %d envs, tasks %s, swap %s", self.actor_id, tag, n_envs,
                  self.core.task_ids, self.cfg.actor.swap)
 
     def _shutdown(self) -> None:
@@ -301,7 +300,7 @@ class Actor:
         try:
             if self.core is not None:
                 self._send_stats()
-            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._version(), "stopped"))
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, "stopped"))
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.exception("final heartbeat failed")
         self._write_status()
@@ -317,68 +316,21 @@ class Actor:
         self._ctx.term()
 
     # ---- weights ------------------------------------------------------------------------------------
-    def _version(self) -> int:
-        return self.core.version if self.core is not None else 0
+    def _tag(self) -> PolicyTag:
+        return self.core.tag if self.core is not None else PolicyTag(ROOT, 0)
 
-    def _poll_weights(self) -> Optional[tuple]:
-        """Newest weights, (version, state[, lineage]): the learner's broadcast first, else an exported directory
-        named by a grant, else a catch-up from the exports."""
-        if self._subscriber is not None:
-            new = self._subscriber.poll()
-            if new is not None:
-                return new[0], new[1], self._subscriber.lineage
-        if self._path_weights is not None:
-            version, path = self._path_weights
-            self._path_weights = None
-            try:
-                sig = (path, Path(path).stat().st_mtime_ns)
-            except OSError:
-                sig = None
-            if version > self._version() and sig is not None and sig != self._path_loaded:
-                self._path_loaded = sig  # an export that lags the learner is read once, not on every grant
-                got = load_weights_path(path, version)
-                if got[0] != self._version():
-                    return got
-        return self._catch_up_from_export()
-
-    def _mirror_export(self, newer_than: int) -> None:
-        """weights.fetch (no shared run directory): copy the learner's newest export, if newer, from the buffer's
-        weights file server into our own <run>/weights, where fetch_latest reads it."""
-        if not self.cfg.weights.fetch or self._subscriber is None:
-            return
-        from async_vla.buffer.weights_files import mirror_latest
+    def _mirror(self, newer_than: Optional[PolicyTag]) -> None:
+        """weights.fetch (no shared run directory): copy the learner's newest export, if newer, from the file server
+        on the learner's node into our own <run>/weights, where the subscriber's fetch_latest reads it."""
         from async_vla.transport import CurveKeys
+        from async_vla.weights.files import mirror_latest
 
         t = self.cfg.transport
         keys = CurveKeys.load(t.curve_dir, "client") if t.curve else None
         got = mirror_latest(f"tcp://{t.connect_host}:{t.weights_fetch_port}", self._subscriber.weights_dir,
                             newer_than, keys=keys, timeout_s=self.cfg.actor.grant_timeout_s)
         if got is not None:
-            self.fetched_remote += 1
-            log.info("actor %d: fetched export v%d from the buffer's weights file server", self.actor_id, got)
-
-    def _catch_up_from_export(self) -> Optional[tuple[int, dict]]:
-        """Missed broadcasts (joined the group after a version went out, or a broadcast failed): once the
-        learner is more than eta versions ahead for a while, read its newest export from <run>/weights. Without
-        this an actor that missed the broadcast of version v could wait forever when nothing newer comes (sync
-        mode: the learner waits for data this actor would only produce with v), and the buffer refuses it."""
-        now = time.monotonic()
-        if self._subscriber is None or not is_stale(self.learner_version, self._version(), self._eta):
-            self._behind_since = None
-            return None
-        if self._behind_since is None:
-            self._behind_since = now
-        if now - self._behind_since < CATCH_UP_GRACE_S or now < self._next_fetch:
-            return None  # the broadcast is probably on its way
-        self._next_fetch = now + CATCH_UP_GRACE_S
-        self._mirror_export(self._version())
-        got = self._subscriber.fetch_latest(newer_than=self._version())   # reads tensors only if newer
-        if got is None:
-            return None
-        self.fetched_exports += 1
-        log.info("actor %d: caught up from the exported weights: v%d -> v%d (learner at v%d)", self.actor_id,
-                 self._version(), int(got[0]), self.learner_version)
-        return int(got[0]), got[1], self._subscriber.lineage
+            log.info("actor %d: fetched export %s from the weights file server", self.actor_id, got)
 
     # ---- control channel ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
@@ -387,28 +339,12 @@ class Actor:
             self._buffer_id = msg.buffer_id or self._buffer_id
             if msg.error:
                 log.warning("actor %d: the buffer trimmed our grant request: %s", self.actor_id, msg.error)
-            # The buffer's view, not a running max: after a learner resume it rolls back with the learner.
-            self.learner_version = msg.learner_version
-            self._eta = int(msg.max_staleness)
+            self.learner_version = msg.learner_version   # the buffer's view (status only)
+            self._refused = msg.refused
             self.pending.extend(msg.group_ids)
             self.groups_granted += len(msg.group_ids)
             if not msg.group_ids:
-                wait = min(max(msg.retry_after_s, 0.01), 5.0)
-                if self._refused_at_version != self._asked_version:
-                    self._quick_retries = 0       # new weights since the last refusal: a fresh allowance
-                if msg.learner_version < self._asked_version and self._quick_retries < QUICK_RETRIES:
-                    # We asked with weights the buffer has not heard of yet (the broadcast outran the learner's
-                    # next BatchRequest): the refusal is about the old version's pacing, so ask again shortly
-                    # rather than sleep out retry_after_s. Bounded per version (a learner resumed from an older
-                    # checkpoint stays behind our weights for a while).
-                    wait = min(wait, QUICK_RETRY_S)
-                    self._quick_retries += 1
-                self._retry_at = time.monotonic() + wait
-                self._refused_at_version = self._asked_version
-            else:
-                self._quick_retries = 0
-            if msg.weights_path and msg.learner_version > self._version():
-                self._path_weights = (msg.learner_version, msg.weights_path)
+                self._retry_at = time.monotonic() + min(max(msg.retry_after_s, 0.01), 5.0)
         elif isinstance(msg, Shutdown):
             self.request_stop(f"shutdown from buffer: {msg.reason}")
         else:
@@ -429,7 +365,7 @@ class Actor:
         now = time.monotonic()
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.actor.heartbeat_s
-            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._version(), self.state))
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, self.state))
             self._write_status()
         if now >= self._next_stats and self.core is not None:
             self._next_stats = now + self.cfg.actor.stats_every_s
@@ -445,10 +381,10 @@ class Actor:
             return self.pending.popleft()
         t0 = time.monotonic()
         self.core.maybe_swap()  # no episode is running: any swap mode may take new weights now
-        if self._version() != self._refused_at_version:
-            # New weights mean the learner stepped, which is what opens pacing capacity: ask now rather than
-            # sleep out retry_after_s (in sync mode that wait was most of the per-version overhead).
-            self._retry_at, self._refused_at_version = t0, self._version()
+        if self._tag() != self._asked:
+            # A refusal answers the weights we asked with; new ones (the learner stepped, which is what opens
+            # pacing capacity) are a new question: ask now rather than sleep out retry_after_s.
+            self._retry_at = t0
         wait = min(0.1, self.cfg.actor.heartbeat_s)
         if t0 >= self._retry_at:
             stale = self._grant_sent_at is not None and t0 - self._grant_sent_at > self.cfg.actor.grant_timeout_s
@@ -458,8 +394,9 @@ class Actor:
                                 self.cfg.actor.grant_timeout_s)
                 # Never blocks: with the control queue full (buffer unreachable) the request is dropped, counted
                 # in control.dropped, and asked again on the next pass.
-                if self.control.send(GrantRequest(self.actor_id, 1, self._version())):
-                    self._grant_sent_at, self._asked_version = t0, self._version()
+                tag = self._tag()
+                if self.control.send(GrantRequest(self.actor_id, 1, tag.version, tag.lineage)):
+                    self._grant_sent_at, self._asked = t0, tag
                 else:
                     self._retry_at = t0 + self.cfg.buffer.grant_retry_s
         else:
@@ -501,18 +438,19 @@ class Actor:
             policy_calls=d.policy_calls, inference_s=d.inference_s, idle_s=self.idle_s, episodes=d.episodes,
             successes_by_task={k: int(v) for k, v in d.successes_by_task.items()},
             episodes_by_task={k: int(v) for k, v in d.episodes_by_task.items()},
-            policy_version=self._version(), env_crashes=d.env_crashes))
+            policy_version=self._tag().version, env_crashes=d.env_crashes))
         self._stats_mark, self._stats_t, self.idle_s = self.core.totals.copy(), now, 0.0
 
     def _write_status(self) -> None:
         t = self.core.totals if self.core is not None else RolloutStats()
         write_status(self._status_file, {
             "actor_id": self.actor_id, "pid": os.getpid(), "t": time.time(), "state": self.state,
-            "version": self._version(), "learner_version": self.learner_version, "env_steps": t.env_steps,
+            "version": self._tag().version, "learner_version": self.learner_version, "env_steps": t.env_steps,
             "policy_calls": t.policy_calls, "episodes": t.episodes, "successes": t.successes,
             "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
             "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
             "groups_granted": self.groups_granted, "swaps": t.swaps, "sent": self.sent,
+            "weights_from": dict(self.weights.taken) if self.weights is not None else {},
             "sent_by_buffer": dict(self.sent_by_buffer),
             "dropped_on_stop": self.dropped_on_stop,
             "control_dropped": dict(self.control.dropped.by_reason) if hasattr(self, "control") else {}})

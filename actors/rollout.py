@@ -12,9 +12,8 @@ Weight swaps happen only through the ``maybe_swap`` callback, which the rollout 
 calls (``between_chunks``) or only before a wave of episodes starts (``between_episodes``); never while
 a forward pass is running.
 
-A group may be run by several actors ("spread" mode): ``GroupSpec.members`` selects the member indices
-this actor runs; every member carries the group id and the full group size G, so the buffer assembles
-the group from whichever actors produced it. With fewer envs than members, members run in waves.
+Every member carries the group id and the group size G, so the buffer assembles the group as its members
+arrive. With fewer envs than members, members run in waves.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from actors.env_worker import EnvCrashed, SubprocessEnv
-from async_vla.messages import Trajectory
+from async_vla.messages import PolicyTag, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +50,12 @@ def _is_isolated(env: Any) -> bool:
 
 @dataclass
 class GroupSpec:
-    """What to roll out: a group id issued by the buffer, its task and init state, and which members."""
+    """What to roll out: a group id issued by the buffer, its task and init state, and its size G."""
 
     group_id: str
     task_id: int
     init_state_id: int
     group_size: int
-    members: Optional[Sequence[int]] = None
-    """Member indices (0..G-1) this actor runs; None = all G."""
-
-    def member_ids(self) -> list[int]:
-        ids = list(range(self.group_size)) if self.members is None else [int(m) for m in self.members]
-        if not ids or any(not 0 <= m < self.group_size for m in ids) or len(set(ids)) != len(ids):
-            raise ValueError(f"group {self.group_id}: members {self.members} must be distinct in [0, {self.group_size})")
-        return ids
 
 
 @dataclass
@@ -102,7 +93,7 @@ class _Episode:
     """Per-env record of one episode: one row per policy call."""
 
     __slots__ = ("member", "env", "obs", "active", "crashed", "success", "steps", "t_start", "images",
-                 "wrist", "proprio", "tokens", "logprobs", "masks", "versions")
+                 "wrist", "proprio", "tokens", "logprobs", "masks", "versions", "lineage")
 
     def __init__(self, member: int, env: Any, t_start: float):
         self.member, self.env, self.t_start = member, env, t_start
@@ -115,6 +106,7 @@ class _Episode:
         self.logprobs: list = []
         self.masks: list = []
         self.versions: list = []
+        self.lineage: Optional[str] = None
 
 
 class GroupRollout:
@@ -126,7 +118,8 @@ class GroupRollout:
             same init state, so one group of G needs G envs to run in one wave.
         run_id, actor_id: copied into every trajectory.
         temperature: rollout sampling temperature.
-        version: returns the version of the weights currently loaded (read right before each call).
+        policy_tag: returns the ``PolicyTag`` of the weights loaded now (read right before each call); its lineage
+            must not change within an episode (``SerialActor`` swaps lineages between groups only).
         swap: ``between_chunks`` or ``between_episodes`` (when ``maybe_swap`` is called).
         maybe_swap: loads newer weights if any; called only between forward passes.
         tick: called before every policy call (heartbeats, stats, control messages).
@@ -139,7 +132,7 @@ class GroupRollout:
     """
 
     def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
-                 version: Callable[[], int], swap: str = "between_chunks",
+                 policy_tag: Callable[[], PolicyTag], swap: str = "between_chunks",
                  maybe_swap: Optional[Callable[[], None]] = None, tick: Optional[Callable[[], None]] = None,
                  should_stop: Optional[Callable[[], bool]] = None, generator: Any = None,
                  stats: Optional[RolloutStats] = None,
@@ -151,7 +144,7 @@ class GroupRollout:
             raise ValueError("GroupRollout needs at least one env")
         self.policy, self.envs = policy, list(envs)
         self.run_id, self.actor_id, self.temperature = run_id, int(actor_id), float(temperature)
-        self.version, self.swap = version, swap
+        self.policy_tag, self.swap = policy_tag, swap
         self.maybe_swap = maybe_swap or (lambda: None)
         self.tick = tick or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
@@ -170,12 +163,12 @@ class GroupRollout:
 
     # ------------------------------------------------------------------------------------------------
     def run(self, spec: GroupSpec) -> Iterator[Trajectory]:
-        """Roll out this actor's members of ``spec``; yield each trajectory as soon as its episode ends.
+        """Roll out the G members of ``spec``; yield each trajectory as soon as its episode ends.
 
         Crashed episodes are counted and dropped (the buffer expires the incomplete group); if
         ``should_stop`` turns True the group is abandoned and ``self.stopped`` is set.
         """
-        members = spec.member_ids()
+        members = list(range(spec.group_size))
         instruction, limit = self._task_info(spec.task_id)
         self.stopped = False
         for start in range(0, len(members), len(self.envs)):
@@ -268,7 +261,7 @@ class GroupRollout:
 
     def _call_policy(self, live: list[_Episode], instruction: str) -> np.ndarray:
         """One batched forward pass for every live env; records inputs, outputs and the version used."""
-        version = int(self.version())  # read right before the forward: the weights this call really uses
+        tag = self.policy_tag()  # read right before the forward: the weights this call really uses
         images = np.stack([ep.obs.image for ep in live])
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
         t0 = time.perf_counter()
@@ -289,7 +282,10 @@ class GroupRollout:
             ep.tokens.append(tokens[b])
             ep.logprobs.append(logprobs[b])
             ep.masks.append(np.zeros(tokens.shape[1], dtype=bool))
-            ep.versions.append(version)
+            ep.versions.append(tag.version)
+            if ep.lineage not in (None, tag.lineage):
+                raise RuntimeError(f"member {ep.member}: the policy's lineage changed within an episode")
+            ep.lineage = tag.lineage
         return actions
 
     def _finish(self, spec: GroupSpec, ep: _Episode, instruction: str) -> Trajectory:
@@ -313,4 +309,4 @@ class GroupRollout:
             chunk_versions=versions, images=np.stack(ep.images).astype(np.uint8, copy=False),
             proprio=np.stack(ep.proprio).astype(np.float32, copy=False),
             action_tokens=np.stack(ep.tokens), behav_logprobs=np.stack(ep.logprobs),
-            token_mask=np.stack(ep.masks), wrist_images=wrist)
+            token_mask=np.stack(ep.masks), wrist_images=wrist, lineage=ep.lineage)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -81,21 +80,3 @@ def parse_connect(connect: str) -> dict[str, str]:
         raise ValueError(f"--connect {connect!r}: expected tcp://HOST:PORT (PORT = trajectory port, PORT+1 = control)")
     host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
     return {"trajectory": f"tcp://{host}:{url.port}", "control": f"tcp://{host}:{url.port + 1}"}
-
-
-SHARE_RE = re.compile(r"^(?P<gid>.+)#(?P<k>\d+)/(?P<n>\d+)$")
-
-
-def parse_share(group_id: str) -> tuple[str, int, int]:
-    """``"<gid>#k/S"`` (run share k of S of group gid: members m with m % S == k) -> (gid, k, S).
-
-    A plain group id is share 0 of 1 (the whole group). This is how a buffer spreads one group's G
-    members over several actors: it grants the same group id with different shares.
-    """
-    m = SHARE_RE.match(group_id)
-    if m is None:
-        return group_id, 0, 1
-    k, n = int(m["k"]), int(m["n"])
-    if n < 1 or not 0 <= k < n:
-        raise ValueError(f"group id {group_id!r}: share {k}/{n} is not k in [0, S)")
-    return m["gid"], k, n

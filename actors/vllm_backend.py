@@ -37,6 +37,7 @@ from torch import Tensor
 from actors.vllm_weights import (
     VersionGuard, WeightMappingError, engine_update, openvla_name_map, specs_of, strip_module_prefix,
 )
+from async_vla.messages import PolicyTag
 from async_vla.policy.interface import ArrayLike, VLAPolicy
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,10 @@ def openvla_prompt_embeds(policy: Any, images: ArrayLike, instructions: Sequence
 class VLLMPolicy(VLAPolicy):
     """``VLAPolicy`` whose sampling runs in a vLLM engine; everything else delegates to the torch policy ``inner``.
 
-    ``install_weights(state, version, lineage)`` is what the actor's ``load_weights`` calls for this backend: it checks
-    names, shapes and the version before changing anything, pushes the trainable language-model tensors into
-    the engine, then loads the whole state into the torch copy (vision side, and the reference LM that
-    ``action_logits`` / ``token_logprobs`` use). A stale or duplicate version of the installed learner session,
-    or any version of an older one, raises ``StaleWeights``.
+    ``install_weights(state, tag)`` is what the actor's ``load_weights`` calls for this backend: it checks names,
+    shapes and the version before changing anything, pushes the trainable language-model tensors into the engine,
+    then loads the whole state into the torch copy (vision side, and the reference LM that ``action_logits`` /
+    ``token_logprobs`` use). A stale or duplicate version of the installed lineage raises ``StaleWeights``.
     """
 
     def __init__(self, inner: VLAPolicy, engine_factory: Callable[["VLLMPolicy"], Engine]):
@@ -183,10 +183,11 @@ class VLLMPolicy(VLAPolicy):
         return self.guard.current
 
     # ---- weights ------------------------------------------------------------------------------------
-    def install_weights(self, state: dict, version: Optional[int], lineage: Optional[int] = None) -> None:
-        """``lineage``: the learner session the version belongs to (``VersionGuard``); None = the installed one."""
-        if version is None:
-            raise ValueError("the vLLM backend installs weights with their version (stale ones are refused)")
+    def install_weights(self, state: dict, tag: Optional[PolicyTag]) -> None:
+        """Install ``state`` as policy ``tag`` (``VersionGuard``: never an older version of the same lineage)."""
+        if tag is None:
+            raise ValueError("the vLLM backend installs weights with their tag (stale ones are refused)")
+        version, lineage = tag.version, tag.lineage
         state = strip_module_prefix(state)
         self.guard.check(version, lineage)
         own = self.inner.state_dict()

@@ -32,29 +32,23 @@ class StaleWeights(ValueError):
 
 @dataclass
 class VersionGuard:
-    """Installed versions only move forward within a *lineage* (one learner session's stream, numbered by the
-    actor's ``WeightSubscriber`` as it follows sessions). A newer lineage starts afresh: a learner resumed from
-    an older checkpoint restarts its versions below the dead one's, and its stream is the one being trained.
-    An older lineage is always refused. ``check`` before touching any weight, ``commit`` after; ``lineage``
-    None means "the installed one"."""
+    """Installed versions only move forward within a lineage (one learner start's stream, ``PolicyTag.lineage``);
+    another lineage (a new learner: the actor's weight source follows the live one) starts afresh. ``check``
+    before touching any weight, ``commit`` after; ``lineage`` None means "the installed one"."""
 
     current: Optional[int] = None    # None: nothing installed from the version stream yet
-    lineage: int = 0
+    lineage: str = ""
 
-    def check(self, version: int, lineage: Optional[int] = None) -> None:
-        lineage = self.lineage if lineage is None else int(lineage)
-        if lineage < self.lineage:
-            raise StaleWeights(f"stale weights v{version}: from learner session {lineage}, "
-                               f"session {self.lineage} is installed")
-        if lineage == self.lineage and self.current is not None and int(version) <= self.current:
+    def check(self, version: int, lineage: Optional[str] = None) -> None:
+        if (lineage is None or lineage == self.lineage) and self.current is not None and int(version) <= self.current:
             kind = "duplicate" if int(version) == self.current else "stale"
             raise StaleWeights(f"{kind} weights v{version}: v{self.current} is installed")
 
-    def commit(self, version: int, lineage: Optional[int] = None) -> None:
+    def commit(self, version: int, lineage: Optional[str] = None) -> None:
         self.check(version, lineage)
         self.current = int(version)
         if lineage is not None:
-            self.lineage = int(lineage)
+            self.lineage = lineage
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ class VLAWorkerExtension:
         return self._vla_guard.current
 
     def vla_load_tensors(self, version: int, named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
-                         full: bool = False, lineage: Optional[int] = None) -> dict[str, Any]:
-        """Install ``named`` (our names) as ``version`` (of learner session ``lineage``: ``VersionGuard``).
+                         full: bool = False, lineage: Optional[str] = None) -> dict[str, Any]:
+        """Install ``named`` (our names) as ``version`` of learner ``lineage`` (``VersionGuard``; None: the installed one).
         ``full``: every engine parameter must be present (the first push, which replaces the dummy weights)."""
         named = dict(named.items() if isinstance(named, Mapping) else named)
         return self._vla_install(int(version), named, full, lineage)
@@ -65,7 +65,7 @@ class VLAWorkerExtension:
                                          float(timeout_s), 0)
 
     def vla_update_weights(self, timeout_s: float = 60.0, full: bool = False,
-                           lineage: Optional[int] = None) -> dict[str, Any]:
+                           lineage: Optional[str] = None) -> dict[str, Any]:
         """Receive one version from the group and install it (``lineage``: as ``vla_load_tensors``). A checksum
         mismatch installs nothing."""
         from async_vla.weights.wire import recv_version
@@ -83,7 +83,7 @@ class VLAWorkerExtension:
             self._vla_group = None
 
     def _vla_install(self, version: int, named: dict[str, torch.Tensor], full: bool,
-                     lineage: Optional[int] = None) -> dict[str, Any]:
+                     lineage: Optional[str] = None) -> dict[str, Any]:
         t0 = time.monotonic()
         self._vla_guard.check(version, lineage)                         # refused: nothing changed
         self._vla_map.check(specs_of(named), full=full, engine_only=True)

@@ -1,5 +1,5 @@
-"""Putting weights into an actor's policy: a received set of named tensors, or a file / directory named by a
-grant or an export (``<run>/weights``). Used by the actor loop and by the launcher's evaluator."""
+"""Putting weights into a policy: a received set of named tensors, or an exported file / directory
+(``<run>/weights``) or a saved checkpoint. Used by the actor loop, the launcher's evaluator and ``bin/eval``."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ from typing import Optional
 
 import torch
 
+from async_vla.messages import PolicyTag
 
-def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = None,
-                 lineage: Optional[int] = None) -> None:
+
+def load_weights(policy: torch.nn.Module, state: dict, tag: Optional[PolicyTag] = None) -> None:
     """Copy a full set of named tensors into the policy in place (between forward passes only).
 
     Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
     old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
     ``named_parameters`` lists once) may be absent. A policy that holds weights outside the module (the vLLM
-    backend) installs them itself, with their ``version`` and ``lineage`` (the learner session the version is
-    from, counted by the actor's ``WeightSubscriber``); it raises ``StaleWeights`` for an old one.
+    backend) installs them itself, with their ``tag``; it raises ``StaleWeights`` for an old one.
     """
     install = getattr(policy, "install_weights", None)
     if install is not None:
-        install(state, version, lineage)
+        install(state, tag)
         return
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
     own = set(policy.state_dict().keys())
@@ -34,8 +34,9 @@ def load_weights(policy: torch.nn.Module, state: dict, version: Optional[int] = 
 
 
 def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
-    """Weights named by a grant: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
-    ``save_policy`` checkpoint dir. The file's own version wins; a checkpoint dir has none, so the grant's is used."""
+    """Weights at ``path``: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
+    ``save_policy`` checkpoint dir: (version, state). The file's own version wins; a checkpoint dir has none:
+    ``fallback_version``."""
     from async_vla.weights.export import read_latest
 
     p = Path(path)
@@ -55,4 +56,4 @@ def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
         return version, load_file(str(p))
     if got is None:
         raise FileNotFoundError(f"no weights at {path}")
-    return got[0], got[1]
+    return got[0].version, got[1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence, Union
@@ -65,6 +66,71 @@ _LIST = (list,)
 _OPT_INT = (int, type(None))
 
 
+@dataclass(frozen=True)
+class PolicyTag:
+    """Which policy made something: the learner lineage it comes from and its version there. A lineage is one
+    learner start (an id every rank of it agrees on); ``ROOT`` ("") is the initial policy every fresh learner
+    starts from, so data sampled before any learner published is ("", 0). Versions count on along a lineage's
+    history (a resumed learner continues from its checkpoint's version), so lags compare version numbers."""
+
+    lineage: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.lineage[:8] or 'root'}:v{self.version}"
+
+
+ROOT = ""
+MAX_FORKS = 8               # ancestors a lineage remembers (older data is far past any eta)
+_LINEAGE_ID = re.compile(r"[0-9a-z]{0,32}")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A learner's history: its own id and, newest first, the policies it descends from - (ancestor, the version
+    it was resumed at): a fresh learner descends from (ROOT, 0), one resumed from a checkpoint written by lineage
+    L at version c from (L, c) and L's ancestors. Every policy of the history is the live learner's; anything
+    else (a dead learner's versions past the checkpoint its successor resumed from) is not."""
+
+    id: str
+    forks: tuple[PolicyTag, ...] = ()
+
+    def holds(self, tag: PolicyTag) -> bool:
+        """Is ``tag`` a policy of this history? Any version of our own lineage (a version we have not reached
+        yet is the caller's to judge); an ancestor's up to where the line left it (its fork, and every later
+        fork below that)."""
+        if tag.lineage == self.id:
+            return True
+        limit = None
+        for fork in self.forks:
+            limit = fork.version if limit is None else min(limit, fork.version)
+            if fork.lineage == tag.lineage:
+                return tag.version <= limit
+        return False
+
+    def descend(self, new_id: str, version: int) -> "Lineage":
+        """The lineage of a learner started as ``new_id`` from this one's weights at ``version``."""
+        return Lineage(new_id, ((PolicyTag(self.id, int(version)),) + self.forks)[:MAX_FORKS])
+
+    def encode(self) -> str:
+        """``"<id> <ancestor>@<version> ..."`` (BatchRequest.lineage, checkpoints, the buffer's journal)."""
+        return " ".join([self.id] + [f"{f.lineage}@{f.version}" for f in self.forks])
+
+    @classmethod
+    def parse(cls, text: str) -> "Lineage":
+        """Inverse of ``encode``; ``MalformedMessage("lineage")`` for anything else."""
+        parts = text.split(" ")
+        forks = []
+        for part in parts[1:]:
+            lineage, _, version = part.partition("@")
+            if not version.isdigit() or len(version) > 18 or not _LINEAGE_ID.fullmatch(lineage):
+                raise MalformedMessage("lineage", f"bad ancestor {part[:40]!r}")
+            forks.append(PolicyTag(lineage, int(version)))
+        if not _LINEAGE_ID.fullmatch(parts[0]) or len(forks) > MAX_FORKS:
+            raise MalformedMessage("lineage", f"bad lineage {text[:80]!r}")
+        return cls(parts[0], tuple(forks))
+
+
 @dataclass
 class Trajectory(Message):
     """One finished rollout: what the learner needs to recompute log-probs and build the loss."""
@@ -74,6 +140,7 @@ class Trajectory(Message):
         "run_id": _STR, "actor_id": _INT, "group_id": _STR, "traj_id": _STR, "task_id": _INT,
         "init_state_id": _INT, "instruction": _STR, "behaviour_version": _INT, "success": _BOOL,
         "reward": _FLOAT, "env_steps": _INT, "t_start": _FLOAT, "t_end": _FLOAT, "group_size": _INT,
+        "lineage": _STR,
     }
     ARRAYS: ClassVar[ArraySpec] = {
         "chunk_versions": ("int64", 1, False),   # [N] policy version that produced each policy call
@@ -106,6 +173,13 @@ class Trajectory(Message):
     behav_logprobs: np.ndarray
     token_mask: np.ndarray
     wrist_images: Optional[np.ndarray] = None
+    lineage: str = ROOT
+    """The learner lineage of every policy call (an actor changes lineage only between groups)."""
+
+    @property
+    def tag(self) -> PolicyTag:
+        """The oldest policy that sampled it (what its lag is measured from)."""
+        return PolicyTag(self.lineage, self.behaviour_version)
 
     @property
     def num_calls(self) -> int:
@@ -150,27 +224,8 @@ class Trajectory(Message):
             raise MalformedMessage("bad_proprio", "proprio must be finite")
         if self.env_steps < 0 or not math.isfinite(self.reward):
             raise MalformedMessage("value", "env_steps must be >= 0 and reward finite")
-
-
-@dataclass
-class WeightVersion(Message):
-    """Learner -> actors: a new policy version exists (and how to fetch it)."""
-
-    KIND: ClassVar[str] = "weight_version"
-    SCALARS: ClassVar[dict] = {"version": _INT, "num_params": _INT, "checksum": _FLOAT, "num_buckets": _INT,
-                               "nbytes": _INT, "t": _FLOAT, "path": _STR}
-    version: int
-    num_params: int = 0
-    checksum: float = 0.0
-    num_buckets: int = 0
-    nbytes: int = 0
-    t: float = field(default_factory=time.time)
-    path: str = ""
-    """Where a late or restarted actor can load these weights (exported checkpoint directory)."""
-
-    def validate(self) -> None:
-        if self.version < 0:
-            raise MalformedMessage("negative_version")
+        if not _LINEAGE_ID.fullmatch(self.lineage):
+            raise MalformedMessage("lineage", f"bad lineage id {self.lineage[:40]!r}")
 
 
 @dataclass
@@ -178,26 +233,35 @@ class GrantRequest(Message):
     """Actor -> buffer: may I start ``want`` new groups?"""
 
     KIND: ClassVar[str] = "grant_request"
-    SCALARS: ClassVar[dict] = {"actor_id": _INT, "want": _INT, "policy_version": _INT}
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "want": _INT, "policy_version": _INT, "policy_lineage": _STR}
     actor_id: int
     want: int = 1
     policy_version: int = 0
+    policy_lineage: str = ROOT
+
+    @property
+    def policy(self) -> PolicyTag:
+        """The weights the actor would sample the groups with."""
+        return PolicyTag(self.policy_lineage, self.policy_version)
 
 
 @dataclass
 class AdmissionGrant(Message):
-    """Buffer -> actor: start these groups (ids issued by the buffer, so it can count them in flight)."""
+    """Buffer -> actor: start these groups (ids issued by the buffer, so it can count them in flight), or none and
+    why (``refused``: "wait" = ask again after retry_after_s; "behind" = the actor's weights lag the learner by
+    more than max_staleness, "dead" = they are not the learner's: either way load the learner's newest first)."""
 
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
-                               "max_staleness": _INT, "retry_after_s": _FLOAT, "weights_path": _STR,
-                               "error": _STR, "buffer_id": _STR}
+                               "learner_lineage": _STR, "max_staleness": _INT, "retry_after_s": _FLOAT,
+                               "refused": _STR, "error": _STR, "buffer_id": _STR}
     actor_id: int
     group_ids: list = field(default_factory=list)
     learner_version: int = 0
+    learner_lineage: str = ROOT
     max_staleness: int = 0
     retry_after_s: float = 0.0
-    weights_path: str = ""
+    refused: str = ""               # "" (granted), "wait", "behind" or "dead" (see above)
     error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
     buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 
@@ -251,12 +315,16 @@ class BatchRequest(Message):
     """Learner rank -> buffer: my share of the next batch, at learner version ``version``."""
 
     KIND: ClassVar[str] = "batch_request"
-    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "session": _STR}
+    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "lineage": _STR}
     rank: int
     world: int
     version: int
     timeout_s: float = 1.0
-    session: str = ""   # one id per learner start, shared by its ranks: a new one is a (possibly resumed) learner
+    lineage: str = ""   # the learner's Lineage, encoded ("": not told; the buffer keeps the one it follows)
+
+    def validate(self) -> None:
+        if self.lineage:
+            Lineage.parse(self.lineage)
 
 
 @dataclass
@@ -309,10 +377,11 @@ class WeightsFetch(Message):
 @dataclass
 class WeightsChunk(Message):
     """Weights file server -> actor: ``data`` = bytes [offset, offset + len) of export ``name`` (``total`` bytes,
-    version ``version``); ``name`` "" = no export yet; ``error`` says why a request was refused."""
+    the policy ``lineage`` / ``version``); ``name`` "" = no export yet; ``error`` says why a request was refused."""
 
     KIND: ClassVar[str] = "weights_chunk"
-    SCALARS: ClassVar[dict] = {"name": _STR, "version": _INT, "offset": _INT, "total": _INT, "error": _STR}
+    SCALARS: ClassVar[dict] = {"name": _STR, "version": _INT, "offset": _INT, "total": _INT, "error": _STR,
+                               "lineage": _STR}
     ARRAYS: ClassVar[ArraySpec] = {"data": ("uint8", 1, False)}
     name: str
     version: int
@@ -320,11 +389,12 @@ class WeightsChunk(Message):
     total: int
     data: np.ndarray
     error: str = ""
+    lineage: str = ROOT
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Trajectory, WeightVersion, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
+    for cls in (Trajectory, GrantRequest, AdmissionGrant, Heartbeat, ActorStats, BatchRequest,
                 BatchHeader, ControlCommand, Shutdown, WeightsFetch, WeightsChunk)
 }
 

@@ -66,7 +66,7 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
     groups: list[list[str]] = [[] for _ in range(conns)]
     member = [0] * conns
     asked = [0.0] * conns
-    version = 0
+    version, lineage = 0, ""
     while not stop.is_set():
         progressed = False
         now = time.monotonic()
@@ -75,17 +75,18 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
             while (reply := controls[c].recv(0)) is not None:
                 if isinstance(reply, AdmissionGrant):
                     groups[c] += list(reply.group_ids)
-                    version = max(version, reply.learner_version)
+                    version, lineage = max(version, reply.learner_version), reply.learner_lineage
                     asked[c] = now + (reply.retry_after_s if not reply.group_ids else 0)
             if not groups[c]:
                 if now >= asked[c]:
-                    controls[c].send(GrantRequest(actor_id=actor, want=1, policy_version=version))
+                    controls[c].send(GrantRequest(actor_id=actor, want=1, policy_version=version,
+                                                  policy_lineage=lineage))
                     asked[c] = now + 5.0   # re-ask if no reply comes
                 continue
             k = member[c]
             traj = dataclasses.replace(template, group_id=groups[c][0], traj_id=f"{groups[c][0]}.{k}",
                                        success=k % 2 == 0, actor_id=actor, behaviour_version=version,
-                                       chunk_versions=template.chunk_versions * 0 + version)
+                                       chunk_versions=template.chunk_versions * 0 + version, lineage=lineage)
             if senders[c].send_frames(encode(traj), timeout_s=0):
                 progressed = True
                 with sent.get_lock():
@@ -102,16 +103,17 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
         ctl.close()
 
 
-def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, session: str, step) -> None:
+def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, lineage: str, step) -> None:
     from async_vla.buffer.client import BatchClient
     from async_vla.config import load_config
+    from async_vla.messages import ROOT, Lineage
 
     cfg = load_config(cfg_path)
-    client = BatchClient(cfg, Path(run_dir), rank, RANKS, session=session)
+    client = BatchClient(cfg, Path(run_dir), rank, RANKS, lineage=Lineage(ROOT).descend(lineage, 0))
     lat = []
     for v in range(batches):
-        # Ranks in lock-step, as a learner's are (its step all-reduces): a rank asking for v + 1 while another
-        # still waits for v would read, to the buffer, as a learner resumed from a checkpoint (a rollback).
+        # Ranks in lock-step, as a learner's are (its step all-reduces): once a rank asks for v + 1, a batch v
+        # not formed yet is refused (a version older than the learner's).
         step.wait()
         t0 = time.monotonic()
         while client.poll(v) is None:
@@ -173,9 +175,9 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
             per = [n // PRODUCER_PROCS + (i < n % PRODUCER_PROCS) for i in range(PRODUCER_PROCS)]
             producers = [ctx.Process(target=_produce, args=(traj_ep, ctl_ep, c, sum(per[:i]), stop, sent))
                          for i, c in enumerate(per) if c]
-            session = uuid.uuid4().hex   # the simulated ranks are one learner start
+            lineage = uuid.uuid4().hex   # the simulated ranks are one learner start
             step = ctx.Barrier(RANKS)
-            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, session, step))
+            ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, lineage, step))
                      for r in range(RANKS)]
             prober = ctx.Process(target=_probe_grants, args=(ctl_ep, stop, q))
             t_start = time.monotonic()

@@ -1,36 +1,26 @@
 """Benchmark "weights": broadcast of ~10M / ~100M fp32 parameters to 2 actor processes, per-tensor vs bucketed.
 
 All modes run through the same ``WeightPublisher.publish`` path (the same gloo group over loopback,
-receivers acknowledge once they hold the version), differing only in the bucket cap, whether ops overlap and
-whether the bytes go through shared memory:
-  * per-tensor naive: gloo, cap ~0, every tensor its own broadcast (sent from the tensor itself, no copy),
+receivers acknowledge once they hold the version), differing only in the bucket cap, whether ops overlap, whether
+the checksum is computed and checked, and whether the native packing kernel is used:
+  * per-tensor naive: cap ~0, every tensor its own broadcast (sent from the tensor itself, no copy),
     waiting for each before the next - the usual ``for p in params: broadcast(p)`` loop;
   * per-tensor overlapped: the same, but all broadcasts issued before waiting;
-  * bucketed gloo: cap = weights.bucket_mb (default 16 MiB), tensors copied into flat typed buckets first,
-    overlapped, all bytes over gloo (what a group with a remote member uses);
-  * bucketed (the default path here): the same buckets packed into a shared-memory segment, each version
-    exchanged through the epoch's doorbell page (``async_vla.weights.bell``: posted before packing, receivers check
-    their shares while it runs, then seal, acknowledgements and verdict through futexes); each receiver pins the
-    segment and holds read-only views of it (``async_vla.weights.shm``);
-  * gloo round trips: the same shared-memory segment with ``weights.doorbell`` off - header, acknowledgements and
-    verdict as gloo messages (the protocol before the doorbell, and where the native library is missing).
+  * bucketed (the default): cap = weights.bucket_mb (default 16 MiB), tensors copied into flat typed buckets first
+    (the native kernel sums while it copies), overlapped; "verify off" and "packed with torch" vary it.
 Times per publish: *end to end* runs from the start of the publish until the learner is free again (its
 ``sync_s``: pack + checksum + broadcast + acknowledgements) *and* both receivers hold the version (their
-``poll()`` returned; with split verification publish returns after the verdict and receivers hand the version
-over just after it) - the broadcast time; *learner's cost* is ``sync_s`` alone; *broadcast phase* is end to end
+``poll()`` returned) - the broadcast time; *learner's cost* is ``sync_s`` alone; *broadcast phase* is end to end
 minus packing and checksum; *into both models* runs until both receivers have also copied the version into
 their own model tensors (what an actor's ``load_state_dict`` does between chunks). All stamps are the host's
-CLOCK_MONOTONIC. Export to disk is off;
-checksums are on (the default: the learner sums while packing, receivers verify - on shared memory each one
-share, ``weights.verify_split``), except in the "verify off" mode. The model is transformer-shaped (many
-small bias/norm tensors beside large matrices). Single-core memcpy bandwidth is measured in the same run: the
-goal's yardstick is a 256 MiB copy (libc switches to non-temporal stores there: its peak), sampled once per round
-of publishes and taken as the median of a size's own rounds (the machine's memory bandwidth drifts by ~20% from
-minute to minute; the figure from before the run is reported too), and for context one copy of the model's own
-bytes (below ~190 MB libc copies through the cache, slower). "of memcpy" = bytes per second delivered to each
-receiver / memcpy bytes per second. Timed publishes alternate the
-modes (each mode publishes twice in a row, the second is timed); medians are reported. This benchmark starts
-its own receiver processes (spawn), as a benchmark must.
+CLOCK_MONOTONIC. Export to disk is off. The model is transformer-shaped (many small bias/norm tensors beside large
+matrices). Single-core memcpy bandwidth is measured in the same run: the goal's yardstick is a 256 MiB copy (libc
+switches to non-temporal stores there: its peak), sampled once per round of publishes and taken as the median of a
+size's own rounds (the machine's memory bandwidth drifts by ~20% from minute to minute; the figure from before the
+run is reported too), and for context one copy of the model's own bytes (below ~190 MB libc copies through the
+cache, slower). "of memcpy" = bytes per second delivered to each receiver / memcpy bytes per second. Timed
+publishes alternate the modes (each mode publishes twice in a row, the second is timed); medians are reported.
+This benchmark starts its own receiver processes (spawn), as a benchmark must.
 """
 
 from __future__ import annotations
@@ -129,8 +119,8 @@ def _receiver(run_dir: str, port: int, actor_id: int, ready, loaded) -> None:
             continue
         got_at = time.monotonic()         # the actor holds the version: what a broadcast must achieve
         _load(model, got[1])
-        loaded.put((actor_id, got[0], got_at, time.monotonic()))
-        del got                           # let go of the received version (its segment is unpinned), as an actor does
+        loaded.put((actor_id, got[0].version, got_at, time.monotonic()))
+        del got                           # let go of the received version, as an actor does
 
 
 def _load(model: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
@@ -165,7 +155,7 @@ def run(quick: bool = False) -> dict:
     ready, loaded = ctx.Queue(), ctx.Queue()
     results: dict = {"memcpy_start_gbps": round(memcpy, 2), "torch_copy_gbps": round(torch_copy, 2), "receivers": 2,
                      "pack_kernel": native.status(),
-                     "transport": "gloo tcp loopback (+ /dev/shm segment for the default bucketed path)",
+                     "transport": "gloo tcp loopback",
                      "bucket_mb": Config().weights.bucket_mb, "load_avg_1m": os.getloadavg()[0], "sizes": {}}
     with tempfile.TemporaryDirectory() as run_dir:
         pub = WeightPublisher(_config(), run_dir)
@@ -183,47 +173,35 @@ def run(quick: bool = False) -> dict:
                 model = synthetic_model(n)
                 nbytes = sum(t.numel() * t.element_size() for _, t in model)
                 cap = Config().weights.bucket_mb
-                # (bucket cap, overlap, shared memory, verify, doorbell)
-                modes = {"per_tensor_naive": (1e-6, False, False, True, True),
-                         "per_tensor": (1e-6, True, False, True, True),
-                         "bucketed_gloo": (cap, True, False, True, True), "bucketed": (cap, True, True, True, True),
-                         "bucketed_nocheck": (cap, True, True, False, True),
-                         # no native library: no packing kernel and no doorbell either
-                         "bucketed_torch": (cap, True, True, True, False),
-                         "bucketed_roundtrips": (cap, True, True, True, False)}
+                # (bucket cap, overlap, verify)
+                modes = {"per_tensor_naive": (1e-6, False, True), "per_tensor": (1e-6, True, True),
+                         "bucketed": (cap, True, True), "bucketed_nocheck": (cap, True, False),
+                         "bucketed_torch": (cap, True, True)}     # no native library: Tensor.copy_ packing
                 times: dict[str, list[float]] = {m: [] for m in modes}
                 bcast: dict[str, list[float]] = {m: [] for m in modes}
                 learner: dict[str, list[float]] = {m: [] for m in modes}
                 into: dict[str, list[float]] = {m: [] for m in modes}
                 early: dict[str, list[bool]] = {m: [] for m in modes}
-                # Warm-up rounds (untimed): the manifest, page faults, and the shared-memory path's set-up -
-                # each of its two segments is made by one publish and first packed into by a later one. Within a
-                # round each mode publishes twice and only the second is timed: a learner stays on one path, and
-                # a publish right after another mode ran into caches that mode had just filled (TCP copies).
+                # Warm-up rounds (untimed): the manifest, page faults. Within a round each mode publishes twice and
+                # only the second is timed: a learner keeps its settings, and a publish right after another mode ran
+                # into caches that mode had just filled (TCP copies).
                 for r in range(repeats[n] + WARMUP):
                     if r >= WARMUP:
                         yard.sample()
                     order = list(modes) if r % 2 == 0 else list(reversed(modes))
                     for mode, timed in ((m, k == 1) for m in order for k in (0, 1)):
-                        pub.cfg.bucket_mb, pub.cfg.overlap, pub.cfg.shm, pub.cfg.verify, pub.cfg.doorbell = modes[mode]
+                        pub.cfg.bucket_mb, pub.cfg.overlap, pub.cfg.verify = modes[mode]
                         version += 1
                         t0 = time.monotonic()
                         with _torch_packing(mode == "bucketed_torch"):
                             st = pub.publish(version, model, zero_copy=True)
                         if st["confirmed"] != 2:
                             raise RuntimeError(f"publish not confirmed by both receivers: {st}")
-                        if st["transport"] != ("shm" if modes[mode][2] else "gloo"):
+                        if st["transport"] != "gloo":
                             raise RuntimeError(f"{mode} went over {st['transport']!r}")
                         held, done = _loaded(loaded, version)
-                        if st["shm_remade"]:
-                            raise RuntimeError("a receiver kept views of an old version pinned")
-                        if mode == "bucketed" and st["verify_shares"] != 2:
-                            raise RuntimeError(f"the default path did not split verification: {st}")
-                        if st["doorbell"] != (modes[mode][2] and modes[mode][4]):
-                            raise RuntimeError(f"{mode}: doorbell {st['doorbell']}, expected the other: {st}")
                         if r >= WARMUP and timed:
-                            # Done when the learner is free again and both receivers hold the version (with split
-                            # verification publish returns after the verdict, receivers hand over just after it).
+                            # Done when the learner is free again and both receivers hold the version.
                             end = max(st["sync_s"], max(held) - t0)
                             times[mode].append(end)
                             learner[mode].append(st["sync_s"])
@@ -243,11 +221,8 @@ def run(quick: bool = False) -> dict:
                     "memcpy_gbps": memcpy, "memcpy_samples_gbps": [round(x, 2) for x in samples],
                     "per_tensor_naive_s": med["per_tensor_naive"], "per_tensor_s": med["per_tensor"],
                     "bucketed_s": med["bucketed"], "bucketed_broadcast_only_s": statistics.median(bcast["bucketed"]),
-                    "bucketed_gloo_s": med["bucketed_gloo"],
                     "speedup_vs_naive": med["per_tensor_naive"] / med["bucketed"],
                     "speedup": med["per_tensor"] / med["bucketed"],
-                    "speedup_gloo": med["per_tensor"] / med["bucketed_gloo"],
-                    "bucketed_gloo_frac_of_memcpy": nbytes / med["bucketed_gloo"] / 1e9 / memcpy,
                     "bucketed_gbps_per_receiver": gbps, "bucketed_gbps_aggregate": 2 * gbps,
                     "frac_of_memcpy": gbps / memcpy, "checksum_gbps": nbytes / t_ck / 1e9,
                     "memcpy_same_bytes_gbps": same, "frac_of_memcpy_same_bytes": gbps / same,
@@ -260,9 +235,6 @@ def run(quick: bool = False) -> dict:
                     "torch_pack_frac_of_memcpy": nbytes / med["bucketed_torch"] / 1e9 / memcpy,
                     "nocheck_frac_of_memcpy": nbytes / med["bucketed_nocheck"] / 1e9 / memcpy,
                     "nocheck_into_models_frac_of_memcpy": nbytes / into_s["bucketed_nocheck"] / 1e9 / memcpy,
-                    "bucketed_roundtrips_s": med["bucketed_roundtrips"],
-                    "roundtrips_frac_of_memcpy": nbytes / med["bucketed_roundtrips"] / 1e9 / memcpy,
-                    "doorbell_speedup": med["bucketed_roundtrips"] / med["bucketed"],
                     "posted_early": f"{sum(early['bucketed'])}/{len(early['bucketed'])}",
                     "samples": {m: [round(x, 4) for x in v] for m, v in times.items()},
                 }
@@ -306,32 +278,24 @@ def _markdown(res: dict) -> str:
     yard = "; ".join(f"{k}: {r['memcpy_gbps']:.2f} GB/s (median of {len(r['memcpy_samples_gbps'])} samples "
                      f"{min(r['memcpy_samples_gbps']):.1f}-{max(r['memcpy_samples_gbps']):.1f})"
                      for k, r in res["sizes"].items())
-    lines = [f"Broadcast to {res['receivers']} receiver processes on this host, buckets of {res['bucket_mb']:g} MiB; "
-             f"single-core memcpy (libc, 256 MiB) sampled once per round while each size ran - {yard}; before the "
-             f"run {res['memcpy_start_gbps']:.2f} GB/s (Tensor.copy_ {res.get('torch_copy_gbps', float('nan')):.2f}"
-             f" GB/s; 1-min load average {res['load_avg_1m']:.1f} at start). Per-tensor and 'bucketed gloo' send "
-             "every byte over gloo (TCP loopback); 'bucketed' is the default same-host path: buckets packed into a "
-             "shared-memory segment, each version exchanged through the epoch's doorbell page (posted before "
-             "packing, receivers check their shares while it runs, seal / acknowledgements / verdict through "
-             "futexes), each receiver pins the segment and holds read-only views of it; 'gloo round trips' is the "
-             "same segment with weights.doorbell off (header, acknowledgements and verdict as gloo messages). "
-             "Default settings (weights.verify on: the learner computes the checksum while packing, the receivers "
-             "check it - through shared memory one share each - before taking the version) except the 'verify "
-             "off' column; 'packed with torch' is the shared-memory path where the native library is not "
-             "built (Tensor.copy_, sums on a helper thread, no doorbell). Medians of one publish: end to end = from the "
-             "start of the publish until the learner is free again and both receivers hold the version (their "
-             "poll() returned); learner's cost = the publish call alone (with split verification it returns after "
-             "the verdict, receivers hand over just after); broadcast phase = end to end minus pack and checksum; "
-             "into both models = until both receivers have also copied it into their own model tensors (what an "
-             "actor's load does between chunks). GB/s are per receiver. Goals: bucketed >= "
-             f"{GOAL_SPEEDUP}x per-tensor, >= {GOAL_MEMCPY_FRAC:.0%} of memcpy (end to end).", "",
-             "| model | MB | per-tensor naive s | per-tensor overlapped s | bucketed gloo s | bucketed s | "
+    lines = [f"Broadcast to {res['receivers']} receiver processes on this host over gloo (TCP loopback), buckets of "
+             f"{res['bucket_mb']:g} MiB; single-core memcpy (libc, 256 MiB) sampled once per round while each size "
+             f"ran - {yard}; before the run {res['memcpy_start_gbps']:.2f} GB/s (Tensor.copy_ "
+             f"{res.get('torch_copy_gbps', float('nan')):.2f} GB/s; 1-min load average {res['load_avg_1m']:.1f} at "
+             "start). Default settings (weights.verify on: the learner computes the checksum while packing, the "
+             "receivers check it before taking the version) except the 'verify off' column; 'packed with torch' is "
+             "the default where the native library is not built (Tensor.copy_, sums on a helper thread). Medians of "
+             "one publish: end to end = from the start of the publish until the learner is free again and both "
+             "receivers hold the version (their poll() returned); learner's cost = the publish call alone; "
+             "broadcast phase = end to end minus pack and checksum; into both models = until both receivers have "
+             "also copied it into their own model tensors (what an actor's load does between chunks). GB/s are per "
+             f"receiver. Goals: bucketed >= {GOAL_SPEEDUP}x per-tensor, >= {GOAL_MEMCPY_FRAC:.0%} of memcpy (end to "
+             "end).", "",
+             "| model | MB | per-tensor naive s | per-tensor overlapped s | bucketed s | "
              "speedup vs naive, vs overlapped | end to end: GB/s, of memcpy | of memcpy of the same bytes | "
-             "learner's cost s | verify off: s, of memcpy | "
-             "packed with torch: s, of memcpy | "
-             "broadcast phase s | into both models: per-tensor s, bucketed s, of memcpy (verify off) | "
-             "gloo only: speedup, of memcpy | gloo round trips (doorbell off): s, of memcpy, doorbell speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "learner's cost s | verify off: s, of memcpy | packed with torch: s, of memcpy | "
+             "broadcast phase s | into both models: per-tensor s, bucketed s, of memcpy (verify off) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def goal(x: float, target: float) -> str:
         return "meets" if x >= target else "misses"
@@ -339,8 +303,7 @@ def _markdown(res: dict) -> str:
     for name, r in res["sizes"].items():
         into = r["into_models_s"]
         lines.append(f"| {name} ({r['params'] / 1e6:.1f}M fp32, {r['tensors']} tensors) | {r['bytes'] / 1e6:.0f} | "
-                     f"{r['per_tensor_naive_s']:.3f} | {r['per_tensor_s']:.3f} | {r['bucketed_gloo_s']:.3f} | "
-                     f"{r['bucketed_s']:.3f} | "
+                     f"{r['per_tensor_naive_s']:.3f} | {r['per_tensor_s']:.3f} | {r['bucketed_s']:.3f} | "
                      f"{r['speedup_vs_naive']:.2f}x, {r['speedup']:.2f}x "
                      f"({goal(min(r['speedup'], r['speedup_vs_naive']), GOAL_SPEEDUP)} goal) | "
                      f"{r['bucketed_gbps_per_receiver']:.2f}, {r['frac_of_memcpy']:.0%} "
@@ -351,15 +314,9 @@ def _markdown(res: dict) -> str:
                      f"{r['bucketed_torch_pack_s']:.3f}, {r['torch_pack_frac_of_memcpy']:.0%} | "
                      f"{r['bucketed_broadcast_only_s']:.3f} | "
                      f"{into['per_tensor']:.3f}, {into['bucketed']:.3f}, {r['into_models_frac_of_memcpy']:.0%} "
-                     f"({r['nocheck_into_models_frac_of_memcpy']:.0%}) | "
-                     f"{r['speedup_gloo']:.2f}x, {r['bucketed_gloo_frac_of_memcpy']:.0%} | "
-                     f"{r['bucketed_roundtrips_s']:.3f}, {r['roundtrips_frac_of_memcpy']:.0%}, "
-                     f"{r['doorbell_speedup']:.2f}x |")
+                     f"({r['nocheck_into_models_frac_of_memcpy']:.0%}) |")
     lines += ["", "Checksum (int64 word sums, one core): " + ", ".join(
         f"{k}: {r['checksum_gbps']:.1f} GB/s" for k, r in res["sizes"].items())
         + f". Packing kernel: {res.get('pack_kernel', '?')} (native: non-temporal stores, summing as it copies, "
-        "large tensors in two halves on two threads unless receivers follow a doorbell post - then the other core "
-        "is theirs; torch: Tensor.copy_ with the sums on a helper thread). "
-        "Through shared memory each receiver checks one share of the tensors and the learner's verdict on all "
-        "shares decides for both (weights.verify_split); over gloo each checks everything."]
+        "large tensors in two halves on two threads; torch: Tensor.copy_ with the sums on a helper thread)."]
     return "\n".join(lines)

@@ -10,10 +10,10 @@ _stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
 _stamp_set() { mkdir -p "$STAMPS"; echo "$2" > "$STAMPS/$1"; }
 
 setup_native() {
-  # async_vla/weights/native: copy-with-checksum kernel for packing weights and the doorbell primitives of the same-host
-  # broadcast (optional: torch and the gloo round trips are the fallback, slower).
+  # async_vla/weights/native: copy-with-checksum kernel for packing weights (optional: torch is the fallback,
+  # slower).
   local dir="$REPO/async_vla/weights/native" lib="$REPO/async_vla/weights/native/libavla_copysum.so" key
-  local src=("$dir/copysum.c" "$dir/bell.c")
+  local src=("$dir/copysum.c")
   key="$(cat "${src[@]}" | sha1sum | cut -d' ' -f1)"
   if [ -f "$lib" ] && _stamp_ok native "$key"; then return; fi
   local cc="${CC:-cc}"

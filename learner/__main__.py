@@ -205,10 +205,10 @@ class RankRun:
 
         self.monitor = Monitor(self.run_dir, enabled=self.cfg.logging.tensorboard and self.rank == 0,
                                flush_secs=self.cfg.logging.tensorboard_flush_s)
-        self.publisher = make_publisher(self.cfg, self.run_dir) if self.rank == 0 else None
-        # The ranks agree on one session id among themselves (an all-reduce), whoever started them.
-        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world,
-                                   session=self.learner.session_id())
+        # This start's lineage (the ranks agree on its id among themselves, an all-reduce, whoever started them).
+        lineage = self.learner.start_lineage()
+        self.publisher = make_publisher(self.cfg, self.run_dir, lineage.id) if self.rank == 0 else None
+        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world, lineage=lineage)
         # line-buffered: a kill -9 loses at most the line being written
         self.lag_log = open(self.run_dir / f"learner_lags_rank{self.rank}.jsonl", "a", buffering=1)
         self.t_start = self.t_mark = time.monotonic()
@@ -322,7 +322,7 @@ class RankRun:
         import numpy as np
 
         lags = collections.Counter(int(x) for x in np.asarray(self.learner.last_lags).tolist())
-        self.lag_log.write(json.dumps({"version": start_version, "session": self.batches.session,
+        self.lag_log.write(json.dumps({"version": start_version, "lineage": self.learner.lineage.id,
                                        "lags": {str(k): n for k, n in sorted(lags.items())}}) + "\n")
 
     def checkpoint(self) -> None:

@@ -43,7 +43,7 @@ from async_vla import grpo
 from async_vla.batching import TrainBatch, collate, micro_batches, minibatch_rows
 from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weight
 from async_vla.config import Config
-from async_vla.messages import Trajectory
+from async_vla.messages import ROOT, Lineage, Trajectory
 from async_vla.metrics import verl_aliases
 from learner.checkpoint_files import (CKPT_FORMAT, capture_rng_state, optimizer_tensors, restore_rng_state,
                                       tensors_digest)
@@ -117,6 +117,8 @@ class Learner(abc.ABC):
         # load, so a resumed run keeps the same reference as long as it starts from the same policy.
         self.uses_reference = cfg.loss.kl_beta > 0
         self.version = 0
+        self.lineage = Lineage(ROOT)
+        """Whose weights these are: the initial policy's until ``start_lineage``, a checkpoint's after a load."""
         self.skipped_steps = 0
         self.optimizer_steps = 0
         """Optimizer steps applied over the run (minibatches x steps_per_batch per batch, less skipped ones)."""
@@ -331,16 +333,18 @@ class Learner(abc.ABC):
         """Sum / max over learner ranks (identity for one process)."""
         return t
 
-    def session_id(self) -> str:
-        """One id for this learner start, the same on every rank whoever launched them (bin/learner, torchrun, a
-        scheduler): rank 0 draws it and an all-reduce (max) hands it to the others. Sent as BatchRequest.session,
-        it lets the buffer tell a learner resumed at the buffer's own version from one retrying. A collective:
-        every rank calls it."""
+    def start_lineage(self) -> Lineage:
+        """Mint this learner start's lineage (after any checkpoint load): a new id, the same on every rank whoever
+        launched them (rank 0 draws it, an all-reduce hands it to the others), descending from the lineage of the
+        weights held now at the current version (a fresh learner's: the initial policy's). It tags the versions
+        this learner publishes and its batch requests; checkpoints keep it, so a resumed learner descends from
+        it. A collective: every rank calls it."""
         import secrets
 
         draw = [float(secrets.randbits(52) | 1) for _ in range(2)] if self.rank == 0 else [0.0, 0.0]
         got = self._all_reduce(torch.tensor(draw, dtype=torch.float64), "max").tolist()   # 52 bits: exact
-        return "".join(f"{int(x):013x}" for x in got)
+        self.lineage = self.lineage.descend("".join(f"{int(x):013x}" for x in got), self.version)
+        return self.lineage
 
     @abc.abstractmethod
     def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
@@ -362,13 +366,16 @@ class Learner(abc.ABC):
         """Write the policy in its HF/safetensors format for evaluation (rank 0 writes; all ranks call)."""
 
     def _learner_state(self, extra: Optional[dict]) -> dict:
-        return {"format": CKPT_FORMAT, "version": self.version, "skipped_steps": self.skipped_steps,
-                "optimizer_steps": self.optimizer_steps, "world": self.world, "extra": dict(extra or {})}
+        return {"format": CKPT_FORMAT, "version": self.version, "lineage": self.lineage.encode(),
+                "skipped_steps": self.skipped_steps, "optimizer_steps": self.optimizer_steps, "world": self.world,
+                "extra": dict(extra or {})}
 
     def _restore_learner_state(self, state: dict) -> dict:
         if state.get("format") != CKPT_FORMAT:
             raise ValueError(f"unsupported learner checkpoint format {state.get('format')}")
         self.version = int(state["version"])
+        # (a checkpoint from before lineages: its weights count as the initial policy's line)
+        self.lineage = Lineage.parse(state.get("lineage", ROOT))
         self.skipped_steps = int(state["skipped_steps"])
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         return dict(state.get("extra", {}))

@@ -12,11 +12,12 @@ from typing import Any, Optional
 log = logging.getLogger("learner")
 
 
-def make_publisher(cfg: Any, run_dir: Path) -> Any:
-    """Rank 0's ``WeightPublisher`` (a broken install fails here, loudly, instead of training without broadcast)."""
+def make_publisher(cfg: Any, run_dir: Path, lineage: str) -> Any:
+    """Rank 0's ``WeightPublisher`` for the versions of learner ``lineage`` (a broken install fails here, loudly,
+    instead of training without broadcast)."""
     from async_vla.weights import WeightPublisher
 
-    return WeightPublisher(cfg, run_dir)
+    return WeightPublisher(cfg, run_dir, lineage=lineage)
 
 
 def publish_weights(learner: Any, publisher: Optional[Any], verify_ranks: bool = False) -> dict:
@@ -62,9 +63,6 @@ def weight_metrics(stats: dict, version: int) -> dict[str, float]:
     values = {"weights/sync_s": float(stats.get("sync_s", 0.0)), "weights/bytes": float(stats.get("bytes", 0)),
               "weights/receivers": float(stats.get("receivers", 0)),
               "weights/confirmed": float(stats.get("confirmed", 0)),
-              "weights/shared_memory": float(stats.get("transport") == "shm"),
-              "weights/doorbell": float(bool(stats.get("doorbell"))),
-              "weights/shm_pinned_remakes": float(stats.get("shm_remade", 0)),
               "weights/version": float(version)}
     if "rank_checksum_ok" in stats:
         values["weights/rank_checksum_ok"] = stats["rank_checksum_ok"]
@@ -72,7 +70,7 @@ def weight_metrics(stats: dict, version: int) -> dict[str, float]:
 
 
 def close_publisher(publisher: Optional[Any]) -> None:
-    """Wait for the last export, then release the publisher's store, group and segments."""
+    """Wait for the last export, then release the publisher's store and group."""
     if publisher is not None:
         publisher.wait_export()
         publisher.close()

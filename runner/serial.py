@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from async_vla.config import Config, write_resolved
+from async_vla.messages import PolicyTag
 from async_vla.metrics import Monitor
 from async_vla.transport import LocalPipe
 from runner.evaluator import HeldOut
@@ -90,7 +91,7 @@ class SerialRun:
         self.snapshots: collections.deque = collections.deque(maxlen=self.lag + 1)
         if self.lag:
             self._snapshot()
-        self.actor = SerialActor(cfg, 0, actor_policy, self.envs, version=self.learner.version)
+        self.actor = SerialActor(cfg, 0, actor_policy, self.envs, tag=self.policy_tag(self.learner.version))
         self.buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=self.task_ids)
         self.buffer.set_learner_version(self.learner.version)
         self.pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
@@ -103,6 +104,9 @@ class SerialRun:
         self.rollout_s = self.train_s = 0.0
         self.last_status = time.perf_counter()
         self.stop_requested: Callable[[], bool] = lambda: False   # run_serial sets the signal flag's reader
+
+    def policy_tag(self, version: int) -> PolicyTag:
+        return PolicyTag(self.learner.lineage.id, version)
 
     def _snapshot(self) -> None:
         self.snapshots.append((self.learner.version,
@@ -164,9 +168,9 @@ class SerialRun:
         if self.lag:
             self._snapshot()
             version, state = self.snapshots[0]  # the oldest kept: `lag` versions ago once the deque is full
-            self.actor.set_weights(version, state)
+            self.actor.set_weights(self.policy_tag(version), state)
         else:
-            self.actor.set_weights(self.learner.version)
+            self.actor.set_weights(self.policy_tag(self.learner.version))
         wall = time.perf_counter() - self.t_start
         metrics.update({
             "perf/learner_idle_frac": self.rollout_s / max(wall, 1e-9),  # the learner waits for rollouts here

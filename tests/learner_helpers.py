@@ -173,8 +173,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
                     "loss.nsr=band", "loss.nsr_prob=0.5", "learner.steps_per_batch=1")
     learner = DeepSpeedLearner(cfg, StandInPolicy(seed=1))
     rank = learner.rank
-    report: dict = {"rank": rank, "world": learner.world, "stage": learner.stage, "init_s": time.perf_counter() - t0,
-                    "session": learner.session_id()}   # started by the test, not bin/learner: agreed all the same
+    report: dict = {"rank": rank, "world": learner.world, "stage": learner.stage, "init_s": time.perf_counter() - t0}
 
     def digests(tag: str) -> None:
         full = list(learner.full_state_items(all_ranks=True))
@@ -196,6 +195,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
     batches.append(third(rank))
     times = []
     if phase == "train":
+        report["lineage"] = learner.start_lineage().encode()   # started by the test, not bin/learner: agreed all the same
         for b in batches[:2]:
             t0 = time.perf_counter()
             m = learner.train_step(b)
@@ -209,6 +209,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
     else:
         extra = learner.load_checkpoint(ckpt_dir)
         report["extra"] = extra
+        report["lineage"] = learner.start_lineage().encode()   # descends from the checkpoint's
         digests("after_load")
         # Reference: one process, the union of both ranks' (different-sized) third batches, same weights.
         from learner.core import TorchLearner

@@ -13,10 +13,10 @@ import pytest
 
 # actors.actor (torch) is imported inside tests: env worker children re-import this module and stay light.
 from actors.rollout import GroupRollout, GroupSpec
-from actors.status import parse_connect, parse_share
+from actors.status import parse_connect
 from async_vla.config import load_config
 from async_vla.envs.base import Env, Observation
-from async_vla.messages import AdmissionGrant, Trajectory, decode, encode
+from async_vla.messages import ROOT, AdmissionGrant, PolicyTag, Trajectory, decode, encode
 from async_vla.tokenizer import ActionTokenizer
 
 CHUNK, DOF = 8, 7
@@ -100,7 +100,8 @@ def make_rollout(envs, policy=None, **kw):
             state["v"] = versions(len(swaps))
 
     ro = GroupRollout(policy or ScriptedPolicy(), envs, run_id="r", actor_id=3, temperature=1.6,
-                      version=lambda: state["v"], maybe_swap=maybe_swap, crash_types=(Crash,), **kw)
+                      policy_tag=lambda: PolicyTag(ROOT, state["v"]), maybe_swap=maybe_swap, crash_types=(Crash,),
+                      **kw)
     return ro, swaps
 
 
@@ -184,7 +185,8 @@ def test_isolated_env_process_death_costs_one_episode():
     cfg = load_config(None, [])
     envs = [SubprocessEnv(cfg, seed, factory=dying_env) for seed in range(3)]
     try:
-        ro = GroupRollout(ScriptedPolicy(), envs, run_id="r", actor_id=0, temperature=1.0, version=lambda: 0)
+        ro = GroupRollout(ScriptedPolicy(), envs, run_id="r", actor_id=0, temperature=1.0,
+                          policy_tag=lambda: PolicyTag(ROOT, 0))
         assert ro._pool is not None  # isolated workers are stepped concurrently
         trajs = list(ro.run(GroupSpec("g", 0, 0, 3)))
         assert sorted(t.traj_id for t in trajs) == ["g/m0", "g/m2"]
@@ -205,24 +207,14 @@ def test_stop_abandons_group():
 
 def test_step_limit_ends_episode_without_success():
     ro, _ = make_rollout([ScriptedEnv(length=999, limit=10)] * 1)
-    (t,) = list(ro.run(GroupSpec("g", 0, 0, group_size=2, members=[1])))
-    assert t.env_steps == 10 and not t.success and t.traj_id == "g/m1" and t.group_size == 2
+    ts = list(ro.run(GroupSpec("g", 0, 0, group_size=2)))      # one env: the two members run one after the other
+    assert [t.traj_id for t in ts] == ["g/m0", "g/m1"]
+    assert all(t.env_steps == 10 and not t.success and t.group_size == 2 for t in ts)
 
 
-def test_group_spec_validation():
-    with pytest.raises(ValueError):
-        GroupSpec("g", 0, 0, group_size=4, members=[0, 4]).member_ids()
-    with pytest.raises(ValueError):
-        GroupSpec("g", 0, 0, group_size=4, members=[1, 1]).member_ids()
-
-
-def test_parse_share_and_connect():
+def test_parse_connect():
     from actors.actor import stable_hash
 
-    assert parse_share("run-g12") == ("run-g12", 0, 1)
-    assert parse_share("run-g12#1/3") == ("run-g12", 1, 3)
-    with pytest.raises(ValueError):
-        parse_share("run-g1#3/3")
     assert parse_connect("tcp://10.0.0.2:6000") == {"trajectory": "tcp://10.0.0.2:6000",
                                                    "control": "tcp://10.0.0.2:6001"}
     assert parse_connect("tcp://a:1,tcp://b:2") == {"trajectory": "tcp://a:1", "control": "tcp://b:2"}
@@ -256,7 +248,7 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
     from actors.actor import SerialActor
 
     envs = builtin_envs(cfg, 4)
-    actor = SerialActor(cfg, 1, policy, envs, version=2)
+    actor = SerialActor(cfg, 1, policy, envs, tag=PolicyTag("l", 2))
     trajs = actor.run_one_group(AdmissionGrant(actor_id=1, group_ids=["rt-g5"], learner_version=2))
     assert len(trajs) == 4
     spec = actor.spec_for("rt-g5")
@@ -265,7 +257,7 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
     for t in map(roundtrip, trajs):
         assert (t.group_id, t.group_size, t.run_id, t.actor_id) == ("rt-g5", 4, "rt", 1)
         assert t.task_id == spec.task_id and t.init_state_id == spec.init_state_id
-        assert t.chunk_versions.tolist() == [2] * t.num_calls and t.behaviour_version == 2
+        assert t.chunk_versions.tolist() == [2] * t.num_calls and t.tag == PolicyTag("l", 2)
         assert t.images.shape[1:] == (cfg.env.image_size, cfg.env.image_size, 3)
         assert t.action_tokens.shape[1] == cfg.tokens_per_call
         assert int(t.token_mask.sum()) == t.env_steps * cfg.policy.action_dim
@@ -282,8 +274,9 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     # Different weights, so "the policy holds them" can only be true if the swap happened.
     state = {k: v + 0.01 if v.is_floating_point() else v.clone() for k, v in original.items()}
-    offers = iter([None, (7, state), None, None, None, None])
-    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), version=6, weights_source=lambda: next(offers, None))
+    offers = iter([None, (PolicyTag("l", 7), state), None, None, None, None])
+    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 4), tag=PolicyTag("l", 6),
+                        weights_source=lambda: next(offers, None))
     try:
         trajs = actor.run_one_group("rt-g1")
         for t in trajs:
@@ -292,12 +285,20 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
         with torch.no_grad():
             assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
             assert not all(torch.equal(policy.state_dict()[k], v) for k, v in original.items())
+        # A new learner's weights (another lineage) arriving mid-group wait for the group to end: every
+        # trajectory of a group carries one lineage, and the next group starts with them.
+        offers = iter([None, (PolicyTag("m", 3), original), None, None, None, None])
+        first = actor.run_one_group("rt-g2")
+        assert all(t.lineage == "l" and set(t.chunk_versions.tolist()) == {7} for t in first)
+        assert actor.tag == PolicyTag("l", 7)
+        second = actor.run_one_group("rt-g3")
+        assert actor.tag == PolicyTag("m", 3) and all(t.tag == PolicyTag("m", 3) for t in second)
     finally:
         policy.load_state_dict(original)  # the policy fixture is shared with the module's other tests
 
 
-def test_spread_shares_assemble_in_group_buffer(cfg, policy):
-    """Two actors each run half of one group (same id, same init state); the real GroupBuffer completes it."""
+def test_a_granted_group_assembles_in_group_buffer(cfg, policy):
+    """Any actor picks the same task and init state for a group id; one actor's group completes in the buffer."""
     from actors.actor import SerialActor
 
     from async_vla.buffer import GroupBuffer
@@ -307,12 +308,11 @@ def test_spread_shares_assemble_in_group_buffer(cfg, policy):
     gid = buf.grant(0, 1)[0]
     a0 = SerialActor(cfg, 0, policy, builtin_envs(cfg, 2))
     a1 = SerialActor(cfg, 1, policy, builtin_envs(cfg, 2))
-    assert a0.spec_for(f"{gid}#0/2").init_state_id == a1.spec_for(f"{gid}#1/2").init_state_id
+    assert a0.spec_for(gid) == a1.spec_for(gid)
     members = []
-    for actor, share in ((a0, 0), (a1, 1)):
-        for t in actor.run_one_group(f"{gid}#{share}/2"):
-            assert pipe.send(t, timeout_s=1.0)
-            members.append(t.traj_id)
+    for t in a1.run_one_group(gid):
+        assert pipe.send(t, timeout_s=1.0)
+        members.append(t.traj_id)
     while (msg := pipe.recv(0.0)) is not None:
         buf.add(msg)
     assert sorted(members) == [f"{gid}/m{i}" for i in range(4)]

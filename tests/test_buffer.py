@@ -10,7 +10,7 @@ import pytest
 
 from async_vla.buffer import STATES, GroupBuffer
 from async_vla.config import ActorConfig, BufferConfig, Config, EnvConfig
-from async_vla.messages import Trajectory, decode, encode
+from async_vla.messages import ROOT, Lineage, PolicyTag, Trajectory, decode, encode
 
 RUN = "run"
 
@@ -21,8 +21,10 @@ def make_cfg(**buffer) -> Config:
 
 
 def make_traj(group_id: str, i: int, success: bool, bv: int = 0, G: int = 4, run_id: str = RUN, task_id: int = 0,
-              init_state_id: int = 0, calls: int = 1, image: int = 8, tokens: int = 7, traj_id=None) -> Trajectory:
-    """A small valid trajectory (member ``i`` of ``group_id``) whose chunk versions all equal ``bv``."""
+              init_state_id: int = 0, calls: int = 1, image: int = 8, tokens: int = 7, traj_id=None,
+              lineage: str = ROOT) -> Trajectory:
+    """A small valid trajectory (member ``i`` of ``group_id``) whose chunk versions all equal ``bv``, sampled by
+    learner ``lineage``'s policies."""
     rng = np.random.default_rng(zlib.crc32(f"{group_id}/{i}".encode()))  # same every run (hash() is salted)
     return Trajectory(
         run_id=run_id, actor_id=0, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
@@ -33,7 +35,7 @@ def make_traj(group_id: str, i: int, success: bool, bv: int = 0, G: int = 4, run
         proprio=np.zeros((calls, 8), np.float32),
         action_tokens=rng.integers(31744, 32000, (calls, tokens)).astype(np.int64),
         behav_logprobs=-rng.random((calls, tokens), dtype=np.float32),
-        token_mask=np.ones((calls, tokens), bool))
+        token_mask=np.ones((calls, tokens), bool), lineage=lineage)
 
 
 class FakeClock:
@@ -117,7 +119,7 @@ def test_expiry_of_partial_and_granted_groups():
     clock = FakeClock()
     buf = GroupBuffer.from_config(make_cfg(group_timeout_s=10.0, groups_per_batch=1, max_staleness=0), RUN, clock=clock)
     (gid,) = buf.grant(actor_id=3, want=1)
-    assert buf.pacing_capacity() == 0
+    assert buf.admission.capacity() == 0
     buf.add(make_traj("p", 0, True))
     clock.t = 5.0
     buf.add(make_traj("p", 1, False))      # activity resets the partial group's age
@@ -129,7 +131,7 @@ def test_expiry_of_partial_and_granted_groups():
     assert buf.ledger["expired_partial"] == 2
     assert buf.add(make_traj("p", 2, True)) == "expired_partial"   # a straggler of an expired group
     assert buf.add(make_traj("p", 1, True)) == "duplicate"
-    assert buf.pacing_capacity() == 1      # both slots freed
+    assert buf.admission.capacity() == 1      # both slots freed
     buf.check_invariants()
 
 
@@ -156,9 +158,9 @@ def test_staleness_at_completion_and_at_batch_time():
     buf.set_learner_version(5)
     assert add_group(buf, "old", MIXED, bv=2)[-1] == "stale"        # lag 3 > 2
     assert add_group(buf, "ok", MIXED, bv=3)[-1] == "pending"       # lag 2
-    assert buf.accepted_groups == 1
+    assert buf.admission.accepted == 1
     buf.set_learner_version(6)                                      # now lag 3: dropped while waiting
-    assert buf.ready_groups == 0 and buf.ledger["stale"] == 8 and buf.accepted_groups == 0
+    assert buf.ready_groups == 0 and buf.ledger["stale"] == 8 and buf.admission.accepted == 0
     add_group(buf, "mixed_versions", MIXED, bv=4)
     buf.add(make_traj("late", 0, True, bv=6, G=2))
     buf.add(make_traj("late", 1, False, bv=3, G=2))                 # oldest member decides: lag 3
@@ -178,14 +180,14 @@ def test_pacing_arithmetic():
     assert buf.grant(1, want=5) == [f"{RUN}-g4"]
     add_group(buf, ids[1], MIXED)
     add_group(buf, ids[2], MIXED)                 # running 2 (g3, g4), accepted 2
-    assert buf.pacing_capacity() == 4 - 2 - 2 == 0
+    assert buf.admission.capacity() == 4 - 2 - 2 == 0
     assert buf.next_batch(0) is not None          # consumed, but v is still 0: accepted stays counted
     assert buf.grant(0) == []
     buf.set_learner_version(1)                    # (1 + 1 + 1) * 2 - 2 - 2 = 2
-    assert buf.pacing_capacity() == 2 and len(buf.grant(0, want=3)) == 2
+    assert buf.admission.capacity() == 2 and len(buf.grant(0, want=3)) == 2
     buf.set_max_staleness(3)                      # live eta change: the next grant sees it
-    assert buf.pacing_capacity() == (3 + 1 + 1) * B - 4 - 2 == 4
-    assert buf.metrics()["buffer/max_staleness"] == 3.0 and buf.eta_changes[-1]["new"] == 3
+    assert buf.admission.capacity() == (3 + 1 + 1) * B - 4 - 2 == 4
+    assert buf.metrics()["buffer/max_staleness"] == 3.0 and buf.admission.eta_changes[-1]["new"] == 3
     with pytest.raises(ValueError):
         buf.set_max_staleness(-1)
     with pytest.raises(ValueError, match="max_staleness_limit"):
@@ -198,24 +200,43 @@ def test_pacing_arithmetic():
 def test_pacing_counts_from_resumed_learner_version():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=0), RUN)
     buf.set_learner_version(57)                   # resumed learner, no batch formed yet: v_rel = 0
-    assert buf.pacing_capacity() == 2
+    assert buf.admission.capacity() == 2
     ids = buf.grant(0, want=2)
     for gid in ids:
         add_group(buf, gid, MIXED, bv=57)
     assert buf.next_batch(57) is not None
     buf.set_learner_version(58)
-    assert buf.pacing_capacity() == (0 + 1 + 1) * 2 - 0 - 2 == 2
+    assert buf.admission.capacity() == (0 + 1 + 1) * 2 - 0 - 2 == 2
 
 
 def test_no_grant_to_an_actor_whose_policy_is_too_old():
     # Its trajectories would be dropped as stale on arrival: refuse (counted) until it has newer weights.
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=1), RUN)
     buf.set_learner_version(5)
-    assert buf.grant(0, want=1, actor_version=3) == [] and buf.grants_refused_behind == 1
-    assert len(buf.grant(0, want=1, actor_version=4)) == 1          # lag 1 <= eta: fine
+    assert buf.grant(0, want=1, tag=PolicyTag(ROOT, 3)) == [] and buf.grants_refused["behind"] == 1
+    assert len(buf.grant(0, want=1, tag=PolicyTag(ROOT, 4))) == 1          # lag 1 <= eta: fine
     assert len(buf.grant(0, want=1)) == 1                           # version unknown (old clients): not refused
     assert buf.metrics()["buffer/grants_refused_behind"] == 1.0
     assert buf.ledger_snapshot()["grants_refused_behind"] == 1
+
+
+def test_an_actor_holding_the_learners_next_version_is_judged_at_it():
+    # The race: the learner trains batch v0, publishes v1, then asks for batch v1. An actor that took v1 and asks
+    # for work before that request arrives is judged at v1 (where pacing has room), not refused for v0's pacing.
+    learner = Lineage(ROOT).descend("l", 0)
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=0), RUN)
+    assert buf.take_batch(0, lineage=learner) is None
+    (gid,) = buf.grant(1, 1, tag=PolicyTag("l", 0))
+    add_group(buf, gid, (1, 0), lineage="l")
+    assert buf.take_batch(0, lineage=learner) is not None
+    assert buf.grant(1, 1, tag=PolicyTag("l", 0)) == []                  # v0's weights: pacing is full at v0
+    (gid1,) = buf.grant(1, 1, tag=PolicyTag("l", 1))                     # v1 is published: judged at v1
+    assert buf.grant(2, 1, tag=PolicyTag("l", 2)) == []                  # v2 was never published: proves nothing
+    assert buf.grant(2, 1, tag=PolicyTag("x", 1)) == [] and buf.grants_refused["dead"] == 1
+    add_group(buf, gid1, (1, 0), bv=1, lineage="l")
+    assert buf.take_batch(0, lineage=learner)[0] == 0                    # it waits for v1 (never a lag < 0) ...
+    got = buf.take_batch(1, lineage=learner)
+    assert got[1][0][0].group_id == gid1 and buf.lag_histogram == {0: 4}   # ... and is trained at it
 
 
 def test_grant_stops_when_full():
@@ -361,7 +382,8 @@ def test_a_ledger_subclass_sees_every_trajectory_fate():
     assert buf.next_batch(0) is not None                     # "a" trained at version 0
     buf.set_learner_version(1)
     assert buf.next_batch(1) is not None                     # "b" trained at version 1
-    buf.rollback(0)                                          # the learner resumed at 0: "b" is pending again
+    resumed = Lineage("b0", (PolicyTag(ROOT, 0),))            # a learner resumed at 0: "b" is pending again
+    buf.set_learner_version(0, resumed)
     add_group(buf, "old", MIXED, bv=0)
     buf.set_learner_version(2)                               # "old" and "b" (behaviour version 0) now lag 2 > 1
     fates = {tid.rsplit("-t", 1)[0]: state for tid, (state, _) in tracer.fate.items()}

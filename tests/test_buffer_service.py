@@ -16,8 +16,8 @@ from test_buffer import make_traj
 
 from async_vla.buffer.service import BufferService
 from async_vla.config import BufferConfig, Config, RunConfig, TransportConfig, write_resolved
-from async_vla.messages import (ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Trajectory,
-                                decode)
+from async_vla.messages import (ROOT, ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Lineage,
+                                Trajectory, decode)
 from async_vla.buffer.recording import iter_recording, replay_recording
 from async_vla.transport import ControlClient, TrajectorySender
 
@@ -261,41 +261,22 @@ def test_a_parked_batch_request_is_served_by_the_last_trajectory_even_when_it_co
         sender.close()
 
 
-def test_an_early_grant_request_waits_for_the_learners_version_instead_of_being_refused_for_the_old_one(tmp_path):
-    # The learner trains batch v0, publishes v1 and only then asks for batch v1: an actor that took v1 asks for a
-    # grant while the buffer is still at v0, where pacing is full. That refusal belonged to v0; it used to be the
-    # answer to the actor's v1 (it then slept out retry_after_s although the learner had moved on).
+def test_a_grant_says_why_it_is_empty_and_whose_learner_it_answers_for(tmp_path):
+    # The actor decides from the reply alone: "wait" (pacing) means ask again later, "behind" / "dead" mean load the
+    # learner's newest weights first (its lineage and version travel with every grant).
     from test_buffer import FakeClock
 
-    clock = FakeClock(100.0)
-    with _stepped(tmp_path, clock, groups_per_batch=1, max_staleness=0, grant_retry_s=0.5) as svc:
+    learner_lineage = Lineage(ROOT).descend("l", 0)
+    with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, max_staleness=0) as svc:
         actor, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
-        sender = TrajectorySender(svc.trajectory_endpoint)
-        actor.send(GrantRequest(actor_id=1, want=1, policy_version=0))
-        gid = _step_until(svc, lambda: actor.recv(0.0), "a grant at v0").group_ids[0]
-        for i in range(2):
-            assert sender.send(make_traj(gid, i, i == 0, G=2, run_id=RUN), timeout_s=5)
-        _step_until(svc, lambda: svc.buffer.ready_groups == 1, "the group admitted")
-        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=5))
-        assert _step_until(svc, lambda: learner.recv_bundle(0.0), "batch v0")[0].ready   # pacing is full at v0
-        actor.send(GrantRequest(actor_id=1, want=1, policy_version=1))                  # v1 already published
-        _step_until(svc, lambda: svc.counters["grant_requests"] == 2, "the early request read")
-        for _ in range(20):
-            svc.step(0.005)
-        assert actor.recv(0.0) is None, "answered with v0's refusal"
-        learner.send(BatchRequest(rank=0, world=1, version=1, timeout_s=5))
-        grant = _step_until(svc, lambda: actor.recv(0.0), "the grant at v1")
-        assert grant.learner_version == 1 and len(grant.group_ids) == 1 and not grant.error
-        assert svc.counters["grants_parked"] == 1 and svc.counters["grants_refused"] == 0
-        # Weights no learner ever published (or a learner that stalls): answered after grant_retry_s, refused.
-        actor.send(GrantRequest(actor_id=2, want=1, policy_version=9))
-        _step_until(svc, lambda: svc.counters["grants_parked"] == 2, "the second request parked")
-        svc.step(0.005)
-        assert actor.recv(0.0) is None
-        clock.t += 0.5
-        late = _step_until(svc, lambda: actor.recv(0.0), "the refusal after grant_retry_s")
-        assert late.group_ids == [] and late.learner_version == 1 and late.retry_after_s == 0.5
-        assert svc.metrics()["buffer/parked_grant_requests"] == 0
+        learner.send(BatchRequest(rank=0, world=1, version=2, timeout_s=0.0, lineage=learner_lineage.encode()))
+        assert not _step_until(svc, lambda: learner.recv_bundle(0.0), "the learner's request")[0].ready
+        replies = []
+        for n, (lineage, version) in enumerate((("l", 2), ("l", 2), ("l", 1), ("gone", 2))):
+            actor.send(GrantRequest(actor_id=n, want=1, policy_version=version, policy_lineage=lineage))
+            replies.append(_step_until(svc, lambda: actor.recv(0.0), f"grant reply {n}"))
+        assert [(len(g.group_ids), g.refused) for g in replies] == [(1, ""), (0, "wait"), (0, "behind"), (0, "dead")]
+        assert all((g.learner_lineage, g.learner_version) == ("l", 2) for g in replies)
+        assert replies[1].retry_after_s == svc.cfg.buffer.grant_retry_s
         for c in (actor, learner):
             c.close()
-        sender.close()

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from timing import slack
 
+from async_vla.messages import ROOT, Lineage, PolicyTag
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -55,9 +57,11 @@ def test_two_rank_zero3_equal_weights_and_bit_equal_resume(tmp_path):
     a = _run_ranks("train", ckpt, tmp_path / "train", stage=3)
     b = _run_ranks("resume", ckpt, tmp_path / "resume", stage=3)
     assert [r["stage"] for r in a] == [3, 3] and [r["world"] for r in a] == [2, 2]
-    # BatchRequest.session: one per learner start, the same on both ranks, another after the resume
-    assert a[0]["session"] == a[1]["session"] and b[0]["session"] == b[1]["session"] != a[0]["session"]
-    assert len(a[0]["session"]) == 26
+    # The lineage: one per learner start, the same on both ranks; the resumed one descends from the checkpoint's
+    first, resumed = Lineage.parse(a[0]["lineage"]), Lineage.parse(b[0]["lineage"])
+    assert a[0]["lineage"] == a[1]["lineage"] and b[0]["lineage"] == b[1]["lineage"]
+    assert len(first.id) == 26 and first.forks == (PolicyTag(ROOT, 0),)
+    assert resumed.id != first.id and resumed.forks == (PolicyTag(first.id, 2), PolicyTag(ROOT, 0))
     # gathered full weights identical on every rank, finite, and only rank 0 receives items by default
     assert a[0]["before_save_params"] == a[1]["before_save_params"]
     assert a[0]["after_step3_params"] == a[1]["after_step3_params"]

@@ -39,7 +39,6 @@ def assert_same(a, b):
 EXAMPLES = [
     make_traj(),
     make_traj(wrist_images=np.zeros((3, 16, 16, 3), np.uint8)),
-    M.WeightVersion(version=3, num_params=10, checksum=1.5, num_buckets=2, nbytes=40, path="/x"),
     M.GrantRequest(actor_id=2, want=1, policy_version=3),
     M.AdmissionGrant(actor_id=2, group_ids=["r-g1", "r-g2"], learner_version=3, max_staleness=2),
     M.Heartbeat(actor_id=2, pid=123, policy_version=3, state="rollout"),

@@ -146,8 +146,8 @@ def two_learner_nodes():
 
 
 def trained_versions(path: Path) -> list[tuple[int, str]]:
-    """(version, session) of each batch a rank trained, from its learner_lags_rank<k>.jsonl."""
-    return [(r["version"], r["session"]) for r in map(json.loads, path.read_text().splitlines())]
+    """(version, learner lineage) of each batch a rank trained, from its learner_lags_rank<k>.jsonl."""
+    return [(r["version"], r["lineage"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
 def per_rank_train(c, tmp_path: Path, name: str, *extra: str) -> list[str]:
@@ -192,7 +192,7 @@ def test_ray_learner_ranks_on_two_nodes(tmp_path, two_learner_nodes):
     assert summary["final_version"] == 3 and summary["launcher"] == "ray"
     assert [nodes[-1] for nodes in summary["ray"]["learner_rank_nodes"]] == rank_nodes
     assert summary["ray"]["learner_restarts"] == []
-    # Both ranks trained the same batches, versions 0, 1, 2, in one session (their lock-step all-reduces).
+    # Both ranks trained the same batches, versions 0, 1, 2, in one lineage (their lock-step all-reduces).
     rank0, rank1 = (trained_versions(rd / f"learner_lags_rank{k}.jsonl") for k in (0, 1))
     assert [v for v, _ in rank0] == [0, 1, 2] and rank1 == rank0
     # Rank 1 ran from its node-local directory (config shipped there, removed when it stopped: the log stays) and
@@ -301,7 +301,7 @@ def test_with_a_restart_losing_a_learner_ranks_node_resumes_the_ranks_from_the_c
     survivor = next(n.node_id for n in others if n is not lost)
     after = json.loads((rd / "ray.json").read_text())
     assert [nodes[-1] for nodes in after["learner_ranks"]] == [after["driver_node"], survivor], after
-    # Rank 0's batches: the first session up to the loss, then a second from the checkpoint's version on to the end,
+    # Rank 0's batches: the first lineage up to the loss, then a second from the checkpoint's version on to the end,
     # trained in lock-step with the restarted rank 1 (whose node-local log is on the node left).
     rank0 = trained_versions(rd / "learner_lags_rank0.jsonl")
     second = rank0[-1][1]

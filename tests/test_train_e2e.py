@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from async_vla.hosts import free_port
-from async_vla.weights import native
 from async_vla.metrics import missing_required, read_scalars, read_tags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,13 +88,6 @@ def test_async_two_learner_ranks_two_actors(tmp_path):
     receivers = dict(read_scalars(rd / "tb", "weights/receivers"))
     confirmed = dict(read_scalars(rd / "tb", "weights/confirmed"))
     assert confirmed == receivers and max(receivers.values()) == 2, (receivers, confirmed)
-    # One host: once actors are in the group the bytes go through /dev/shm (the probe check passed).
-    shm = dict(read_scalars(rd / "tb", "weights/shared_memory"))
-    assert all(shm[step] == 1.0 for step, n in receivers.items() if n > 0), (shm, receivers)
-    # ... and each version through the doorbell page (no gloo round trips: weights.doorbell, native library built)
-    if native.bell_available():
-        bell = dict(read_scalars(rd / "tb", "weights/doorbell"))
-        assert all(bell[step] == 1.0 for step, n in receivers.items() if n > 0), (bell, receivers)
     missing = missing_required(read_tags(rd / "tb"))
     assert not missing, f"TensorBoard tags missing: {missing}"
     commands = (rd / "commands.txt").read_text()

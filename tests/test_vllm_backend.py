@@ -32,6 +32,7 @@ from actors.vllm_weights import (
 )
 from actors.vllm_worker_ext import VLAWorkerExtension
 from async_vla.config import ConfigError, PolicyConfig, load_config
+from async_vla.messages import PolicyTag
 
 REPO = Path(__file__).resolve().parent.parent
 INSTR = "pick up the red block"
@@ -221,15 +222,15 @@ def test_version_guard():
     with pytest.raises(StaleWeights, match="stale weights v2: v3 is installed"):
         g.commit(2)
     assert g.current == 3
-    g.commit(4, lineage=0)                       # lineage 0 is the first learner session
-    g.commit(2, lineage=1)                       # a resumed learner restarts lower: its lineage is newer
-    assert (g.current, g.lineage) == (2, 1)
-    with pytest.raises(StaleWeights, match="from learner session 0, session 1 is installed"):
-        g.commit(9, lineage=0)                   # the dead learner's stream: never again
+    g.commit(4, lineage="a")                     # the first learner's stream
+    g.commit(2, lineage="b")                     # a resumed learner restarts lower: another lineage starts afresh
+    assert (g.current, g.lineage) == (2, "b")
+    with pytest.raises(StaleWeights, match="stale weights v1: v2 is installed"):
+        g.commit(1, lineage="b")
     with pytest.raises(StaleWeights, match="duplicate weights v2"):
         g.check(2)                               # None = the installed lineage
     g.commit(3)
-    assert (g.current, g.lineage) == (3, 1)
+    assert (g.current, g.lineage) == (3, "b")
 
 
 def _relay(tmp_worker, name_map):
@@ -331,8 +332,8 @@ def test_vllm_policy_versions_on_trajectories_and_stale_refused():
     vp = VLLMPolicy(policy, FakeEngine)
     learner = make_policy(seed=1)   # the learner's weights, version 5
     new = {n: p.detach().clone() for n, p in learner.named_parameters()}
-    actor = SerialActor(cfg, 0, vp, [make_env(cfg, i) for i in range(2)], version=0)
-    actor.set_weights(5, new)
+    actor = SerialActor(cfg, 0, vp, [make_env(cfg, i) for i in range(2)], tag=PolicyTag("a", 0))
+    actor.set_weights(PolicyTag("a", 5), new)
     assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 5
     trajs = actor.run_one_group("vl-g1")
     assert len(trajs) == 2
@@ -345,20 +346,20 @@ def test_vllm_policy_versions_on_trajectories_and_stale_refused():
 
     old = {n: t - 1.0 for n, t in new.items()}
     for stale in (4, 5):   # refused: the actor keeps v5, neither side of the policy moves
-        actor.set_weights(stale, old)
+        actor.set_weights(PolicyTag("a", stale), old)
         assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 5
     assert all(torch.equal(p, new[n]) for n, p in policy.named_parameters())
     with pytest.raises(WeightMappingError, match="missing"):   # a broken update is an error, not a swap
-        actor.set_weights(6, {n: t for n, t in new.items() if not n.startswith("model.projector")})
+        actor.set_weights(PolicyTag("a", 6), {n: t for n, t in new.items() if not n.startswith("model.projector")})
     assert actor.version == vp.version == 5
-    # The learner was resumed from an older checkpoint: the subscriber hands over its v3 as lineage 1 (its
-    # second session); the guard takes it on both sides, and the dead learner's stream is refused from then on.
-    actor.set_weights(3, old, lineage=1)
+    # The learner was resumed from an older checkpoint: the subscriber hands over its v3 tagged with the resumed
+    # learner's lineage; the guard takes it on both sides, and orders versions within that lineage from then on.
+    actor.set_weights(PolicyTag("b", 3), old)
     assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 3
     assert all(torch.equal(p, old[n]) for n, p in policy.named_parameters())
-    actor.set_weights(6, new, lineage=0)
+    actor.set_weights(PolicyTag("b", 2), new)
     assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 3
-    actor.set_weights(4, new, lineage=1)
+    actor.set_weights(PolicyTag("b", 4), new)
     assert actor.version == vp.version == vp.engine.worker.vla_weights_version() == 4
 
 
@@ -432,7 +433,7 @@ def test_gpu_weights_pushed_from_a_learner(gpu_policy):
     policy, vp = gpu_policy
     learner = make_policy(seed=1, hidden=256, layers=2, heads=4, device="cuda", dtype=torch.bfloat16)
     state = {n: p.detach().clone() for n, p in learner.named_parameters()}
-    vp.install_weights(state, 1)
+    vp.install_weights(state, PolicyTag("a", 1))
     assert vp.engine.call("vla_weights_version") == 1
     images, proprio, instr = observations(4, seed=1)
     tokens, logp = vp.act(images, proprio, instr, 1.6, torch.Generator("cuda").manual_seed(1))
@@ -441,5 +442,5 @@ def test_gpu_weights_pushed_from_a_learner(gpu_policy):
     np.testing.assert_allclose(logp, ref.float().cpu().numpy(), atol=5e-2)
     for stale in (1, 0):
         with pytest.raises(StaleWeights):
-            vp.install_weights(state, stale)
+            vp.install_weights(state, PolicyTag("a", stale))
     assert vp.engine.call("vla_weights_version") == 1

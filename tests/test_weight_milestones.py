@@ -30,7 +30,7 @@ def test_every_multiple_is_kept_beyond_pruning_and_loads_as_its_version(tmp_path
     for v, path in milestones(tmp_path):
         version, state = load_weights_path(str(path), -1)
         assert version == v and torch.equal(state["w"], _model(v)["w"])
-    assert read_latest(tmp_path)[0] == 12          # the pointer still names the newest export
+    assert read_latest(tmp_path)[0].version == 12          # the pointer still names the newest export
 
 
 def test_a_skipped_multiple_is_stood_in_for_by_the_next_export_and_the_first_is_never_one(tmp_path):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from async_vla.buffer import weights_files
-from async_vla.buffer.weights_files import WeightsFileServer, mirror_latest
+from async_vla.weights import files as weights_files
+from async_vla.weights.files import WeightsFileServer, mirror_latest
+from async_vla.messages import PolicyTag
 from async_vla.weights.export import export_weights, read_latest
 
 
@@ -16,19 +17,21 @@ def test_an_actor_elsewhere_mirrors_the_newest_export_in_chunks(tmp_path, monkey
     learner.mkdir(parents=True)
     server = WeightsFileServer(learner, "tcp://127.0.0.1:0")
     try:
-        assert mirror_latest(server.endpoint, actor, -1) is None            # nothing exported yet
+        assert mirror_latest(server.endpoint, actor) is None                # nothing exported yet
         named = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float32)}
-        export_weights(learner, 3, named, 1.0)
-        assert mirror_latest(server.endpoint, actor, -1) == 3
-        version, tensors, _ = read_latest(actor)
-        assert version == 3 and all(torch.equal(tensors[k], v) for k, v in named.items())
-        assert mirror_latest(server.endpoint, actor, 3) is None             # not newer than what we hold
+        export_weights(learner, 3, named, 1.0, lineage="l")
+        assert mirror_latest(server.endpoint, actor) == PolicyTag("l", 3)
+        tag, tensors, _ = read_latest(actor)
+        assert tag.version == 3 and all(torch.equal(tensors[k], v) for k, v in named.items())
+        assert mirror_latest(server.endpoint, actor, PolicyTag("l", 3)) is None   # not newer than what we hold
         named["w"] = named["w"] * 2
-        export_weights(learner, 5, named, 2.0)
-        assert mirror_latest(server.endpoint, actor, 3) == 5
-        version, tensors, _ = read_latest(actor)
-        assert version == 5 and torch.equal(tensors["w"], named["w"])
+        export_weights(learner, 5, named, 2.0, lineage="l")
+        assert mirror_latest(server.endpoint, actor, PolicyTag("l", 3)) == PolicyTag("l", 5)
+        tag, tensors, _ = read_latest(actor)
+        assert tag.version == 5 and torch.equal(tensors["w"], named["w"])
         assert sorted(p.name for p in actor.glob("v*.safetensors")) == ["v5.safetensors"]   # the mirror keeps one
         assert server.served_bytes >= 2 * (learner / "v5.safetensors").stat().st_size
+        export_weights(learner, 2, named, 3.0, lineage="m")              # a resumed learner: another lineage,
+        assert mirror_latest(server.endpoint, actor, PolicyTag("l", 5)) == PolicyTag("m", 2)   # lower, but newer
     finally:
         server.close()

@@ -74,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{service.batch_endpoint}", flush=True)
     files = None
     if cfg.transport.weights_fetch_port is not None:   # weights for actors without this run directory
-        from async_vla.buffer.weights_files import WeightsFileServer
+        from async_vla.weights.files import WeightsFileServer
 
         files = WeightsFileServer(run_dir / "weights", f"tcp://{cfg.transport.host}:{cfg.transport.weights_fetch_port}",
                                   keys=keys)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from async_vla.messages import BatchRequest, ControlCommand
+from async_vla.messages import BatchRequest, ControlCommand, Lineage
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
 log = logging.getLogger("learner")
@@ -20,13 +20,13 @@ log = logging.getLogger("learner")
 class BatchClient:
     """One learner rank's requests for batches: one outstanding ``BatchRequest`` at a time.
 
-    ``session``: one id for this learner start, the same on every rank (``Learner.session_id``); the buffer tells a
-    learner resumed at its own version from a retrying one by it (``GroupBuffer.take_batch``)."""
+    ``lineage``: this learner start's, the same on every rank (``Learner.start_lineage``); every request carries
+    it, so the buffer tells a new learner from a retrying one and follows it (``GroupBuffer.set_learner_version``)."""
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, *, session: str):
-        if not session:
-            raise ValueError("BatchClient needs a session id shared by the learner's ranks (Learner.session_id)")
-        self.cfg, self.rank, self.world, self.session = cfg, rank, world, session
+    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, *, lineage: Lineage):
+        if not lineage.id:
+            raise ValueError("BatchClient needs the learner's lineage (Learner.start_lineage), not the initial one")
+        self.cfg, self.rank, self.world, self.lineage = cfg, rank, world, lineage
         eps = endpoints(cfg.transport, run_dir, side="connect")
         self.endpoint, self.control_endpoint = eps["batch"], eps["control"]
         self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
@@ -45,7 +45,8 @@ class BatchClient:
         if not self.pending:
             try:
                 self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
-                                                 timeout_s=timeout, session=self.session), timeout_s=timeout)
+                                                 timeout_s=timeout, lineage=self.lineage.encode()),
+                                timeout_s=timeout)
             except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
                 log.warning("%s: reconnecting", exc)
                 self._reconnect()

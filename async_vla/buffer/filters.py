@@ -1,6 +1,6 @@
-"""The buffer's admission rules as small pure functions, free of torch (the buffer process never imports it):
-which complete groups carry a learning signal (``mixed_outcome``, ``difficulty_mask``) and which data is too old to
-train on (``is_stale``, the one staleness predicate the buffer and the actors decide with)."""
+"""The buffer's outcome filters as small pure functions, free of torch (the buffer process never imports it): which
+complete groups carry a learning signal (``mixed_outcome``, ``difficulty_mask``). Which data is too old to train on
+is ``Admission``'s (admission.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,6 @@ import numpy as np
 
 # A rate this close to a difficulty bound counts as on it (see difficulty_mask).
 BOUND_TOL = 1e-6
-
-
-def is_stale(learner_version: int, behaviour_version: int, max_staleness: int) -> bool:
-    """True when data sampled by policy version ``behaviour_version`` is more than ``max_staleness`` (eta) versions
-    behind ``learner_version``: lag = learner_version - behaviour_version > eta. For a group, ``behaviour_version``
-    is the oldest among its members; for an actor asking for work, the version its policy holds."""
-    return int(learner_version) - int(behaviour_version) > int(max_staleness)
 
 
 def mixed_outcome(successes: Any, G: int) -> bool:

@@ -7,41 +7,31 @@ A trajectory's life
 
 Ledger: every received trajectory is in exactly one state; ``received == sum(ledger.values())`` always.
     trained             in a batch handed to the learner (formed by next_batch; reuse does not count it twice;
-                        the batch a killed learner was training returns to pending on its rollback)
+                        the batch a learner died training returns to pending when its successor is followed)
     filtered_uniform    its complete group had 0 or G successes (dynamic sampling)
     filtered_difficulty its complete group's success rate was outside the (lo, hi) difficulty mask
-    stale               its group's lag (learner version - min behaviour version) exceeded eta, either when the
-                        group completed or later, while it waited for a batch (the version moved on)
+    stale               its group's lag exceeded eta, when the group completed or later, while it waited for a batch
     expired_partial     its group stayed incomplete for group_timeout_s (an actor died), or it arrived after that
     duplicate           a trajectory id already seen in its group
     malformed           failed validation here (wrong_run, unknown_task, bad_action_token, group_mismatch,
                         group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
                         never become messages)
-    ahead               sampled with weights the learner no longer has: after a rollback to version c (a learner
-                        resumed from an older checkpoint) a behaviour version above c, up to the dead learner's
-                        newest, is the dead learner's policy; its whole group is refused (see rollback)
+    ahead               its group holds data of a dead policy: a tag outside the learner's lineage (a dead
+                        learner's versions past the checkpoint its successor resumed from); the whole group goes,
+                        now and when its members arrive later
     pending             in an incomplete group, or in an admitted group not yet put in a batch
 ``received`` counts every add() and every count_malformed() call.
 
-Pacing (AReaL's staleness manager, areal/core/staleness_manager.py): a grant of n new group ids is issued only if
-    running + n + accepted <= (eta + v_rel + 1) * B
-where
-    running  = groups started and unfinished: granted ids, plus groups with members, not yet complete or expired;
-    accepted = groups that completed, passed the filters and were fresh, counted once for the run (trained ones
-               stay counted), minus those later dropped as stale (so a dropped group frees its slot instead of
-               shrinking the budget for ever); filtered groups are never counted, so actors get replacements;
-    v_rel    = learner version - v_base, v_base = the learner version before the first batch was formed (a
-               resumed learner starting at version 57 paces like a fresh one: accepted counts from 0 here);
-    B        = groups per batch.
-Because the learner consumes B groups per version, accepted - v_rel*B is the admitted backlog, so at most
-(eta + 1) * B groups are ever being produced or waiting beyond what the learner has consumed: a group granted
-at version v is trained by version v + eta + 1 at the latest, and stale drops are rare. Nothing is granted
-while has_room() is False. The version moves one per batch whatever learner.minibatches / steps_per_batch are
-(docs/LEARNER.md "Versions"); with reuse > 1 groups are consumed more than once, which only loosens pacing, the
-eta check still holds.
+Pacing and staleness: ``Admission`` (admission.py) holds the rule; this buffer tells it what happens to groups and
+asks it before granting, admitting and batching. Nothing is granted while has_room() is False. With reuse > 1
+groups are consumed more than once, which only loosens pacing; the eta check still holds.
 
-Bounds on control input: eta never exceeds ``max_staleness_limit``; a version announced on the control socket
-(``announce_version``) is at most ``max_version_step`` past the latest batch request's; one actor holds at most
+The learner: each batch request carries its version and ``Lineage``. A new lineage (a learner restarted, resumed
+from a checkpoint or started over) is followed: the version moves to the request's, a batch formed for a later
+version goes back to the front of the ready queue untrained (the update died with its learner), and every group
+holding a dead policy is dropped as "ahead". A lineage left behind is not followed again.
+
+Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
 ``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes
 back the grants of an actor that went silent (the service calls it; counted as groups "reclaimed").
 
@@ -52,8 +42,8 @@ so held_bytes never exceeds max_bytes unless a trajectory larger than any before
 Journal: an optional ``journal(t, msg)`` callback receives every state-changing input (trajectories and
 ControlCommand events "j.*") so a recording replays into a fresh buffer with the same ledger (recording.py).
 
-Collaborators: the counts live in a ``Ledger`` (ledger.py) this buffer tells of every transition; the admission
-rules (outcome filters, the staleness predicate) are the pure functions of filters.py.
+Collaborators: the counts live in a ``Ledger`` (ledger.py) this buffer tells of every transition; pacing and
+staleness in ``Admission`` (admission.py); the outcome filters are the pure functions of filters.py.
 """
 
 from __future__ import annotations
@@ -65,15 +55,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from async_vla.buffer.filters import difficulty_mask, is_stale, mixed_outcome
-from async_vla.buffer.ledger import STATES, Ledger, write_json_atomic  # noqa: F401 - STATES is part of this API
-from async_vla.messages import ControlCommand, Message, Trajectory
+from async_vla.buffer.admission import Admission
+from async_vla.buffer.filters import difficulty_mask, mixed_outcome
+from async_vla.buffer.ledger import Ledger, write_json_atomic
+from async_vla.messages import ControlCommand, Lineage, Message, PolicyTag, Trajectory
 
 log = logging.getLogger(__name__)
 
 MAX_WANT = 1024  # an actor asking for more is hostile or buggy; cap what one grant can take
-JOURNAL_COMMANDS = ("j.malformed", "j.version", "j.eta", "j.expire", "j.batch", "j.grant", "j.rollback",
-                    "j.resume", "j.reclaim")
 
 
 @dataclass(eq=False)
@@ -85,15 +74,18 @@ class _Group:
     size: int = 0                       # G, from the first member (0 = granted, nothing arrived yet)
     members: list = field(default_factory=list)
     traj_ids: set = field(default_factory=set)
-    key: Optional[tuple] = None         # (group_size, task_id, init_state_id, run_id) every member must share
-    min_bv: int = 2**62                 # oldest behaviour version among members
+    key: Optional[tuple] = None         # (group_size, task_id, init_state_id, run_id, lineage) members share
+    min_bv: int = 2**62                 # oldest behaviour version among members (its lag)
     max_bv: int = -1                    # newest behaviour version among members (never trained at a lag < 0)
     actor: Optional[int] = None         # the actor it was granted to (None: not granted by this buffer)
-    ceiling: Optional[int] = None       # newest behaviour version still of the live learner (set by a rollback)
     nbytes: int = 0
     uses: int = 0
     refs: int = 0
     trained: bool = False
+
+    @property
+    def newest_tag(self) -> PolicyTag:
+        return PolicyTag(self.key[4], self.max_bv)
 
 
 @dataclass(eq=False)
@@ -104,8 +96,8 @@ class _Batch:
 
 
 class GroupBuffer:
-    """Streaming group assembly, filters, staleness, pacing and batches; the counts go to ``books`` (a
-    ``Ledger``). Not thread-safe.
+    """Streaming group assembly, filters, the ready queue and batches; the counts go to ``books`` (a ``Ledger``),
+    pacing and staleness to ``admission`` (an ``Admission``). Not thread-safe.
 
     ``cfg``: the ``buffer`` config section. ``token_range``: the (first, last) action token id the policy can
     score (anything else would make the learner's token_logprobs raise on every retry of that batch).
@@ -126,9 +118,7 @@ class GroupBuffer:
         self.valid_task_ids = None if valid_task_ids is None else frozenset(int(t) for t in valid_task_ids)
         self.token_range = (int(token_range[0]), int(token_range[1]))
         self.journal = journal
-        self.max_staleness = int(cfg.max_staleness if max_staleness is None else max_staleness)
-        self.version = 0
-        self._v_base = 0
+        self.admission = Admission(cfg, cfg.max_staleness if max_staleness is None else max_staleness)
         self._open: dict[str, _Group] = {}
         self._ready: collections.deque[_Group] = collections.deque()
         self._batches: dict[int, _Batch] = {}          # by learner version; at most the latest two
@@ -136,23 +126,12 @@ class GroupBuffer:
         self.books = ledger if ledger is not None else Ledger()
         self.held_bytes = 0
         self._largest = 0
-        self.accepted_groups = 0
         self.batches_formed = 0
         self._next_gid = int(gid_start)  # the service starts at ms-since-epoch: a restart never reissues an id
-        self.eta_changes: list[dict] = []
-        self.grants_refused_behind = 0  # grant requests from actors whose policy lags beyond eta
-        self.grants_refused_ahead = 0   # grant requests from actors holding a dead learner's newer weights
+        self.grants_refused: collections.Counter = collections.Counter()   # by Admission.judge: behind / dead
         self.grants_capped = 0          # grant requests trimmed to max_groups_per_actor
-        self.rollbacks: list[dict] = []  # learner restarts from an older checkpoint (see rollback)
+        self.rollbacks: list[dict] = []  # learner lineages followed after the first (restarts, resumes)
         self._by_actor: dict[int, set[str]] = {}  # actor -> ids of its granted groups still open
-        self._rollback_to: Optional[int] = None   # target of the latest rollback
-        self._horizon = -1               # newest version the dead learner(s) reached: (c, horizon] is "ahead"
-        self._max_bv_seen = -1
-        self._session: Optional[str] = None   # the learner's (BatchRequest.session), once one was given
-        self.requested_version = 0             # version of the latest batch request (bounds announce_version)
-        if self.max_staleness > self.cfg.max_staleness_limit:
-            raise ValueError(f"max_staleness ({self.max_staleness}) exceeds buffer.max_staleness_limit "
-                             f"({self.cfg.max_staleness_limit}); lower it or raise the limit")
 
     @classmethod
     def from_config(cls, cfg: Any, run_id: str, **kw) -> "GroupBuffer":
@@ -160,6 +139,16 @@ class GroupBuffer:
         last ``num_bins`` ids) and the run's eta (``Config.max_staleness``: 0 in sync mode)."""
         token_range = (cfg.policy.vocab_size - cfg.policy.num_bins, cfg.policy.vocab_size - 1)
         return cls(cfg.buffer, run_id, token_range=token_range, max_staleness=cfg.max_staleness, **kw)
+
+    @property
+    def version(self) -> int:
+        """The learner's version, as its latest batch request said."""
+        return self.admission.version
+
+    @property
+    def max_staleness(self) -> int:
+        """eta now."""
+        return self.admission.eta
 
     # ------------------------------------------------------------------ the ledger's counts, read here
     @property
@@ -206,27 +195,24 @@ class GroupBuffer:
                 if state in ("expired_partial", "ahead"):
                     return self.books.settle(state)
                 return self.books.malformed("group_overfull")
-            # Not granted by this buffer (granted before a restart, or forged): after a rollback its members may
-            # hold the dead learner's weights, so only versions up to the rollback's target are the live policy's.
-            g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now, ceiling=self._rollback_to)
+            g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now)   # not granted here (or forged)
+            self.admission.on_started()
         if traj.traj_id in g.traj_ids:
             return self.books.settle("duplicate")
-        key = (traj.group_size, traj.task_id, traj.init_state_id, traj.run_id)
+        key = (traj.group_size, traj.task_id, traj.init_state_id, traj.run_id, traj.lineage)
         if g.key is None:
             g.key, g.size = key, traj.group_size
         elif key != g.key:
             return self.books.malformed("group_mismatch")
-        bv = int(traj.behaviour_version)
-        self._max_bv_seen = max(self._max_bv_seen, bv)
-        if self._is_ahead(g, bv):
+        if self.admission.is_dead(traj.tag):
             self.books.settle("ahead")
             self._drop_open(g, "ahead")
             return "ahead"
         g.members.append(traj)
         g.traj_ids.add(traj.traj_id)
         g.last_t = now
-        g.min_bv = min(g.min_bv, bv)
-        g.max_bv = max(g.max_bv, bv)
+        g.min_bv = min(g.min_bv, int(traj.behaviour_version))
+        g.max_bv = max(g.max_bv, int(traj.behaviour_version))
         g.nbytes += traj.nbytes
         self.held_bytes += traj.nbytes
         self._largest = max(self._largest, traj.nbytes)
@@ -256,14 +242,13 @@ class GroupBuffer:
         return self.valid_task_ids is None or task_id in self.valid_task_ids
 
     # ------------------------------------------------------------------ groups
-    def _is_ahead(self, g: _Group, bv: int) -> bool:
-        """Is behaviour version ``bv`` in group ``g`` a dead learner's policy (see ``rollback``)?"""
-        live = g.ceiling if g.ceiling is not None else self.version
-        return live < bv <= self._horizon
+    def _dead(self, g: _Group) -> bool:
+        return g.key is not None and self.admission.is_dead(g.newest_tag)
 
     def _close(self, g: _Group, state: str) -> None:
         """``g`` leaves assembly (complete, expired, reclaimed, ahead): later stragglers are judged by ``state``."""
         del self._open[g.gid]
+        self.admission.on_finished()
         if g.actor is not None:
             held = self._by_actor.get(g.actor)
             if held is not None:
@@ -289,11 +274,11 @@ class GroupBuffer:
         mask = self.cfg.difficulty_mask
         if mask is not None and not difficulty_mask(successes, mask[0], mask[1]):
             return self._reject(g, "filtered_difficulty")
-        if is_stale(self.version, g.min_bv, self.max_staleness):
+        if self.admission.is_stale(g.min_bv):
             return self._reject(g, "stale")
         g.refs = 1
         self._ready.append(g)
-        self.accepted_groups += 1
+        self.admission.on_accepted()
         self.books.admit_group(g.members, self.version)
         return "pending"
 
@@ -354,141 +339,84 @@ class GroupBuffer:
     def actors_holding_grants(self) -> list[int]:
         return sorted(self._by_actor)
 
-    # ------------------------------------------------------------------ pacing
-    def pacing_capacity(self) -> int:
-        """(eta + v_rel + 1) * B - running - accepted: new groups that may be granted now (may be negative)."""
-        v_rel = max(0, self.version - self._v_base)
-        return (self.max_staleness + v_rel + 1) * self.B - len(self._open) - self.accepted_groups
-
-    def grant(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> list[str]:
-        """New group ids ("<run>-g<n>") the actor may start; [] = not now (pacing, memory full, the actor holds
-        ``max_groups_per_actor`` open groups already, or its policy is unusable: too old - whatever it produced
-        would be dropped as stale - or a dead learner's newer weights after a rollback; it must fetch weights
-        first, the grant's learner_version tells it so). A want above what the actor may still hold is trimmed
-        (``grants_capped``); a want < 1 gets nothing."""
+    # ------------------------------------------------------------------ grants
+    def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None) -> list[str]:
+        """New group ids ("<run>-g<n>") the actor may start; [] = not now (``Admission.grantable``: pacing, or its
+        policy ``tag`` is unusable - whatever it produced would be dropped - ; memory full; or the actor holds
+        ``max_groups_per_actor`` open groups already). A want above what the actor may still hold is trimmed
+        (``grants_capped``); a want < 1 gets nothing; ``tag`` None: not judged by weights."""
         actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
-        if want > max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id)):
+        room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
+        if want > room:
             self.grants_capped += 1
-        n = self.grantable(actor_id, want, actor_version)
-        if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
-            self.grants_refused_behind += 1
-        elif self.holds_dead_weights(actor_version):
-            self.grants_refused_ahead += 1
+        why = self.admission.judge(tag) if tag is not None else ""
+        if why:
+            self.grants_refused[why] += 1
+        n = self.admission.grantable(tag, min(want, room)) if self.has_room() else 0
         now = self.clock()
-        ids = []
-        for _ in range(n):
-            gid = f"{self.run_id}-g{self._next_gid}"
-            self._next_gid += 1
-            ids.append(gid)
+        ids = [f"{self.run_id}-g{self._next_gid + k}" for k in range(n)]
+        self._next_gid += n
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too
             self._record(now, ControlCommand("j.grant", f"{actor_id}:" + ",".join(ids)))
             self._open_granted(actor_id, ids, now)
         return ids
 
-    def grantable(self, actor_id: int, want: int = 1, actor_version: Optional[int] = None) -> int:
-        """How many group ids ``grant`` would issue right now (nothing changes)."""
-        want = max(0, min(int(want), MAX_WANT, self.cfg.max_groups_per_actor - self.held_by(actor_id)))
-        n = min(want, max(0, self.pacing_capacity())) if self.cfg.pacing else want
-        if not self.has_room() or self.holds_dead_weights(actor_version):
-            return 0
-        if actor_version is not None and is_stale(self.version, actor_version, self.max_staleness):
-            return 0
-        return n
-
-    def holds_dead_weights(self, actor_version: Optional[int]) -> bool:
-        """Is ``actor_version`` a dead learner's (above the rollback's target, up to its newest; see rollback)?
-        Whatever an actor samples with it would be refused as "ahead"."""
-        return actor_version is not None and self.version < int(actor_version) <= self._horizon
-
     def _open_granted(self, actor_id: Optional[int], ids: list[str], now: float) -> None:
         for gid in ids:
             self._open[gid] = _Group(gid, last_t=now, actor=actor_id)
+        self.admission.on_started(len(ids))
         if actor_id is not None:
             self._by_actor.setdefault(actor_id, set()).update(ids)
 
+    # ------------------------------------------------------------------ the learner
     def set_max_staleness(self, eta: int, source: str = "api") -> int:
-        """Change eta live (logged, kept in eta_changes and metrics); returns the new value."""
-        eta = int(eta)
-        if not 0 <= eta <= self.cfg.max_staleness_limit:
-            raise ValueError(f"max_staleness must be in [0, buffer.max_staleness_limit={self.cfg.max_staleness_limit}]"
-                             f", got {eta}")
-        if eta != self.max_staleness:
-            self._record(self.clock(), ControlCommand("j.eta", eta))
-            log.info("buffer: max_staleness %d -> %d (from %s, learner version %d)", self.max_staleness, eta,
-                     source, self.version)
-            self.eta_changes.append({"t": time.time(), "version": self.version, "old": self.max_staleness,
-                                     "new": eta, "source": source})
-            del self.eta_changes[:-100]
-            self.max_staleness = eta
+        """Change eta live (logged, kept in ``admission.eta_changes`` and metrics); returns the new value."""
+        old = self.max_staleness
+        if self.admission.set_eta(eta, source):
+            self._record(self.clock(), ControlCommand("j.eta", int(eta)))
+            log.info("buffer: max_staleness %d -> %d (from %s, learner version %d)", old, int(eta), source,
+                     self.version)
             self._purge_stale()
-        return eta
+        return self.max_staleness
 
-    def set_learner_version(self, v: int) -> None:
-        """The learner's current version. Never goes backwards here; only a batch request can (``rollback``)."""
-        v = int(v)
-        if v <= self.version:
+    def set_learner_version(self, version: int, lineage: Optional[Lineage] = None) -> None:
+        """The learner is at ``version``, as ``lineage`` (None: the one followed so far). Within one lineage the
+        version only moves forward (an older one: ValueError); a new lineage is followed wherever it starts (see
+        the module docstring), a lineage left behind is refused (ValueError)."""
+        old, was, heard = self.version, self.admission.lineage, self.admission.heard
+        new = self.admission.follow(version, lineage)
+        if not new and self.version == old and heard:
             return
-        self._record(self.clock(), ControlCommand("j.version", v))
-        self.version = v
-        if self.batches_formed == 0:
-            self._v_base = v
+        self._record(self.clock(), ControlCommand("j.learner", f"{self.version} {lineage.encode() if new else ''}"
+                                                   .rstrip()))
+        if new and was is not None:
+            log.warning("buffer: following a new learner lineage %s at version %d (was %s at %d)",
+                        lineage.id[:12], self.version, was.id[:12], old)
+            self.rollbacks.append({"t": time.time(), "from": old, "to": self.version, "lineage": lineage.id})
+            del self.rollbacks[:-100]
+        if new:
+            self._drop_dead()
         self._purge_stale()
 
-    def announce_version(self, v: int) -> int:
-        """The learner's version as told on the control socket (ControlCommand set_learner_version, which anyone
-        who reaches the socket can send): at most ``max_version_step`` past the latest batch request's version,
-        else ValueError naming the limit; never backwards. Returns the version now."""
-        v, limit = int(v), self.requested_version + self.cfg.max_version_step
-        if v > limit:
-            raise ValueError(f"set_learner_version {v} is more than buffer.max_version_step="
-                             f"{self.cfg.max_version_step} past the learner's latest batch request (version "
-                             f"{self.requested_version}); a learner moves its version with BatchRequest")
-        self.set_learner_version(v)
-        return self.version
-
-    def rollback(self, version: int, resumed: bool = False) -> None:
-        """A restarted learner resumed from a checkpoint older than our version: follow it back to ``version``.
-
-        A batch already formed at ``version`` is kept and served again; a batch formed for a later version (only
-        the newest one is still held: the one the dead learner was training) goes back to the front of the ready
-        queue untrained, so the resumed learner trains it again (with ``buffer.reuse`` > 1 it is only released).
-        Batches the dead learner consumed before that are gone: their updates died with it, their trajectories
-        stay "trained".
-        Staleness is measured from ``version`` again (else everything the resumed policy produces would look too
-        old and the learner would starve), and v_base moves back as far, so pacing keeps the credit of the batches
-        consumed so far (the replayed versions each consume a batch again).
-
-        Versions ``version + 1`` up to the dead learner's newest (the horizon: our version or the newest behaviour
-        version seen, whichever is larger) were the dead learner's policies, which no longer exist: data sampled
-        with them is refused as "ahead" - whole groups, held (ready, untrained) or still assembling, now and when
-        it arrives later - and actors holding such weights get no grant until they catch up with the resumed
-        learner. Groups open now keep ``version`` as their ceiling for good (the resumed learner's later versions
-        reuse those numbers); groups granted from now on to actors at or below the learner's version are judged
-        against the learner's version as it moves. ``resumed``: a new learner session (BatchRequest.session) at our
-        version itself - the dead learner may have published newer weights before asking for its next batch.
-        """
-        v = int(version)
-        if v > self.version or (v == self.version and not resumed):
-            return
-        self._record(self.clock(), ControlCommand("j.rollback" if v < self.version else "j.resume", v))
-        log.warning("buffer: learner rolled back from version %d to %d (resumed from a checkpoint)", self.version, v)
-        self.rollbacks.append({"t": time.time(), "from": self.version, "to": v})
-        del self.rollbacks[:-100]
-        self._horizon = max(self._horizon, self.version, self._max_bv_seen)
-        self._rollback_to = v
-        self._v_base -= self.version - v
-        for bv in sorted((bv for bv in self._batches if bv > v), reverse=True):
-            for g in reversed(self._batches.pop(bv).groups):
+    def _drop_dead(self) -> None:
+        """A new lineage: batches the learner cannot have trained go back to the ready queue untrained (a batch
+        for a later version: its update died; one holding a dead policy), then every group holding a dead policy
+        goes ("ahead"), open or ready."""
+        v = self.version
+        for bv in sorted(self._batches, reverse=True):
+            batch = self._batches[bv]
+            if bv < v or (bv == v and not any(map(self._dead, batch.groups))):
+                continue
+            del self._batches[bv]
+            for g in reversed(batch.groups):
                 if self.cfg.reuse == 1 and g.uses == 1:
                     self._untrain(g, bv)
                 else:
                     self._release(g)
-        self.version = v
         for g in list(self._open.values()):
-            g.ceiling = v if g.ceiling is None else min(g.ceiling, v)
-            if g.max_bv > v:
+            if self._dead(g):
                 self._drop_open(g, "ahead")
-        self._drop_ready(lambda g: g.max_bv > v, "ahead")
+        self._drop_ready(self._dead, "ahead")
 
     def _untrain(self, g: _Group, batch_version: int) -> None:
         """Undo _form for a group of a batch whose update was lost: back to the front of the ready queue."""
@@ -498,7 +426,7 @@ class GroupBuffer:
 
     def _purge_stale(self) -> None:
         """Drop ready groups whose lag now exceeds eta (not trained: "stale"; trained leftovers of reuse: gone)."""
-        self._drop_ready(lambda g: is_stale(self.version, g.min_bv, self.max_staleness), "stale")
+        self._drop_ready(lambda g: self.admission.is_stale(g.min_bv), "stale")
 
     def _drop_ready(self, drop: Callable[[_Group], bool], reason: str) -> None:
         """Remove the ready groups ``drop`` picks: untrained ones count as ``reason`` in the ledger; trained
@@ -512,7 +440,7 @@ class GroupBuffer:
                 continue
             if not g.trained:
                 self.books.drop_group(g.members, reason, self.version)
-                self.accepted_groups -= 1
+                self.admission.on_dropped()
             self._release(g)
         self._ready = keep
 
@@ -523,27 +451,19 @@ class GroupBuffer:
         return None if got is None else got[1]
 
     def take_batch(self, version: int, rank: int = 0, world: int = 1,
-                   session: str = "") -> Optional[tuple[int, list[list[Trajectory]]]]:
+                   lineage: Optional[Lineage] = None) -> Optional[tuple[int, list[list[Trajectory]]]]:
         """(batch_id, groups [rank*B/W, (rank+1)*B/W) of the batch for ``version``), or None if not enough yet.
 
-        The first request at a version forms the batch (B fresh groups); the other ranks at that version get
-        their share of the same batch, and a repeated request gets the same answer again (idempotent).
-        """
+        The request tells the learner's version and lineage (``set_learner_version``). The first request at a
+        version forms the batch (B fresh groups); the other ranks at that version get their share of the same
+        batch, and a repeated request gets the same answer again (idempotent). ValueError for a request that
+        cannot be served: a bad rank / world, or a learner the buffer no longer follows."""
         if world < 1 or not 0 <= rank < world or self.B % world:
             raise ValueError(f"rank {rank} / world {world} cannot split {self.B} groups evenly")
-        if session and session != self._session:
-            # Another learner: at a version we served, it resumed from a checkpoint (even the newest one: what the
-            # dead learner published after it died with it). A fresh buffer's first learner is just followed.
-            if self._session is not None and version <= self.version:
-                self.rollback(version, resumed=True)
-            self._session = session
-        elif version < self.version:  # ranks move in lock-step: an older version is a learner resumed from a checkpoint
-            self.rollback(version)
-        self.set_learner_version(version)
-        self.requested_version = int(version)
-        batch = self._batches.get(version)
+        batch = self._batches.get(version) if lineage is None or lineage == self.admission.lineage else None
         if batch is None:
-            batch = self._form(version)
+            self.set_learner_version(version, lineage)
+            batch = self._batches.get(version) or self._form(version)
             if batch is None:
                 return None
         per = self.B // world
@@ -629,6 +549,7 @@ class GroupBuffer:
         assert pending == self.books.pending, (pending, self.books.pending)
         assert held_bytes == self.held_bytes, (held_bytes, self.held_bytes)
         assert self.received == sum(self.ledger.values()), (self.received, self.ledger)
+        assert self.admission.running == len(self._open), (self.admission.running, len(self._open))
 
     def metrics(self) -> dict[str, float]:
         """Scalars for TensorBoard under buffer/*."""
@@ -638,10 +559,10 @@ class GroupBuffer:
             "buffer/received": float(self.received), "buffer/lag_mean": lag_mean, "buffer/lag_max": float(lag_max),
             "buffer/groups_in_flight": float(len(self._open)), "buffer/held_bytes": float(self.held_bytes),
             "buffer/max_staleness": float(self.max_staleness), "buffer/groups_ready": float(len(self._ready)),
-            "buffer/groups_accepted": float(self.accepted_groups), "buffer/batches": float(self.batches_formed),
-            "buffer/pacing_capacity": float(self.pacing_capacity()), "buffer/learner_version": float(self.version),
-            "buffer/grants_refused_behind": float(self.grants_refused_behind),
-            "buffer/grants_refused_ahead": float(self.grants_refused_ahead),
+            "buffer/groups_accepted": float(self.admission.accepted), "buffer/batches": float(self.batches_formed),
+            "buffer/pacing_capacity": float(self.admission.capacity()), "buffer/learner_version": float(self.version),
+            "buffer/grants_refused_behind": float(self.grants_refused["behind"]),
+            "buffer/grants_refused_dead": float(self.grants_refused["dead"]),
             "buffer/grants_capped": float(self.grants_capped),
         })
         return m
@@ -650,11 +571,12 @@ class GroupBuffer:
         """Everything about the books, JSON-able (ledger.json)."""
         return {
             "run_id": self.run_id, **self.books.snapshot(), "learner_version": self.version,
-            "max_staleness": self.max_staleness, "eta_changes": list(self.eta_changes),
+            "learner_lineage": self.admission.lineage.encode() if self.admission.lineage else None,
+            "max_staleness": self.max_staleness, "eta_changes": list(self.admission.eta_changes),
             "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
-            "grants_refused_behind": self.grants_refused_behind,
-            "grants_refused_ahead": self.grants_refused_ahead, "grants_capped": self.grants_capped,
-            "horizon": self._horizon, "groups_in_flight": len(self._open),
+            "grants_refused_behind": self.grants_refused["behind"],
+            "grants_refused_dead": self.grants_refused["dead"], "grants_capped": self.grants_capped,
+            "groups_in_flight": len(self._open),
             "actors_holding_grants": len(self._by_actor),
             "most_groups_held_by_one_actor": max(map(len, self._by_actor.values()), default=0),
             "groups_ready": len(self._ready), "held_bytes": self.held_bytes,
@@ -676,21 +598,18 @@ class GroupBuffer:
         cmd, value = msg.command, msg.value
         if cmd == "j.malformed":
             self.count_malformed(value)
-        elif cmd == "j.version":
-            self.set_learner_version(value)
+        elif cmd == "j.learner":   # "<version>[ <encoded lineage>]": a new lineage, else the version moved
+            version, _, lineage = value.partition(" ")
+            self.set_learner_version(int(version), Lineage.parse(lineage) if lineage else None)
         elif cmd == "j.eta":
             self.set_max_staleness(value, source="replay")
         elif cmd == "j.expire":
             self.expire(self.clock())
         elif cmd == "j.batch":
             self.take_batch(value)
-        elif cmd == "j.rollback":
-            self.rollback(value)
-        elif cmd == "j.resume":
-            self.rollback(value, resumed=True)
-        elif cmd == "j.grant":   # "<actor>:<id>,<id>..." (recordings before per-actor grants: no "<actor>:")
+        elif cmd == "j.grant":   # "<actor>:<id>,<id>..."
             actor, _, ids = value.rpartition(":")
-            self._open_granted(int(actor) if actor else None, ids.split(","), self.clock())
+            self._open_granted(int(actor), ids.split(","), self.clock())
         elif cmd == "j.reclaim":
             self.reclaim(value)
         else:

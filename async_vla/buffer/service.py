@@ -5,26 +5,24 @@ socket with a ZeroMQ context and I/O thread of its own.
 ``serve(stop_event)`` runs in the caller's thread (``bin/buffer``'s main thread, or a learner thread); one thread
 owns the GroupBuffer, so it needs no locks: other threads read only ``latest_metrics`` (or ask over the control
 socket, ControlCommand("stats")). Each ``step()``:
-  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (one from an actor whose
-     weights are newer than the learner version we know, that pacing would refuse now, waits up to
-     buffer.grant_retry_s for the learner's BatchRequest at that version: it was published, the request is on its
-     way, and a refusal now would be charged to the new version); ControlCommand; Heartbeat and ActorStats are kept
-     (latest per actor) for metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a
-     batch is ready or its timeout_s passes (then ready=False). A BatchRequest on the control socket is answered
+  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (GroupBuffer.grant, the
+     refusal's reason from its Admission); ControlCommand; Heartbeat and ActorStats are kept (latest per actor) for
+     metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
+     timeout_s passes (then ready=False). A BatchRequest on the control socket is answered
      not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
   3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
-Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, a set_learner_version
-within buffer.max_version_step of the latest batch request (GroupBuffer.announce_version), grants per actor within
+Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
 Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
-takes in the trajectories already queued on its socket first (``_drain``). A batch request for a version older
-than the buffer's is a learner resumed from a checkpoint: the buffer follows it back (``GroupBuffer.rollback``).
+takes in the trajectories already queued on its socket first (``_drain``). A batch request from a new learner
+lineage (a learner restarted) is followed (GroupBuffer.set_learner_version); one from a lineage left behind is
+answered not-ready (counted in bad_batch_requests).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import zmq
 
 from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
-                                Heartbeat, Shutdown, Trajectory, frames_of)
+                                Heartbeat, Lineage, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
@@ -52,7 +50,6 @@ DRAIN_S = 1.0               # on a clean stop, time given to take in trajectorie
 MAX_PARK_S = 600.0          # a learner asking to wait longer is clamped (a reply always comes)
 MAX_PARKED = 64             # parked batch requests held at once; beyond it a request is answered not-ready at once
 MAX_ACTORS_TRACKED = 4096   # actor ids remembered for metrics and reclaiming (forged ids must not grow memory)
-MAX_PARKED_GRANTS = 1024    # grant requests waiting for the learner's version; beyond it they are answered at once
 MAX_STATS_TASKS = 512       # by-task entries one ActorStats may carry (a run has far fewer tasks)
 CONTROL_BURST = 64          # control messages handled per step before trajectories get a turn
 TRAJECTORY_BURST = 256      # trajectories read per step before control gets a turn
@@ -130,12 +127,10 @@ class BufferService:
         self._idle_poll = zmq.Poller()
         for sock in (self.control.socket, self.batches.socket, self.receiver.socket):
             self._idle_poll.register(sock, zmq.POLLIN)
-        self.weights_path = ""
         self.incarnation = uuid.uuid4().hex[:12]
         """This buffer process's id (AdmissionGrant.buffer_id, ledger.json): actors count what they sent per one."""
         self.counters: collections.Counter = collections.Counter()
         self._parked: list[tuple[bytes, BatchRequest, float]] = []
-        self._parked_grants: dict[tuple[bytes, int], tuple[GrantRequest, float]] = {}   # (peer, actor) -> (req, deadline)
         self._seen_malformed: collections.Counter = collections.Counter()
         self._seen_malformed_total = 0
         self._actors: dict[int, dict] = {}   # actor_id -> {"t": last message, "heartbeat": ..., "stats": ...}
@@ -191,8 +186,6 @@ class BufferService:
         now = self.clock()
         if self._parked and (added or any(deadline <= now for _, _, deadline in self._parked)):
             self._serve_parked(now)
-        if self._parked_grants:
-            self._serve_parked_grants(now)
         if work and self.recorder is not None:
             self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
         self._periodic(now, on_status)
@@ -292,33 +285,6 @@ class BufferService:
     def _grant(self, peer: bytes, req: GrantRequest) -> None:
         self.counters["grant_requests"] += 1
         self._touch(req.actor_id)
-        key = (peer, int(req.actor_id))
-        if key in self._parked_grants:   # asked again (its grant_timeout_s passed): the older one is answered first
-            self._answer_grant(peer, self._parked_grants.pop(key)[0])
-        b, pv = self.buffer, req.policy_version
-        if (pv is not None and int(pv) > b.version and not b.holds_dead_weights(pv) and req.want >= 1
-                and len(self._parked_grants) < MAX_PARKED_GRANTS and not b.grantable(req.actor_id, req.want, pv)):
-            # Weights newer than our version: the learner stepped and published, and its BatchRequest for that
-            # version (which opens pacing room) is on its way. Refused now, the refusal would be for the old
-            # version's pacing and the actor would sleep out retry_after_s after the learner moved on: wait for
-            # the version (or grant_retry_s) instead, then answer.
-            self._parked_grants[key] = (req, self.clock() + self.cfg.buffer.grant_retry_s)
-            self.counters["grants_parked"] += 1
-            return
-        self._answer_grant(peer, req)
-
-    def _serve_parked_grants(self, now: float) -> None:
-        """Answer each parked grant request once the version reached the actor's, room opened, or it waited
-        grant_retry_s (a refusal then is about the version it asked with, or the learner is slow)."""
-        b = self.buffer
-        for key, (req, deadline) in list(self._parked_grants.items()):
-            pv = int(req.policy_version)
-            if (b.version >= pv or deadline <= now or b.holds_dead_weights(pv)
-                    or b.grantable(req.actor_id, req.want, pv)):
-                del self._parked_grants[key]
-                self._answer_grant(key[0], req)
-
-    def _answer_grant(self, peer: bytes, req: GrantRequest) -> None:
         bc, error = self.cfg.buffer, ""
         room = bc.max_groups_per_actor - self.buffer.held_by(req.actor_id)
         if req.want < 1:
@@ -326,29 +292,20 @@ class BufferService:
         elif req.want > room:
             error = (f"want {req.want} trimmed to {max(room, 0)}: an actor holds at most buffer.max_groups_per_actor="
                      f"{bc.max_groups_per_actor} open groups (it holds {self.buffer.held_by(req.actor_id)})")
-        ids = self.buffer.grant(req.actor_id, req.want, actor_version=req.policy_version) if req.want >= 1 else []
+        ids = self.buffer.grant(req.actor_id, req.want, req.policy) if req.want >= 1 else []
         if error:
             self.counters["grant_requests_out_of_bounds"] += 1
         self.counters["groups_granted"] += len(ids)
         self.counters["grants_refused"] += 0 if ids else 1
+        learner = self.buffer.admission.lineage
         self.control.reply(peer, AdmissionGrant(
             actor_id=req.actor_id, group_ids=ids, learner_version=self.buffer.version,
-            max_staleness=self.buffer.max_staleness, retry_after_s=0.0 if ids else bc.grant_retry_s,
-            weights_path=self.weights_path, error=error, buffer_id=self.incarnation))
+            learner_lineage=learner.id if learner is not None else "", max_staleness=self.buffer.max_staleness,
+            retry_after_s=0.0 if ids else bc.grant_retry_s,
+            refused="" if ids else self.buffer.admission.judge(req.policy) or "wait",
+            error=error, buffer_id=self.incarnation))
 
     def _batch_request(self, peer: bytes, req: BatchRequest) -> None:
-        other = bool(req.session) and any(r.session and r.session != req.session for _, r, _ in self._parked)
-        if req.version < self.buffer.version or other:
-            # A learner resumed from an older checkpoint: requests the dead one left parked are void (served, they
-            # would drag the version forward again). Each still gets its one reply.
-            void = [(p, r) for p, r, _ in self._parked
-                    if r.version > req.version or (req.session and r.session and r.session != req.session)]
-            for p, r in void:
-                self.batches.reply_bundle(p, BatchHeader(batch_id=-1, version=r.version, ready=False), [])
-            voided = {id(r) for _, r in void}   # all of them: the other session's at or below req.version too
-            self._parked = [x for x in self._parked if id(x[1]) not in voided]
-            self.counters["parked_voided"] += len(void)
-            self.counters["learner_rollbacks"] += 1
         if not self._try_batch(peer, req):
             # One parked request per learner peer and rank (a newer one means the older was given up on), and at
             # most MAX_PARKED in all: each still gets its one reply.
@@ -367,7 +324,8 @@ class BufferService:
     def _try_batch(self, peer: bytes, req: BatchRequest) -> bool:
         """Reply with this rank's share if the batch exists or can be formed now; False = not yet."""
         try:
-            got = self.buffer.take_batch(req.version, req.rank, req.world, session=req.session)
+            got = self.buffer.take_batch(req.version, req.rank, req.world,
+                                         Lineage.parse(req.lineage) if req.lineage else None)
         except ValueError as exc:
             self._warn("bad_batch", "buffer: bad batch request from rank %d: %s", req.rank, exc)
             self.counters["bad_batch_requests"] += 1
@@ -399,19 +357,6 @@ class BufferService:
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool):
                     raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
                 return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))
-            if cmd.command == "set_learner_version":
-                if not isinstance(cmd.value, int) or isinstance(cmd.value, bool) or cmd.value < 0:
-                    raise ValueError(f"set_learner_version needs an int >= 0, got {cmd.value!r}")
-                try:
-                    return ControlCommand("ok", self.buffer.announce_version(int(cmd.value)))
-                except ValueError:
-                    self.counters["learner_version_refused"] += 1
-                    raise
-            if cmd.command == "set_weights_path":
-                if not isinstance(cmd.value, (str, type(None))) or len(cmd.value or "") > 4096:
-                    raise ValueError("set_weights_path needs a path (a str of at most 4096 characters)")
-                self.weights_path = str(cmd.value or "")
-                return ControlCommand("ok", self.weights_path)
             if cmd.command == "stats":
                 return ControlCommand("stats", json.dumps(self.stats()))
             raise ValueError(f"unknown command {cmd.command[:64]!r}")
@@ -541,7 +486,6 @@ class BufferService:
             m["buffer/rss_bytes"] = float(rss)
         m.update(self.actor_metrics())
         m["buffer/parked_requests"] = float(len(self._parked))
-        m["buffer/parked_grant_requests"] = float(len(self._parked_grants))
         m["buffer/control_malformed"] = float(self.control.malformed.total)
         m["buffer/batch_malformed"] = float(self.batches.malformed.total)
         for k, v in self.counters.items():

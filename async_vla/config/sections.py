@@ -246,11 +246,6 @@ class BufferConfig(Section):
     max_staleness_limit: int = Field(16, ge=0)
     """Ceiling on eta: max_staleness, and every live change of it (ControlCommand set_max_staleness, the file
     <run>/control/max_staleness), must lie in [0, this]; a change above it is refused with an error naming it."""
-    max_version_step: int = Field(16, ge=1)
-    """ControlCommand set_learner_version may move the learner version at most this far past the version of the
-    learner's latest BatchRequest (the learner's own word: a string of forged commands cannot ratchet it up); a
-    larger value is refused with an error naming this key. A learner announces at most one version past its last
-    batch request; batch requests themselves are not bounded by it (a resumed learner may start at any version)."""
     pacing: bool = True
     """Grant new groups only while started-unfinished + accepted <= (eta + v + 1) * B."""
     group_timeout_s: float = Field(120.0, gt=0)
@@ -449,12 +444,6 @@ class WeightsConfig(Section):
     """The learner computes each version's checksum (while packing) and receivers check it before taking the
     version (publish reports how many matched). False: no checksum on the broadcast path (the export still
     records one); `confirmed` then counts receipts."""
-    verify_split: bool = True
-    """Through shared memory (one host) every receiver maps the same pages, so with 2+ receivers each checks
-    one share of the tensors and the learner's verdict on all shares decides for everyone (all or none take
-    the version): one pass over the bytes per version instead of one per receiver. False: every receiver
-    checks everything itself (as over the wire, where each has its own copy). The learner's setting decides
-    (and its `verify`): a receiver then checks its share and follows the verdict whatever its own settings."""
     verify_ranks: bool = False
     """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
     with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).
@@ -472,18 +461,6 @@ class WeightsConfig(Section):
     overlap: bool = True
     """Issue all bucket broadcasts before waiting (they overlap); False waits for each in turn (the naive
     loop, kept as a benchmark baseline)."""
-    shm: bool = True
-    """gloo only: when every actor of a group runs on the learner's host (it can read a probe file the learner
-    writes to weights.shm_dir), pack the buckets into a shared-memory segment there and send only their
-    offsets over the group (gloo has no shared-memory transport, and loopback TCP is far below memcpy speed:
-    docs/WEIGHTS.md). Costs two model-sized segments in shm_dir; falls back to the wire when they do not fit."""
-    shm_dir: str = "/dev/shm"
-    """Directory (a tmpfs) for the shared-memory segments of weights.shm."""
-    doorbell: bool = True
-    """weights.shm groups: exchange each version through a small shared page (futexes) instead of gloo round
-    trips, and let receivers check their verification share while the learner is still packing (faster end to
-    end: docs/WEIGHTS.md). Needs the native library (bin/build-native) on both sides and Linux;
-    otherwise, or False, such groups use the gloo header/acknowledgement protocol."""
 
 
 class TransportConfig(Section):

@@ -17,9 +17,8 @@ The packer (``async_vla.weights.packer``) applies the same rule while tensors st
 gather layer by layer and copy each full tensor into its bucket before the next layer is gathered.
 
 Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
-bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float (the
-``WeightVersion.checksum`` field). Integer sums are order-independent, hence identical across processes,
-thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
+bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float. Integer sums are
+order-independent, hence identical across processes, thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
 its rounding depends on the reduction order). It catches stale versions, missing or zeroed buckets and
 layout mix-ups; it does not catch a permutation of 8-byte words inside one tensor.
 """
@@ -232,23 +231,6 @@ def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.T
             for e in layout.entries}
 
 
-def share_sums(layout: Layout, buckets: Sequence[torch.Tensor], names: Iterable[str]) -> list[tuple[str, int, int]]:
-    """(name, tensor_sum, numel) of the named tensors as ``unpack`` would give them, read straight from the
-    buckets by the native kernel when it is there (no view made per tensor: a receiver checks its verification
-    share before it needs them), else through the views."""
-    _check_buckets(layout, buckets)
-    if not (native.available() and all(b.device.type == "cpu" and b.is_contiguous() for b in buckets)):
-        views = unpack(layout, buckets)
-        return [(n, tensor_sum(views[n]), views[n].numel()) for n in names]
-    where, ptrs = layout.entry_of, [b.data_ptr() for b in buckets]
-    out = []
-    for n in names:
-        e = where[n]
-        out.append((n, native.sum_raw(ptrs[e.bucket] + e.offset * DTYPES[e.spec.dtype].itemsize, e.spec.nbytes),
-                    e.spec.numel))
-    return out
-
-
 def named_items(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
     return named.items() if isinstance(named, Mapping) else named
 
@@ -295,31 +277,3 @@ def fold(sums: Iterable[tuple[str, int, int]]) -> int:
     for _, total, numel in sorted(sums):
         h = (h * 1_000_003 + total + numel) % _MOD
     return h
-
-
-def verify_shares(layout: Layout, k: int) -> list[list[str]]:
-    """The tensors of ``layout`` cut into ``k`` runs of manifest order with about equal bytes: on shared memory
-    every receiver reads the very same pages, so each checks one share and the publisher checks the shares
-    against its own sums (``wire``). Deterministic from the layout (so both sides agree); cached on it."""
-    if k < 1:
-        raise ValueError("k must be >= 1")
-    cache = layout.__dict__.setdefault("_shares", {})   # (a frozen dataclass still has a __dict__)
-    if k not in cache:
-        cache[k] = _cut_shares(layout, k)
-    return [list(share) for share in cache[k]]
-
-
-def _cut_shares(layout: Layout, k: int) -> list[list[str]]:
-    total = sum(e.spec.nbytes for e in layout.entries) or 1
-    out: list[list[str]] = [[] for _ in range(k)]
-    done = 0
-    for e in layout.entries:
-        # A tensor goes to the share its middle byte falls in, so one large tensor cannot skew two shares.
-        out[min(k - 1, (2 * done + e.spec.nbytes) * k // (2 * total))].append(e.spec.name)
-        done += e.spec.nbytes
-    return out
-
-
-def share_checksum(names: Iterable[str], sums: Mapping[str, tuple[int, int]]) -> int:
-    """``fold`` of the named tensors' (sum, numel): the value one verification share must match."""
-    return fold((n, *sums[n]) for n in names)

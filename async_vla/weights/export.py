@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from async_vla.messages import ROOT, PolicyTag
 from async_vla.weights.buckets import Layout, NamedTensors, bytes_of, checksum, dtype_name, named_items, unpack
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,11 @@ def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Opt
 
 
 def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
-                   keep: int = 2, session: str = "", milestone: bool = False) -> Path:
+                   keep: int = 2, lineage: str = ROOT, milestone: bool = False) -> Path:
     """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
-    older exports down to ``keep``. A reader never sees a partial file under either name. ``session``: the
-    publishing learner's session id (metadata; a resumed learner's versions restart lower, so a version number
-    alone cannot tell its exports from the dead learner's). ``milestone``: also keep this version in
+    older exports down to ``keep``. A reader never sees a partial file under either name. ``lineage``: the
+    publishing learner's (metadata: a version number alone cannot tell a resumed learner's exports from the dead
+    learner's). ``milestone``: also keep this version in
     ``milestones/`` (a hard link: no second copy) until its reader deletes it - pruning does not touch it - if
     that directory exists (an evaluator made it: nobody else would ever delete them)."""
     d = Path(weights_dir)
@@ -62,7 +63,7 @@ def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTens
     final = d / f"v{version}.safetensors"
     tmp = d / f".v{version}.safetensors.tmp{os.getpid()}"
     write_safetensors(tmp, named, {"version": str(version), "checksum": repr(checksum_value), "format": "pt",
-                                   "session": session})
+                                   "lineage": lineage})
     os.replace(tmp, final)
     if milestone:
         _keep_milestone(d, final)
@@ -130,8 +131,8 @@ class Exporter:
     exactly those versions however far the latest export has moved on by the time it looks (with
     ``weights.publish_every`` > 1 a multiple that is never published is stood in for by the next export past it)."""
 
-    def __init__(self, weights_dir: Union[str, Path], keep: int, session: str = "", milestone_every: int = 0):
-        self.weights_dir, self.keep, self.session = Path(weights_dir), keep, session
+    def __init__(self, weights_dir: Union[str, Path], keep: int, lineage: str = ROOT, milestone_every: int = 0):
+        self.weights_dir, self.keep, self.lineage = Path(weights_dir), keep, lineage
         self.milestone_every = max(0, int(milestone_every))
         self._last_export = -1      # version of the last export started (its milestone decided)
         self._thread: Optional[threading.Thread] = None
@@ -155,7 +156,7 @@ class Exporter:
             try:
                 named = unpack(layout, [b.cpu() for b in buckets])
                 export_weights(self.weights_dir, version, named, checksum(named) if csum is None else csum, self.keep,
-                               self.session, milestone)
+                               self.lineage, milestone)
             except Exception as exc:  # noqa: BLE001 - a full disk must not stop training: logged, reported
                 self._error = exc
                 log.error("weights: export of v%d failed: %s", version, exc)
@@ -176,15 +177,14 @@ class Exporter:
         return error
 
 
-def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu", newer_than: int = -1,
-                session: str = "", meta_out: Optional[dict] = None
-                ) -> Optional[tuple[int, dict[str, torch.Tensor], float]]:
-    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (version, tensors, checksum).
-    None when there is none, when its version is ``<= newer_than``, or - with ``session`` - when another learner
-    session wrote it (decided from the safetensors header alone, so polling for a newer export costs a few
-    hundred bytes, not a model's worth of reads; exports without a session count as any). ``meta_out``, if
-    given, receives the returned export's metadata. Retries when the file is pruned between reading the pointer
-    and opening it."""
+def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu",
+                newer_than: Optional[PolicyTag] = None, lineage: Optional[str] = None
+                ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor], float]]:
+    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (its tag, tensors, checksum).
+    None when there is none, when it is not newer than ``newer_than`` (the same lineage, a version not above it),
+    or - with ``lineage`` - when another learner lineage wrote it; decided from the safetensors header alone, so
+    polling for a newer export costs a few hundred bytes, not a model's worth of reads. Retries when the file is
+    pruned between reading the pointer and opening it."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -205,13 +205,12 @@ def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] 
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-            version = int(meta.get("version", _EXPORT_RE.match(name).group(1)))
-            if version <= newer_than or session and meta.get("session") and meta["session"] != session:
+            tag = PolicyTag(meta.get("lineage", ROOT), int(meta.get("version", _EXPORT_RE.match(name).group(1))))
+            if (lineage is not None and tag.lineage != lineage or newer_than is not None
+                    and tag.lineage == newer_than.lineage and tag.version <= newer_than.version):
                 return None
             tensors = load_file(str(path), device=str(device))
         except FileNotFoundError:
             continue
-        if meta_out is not None:
-            meta_out.update(meta)
-        return version, tensors, float(meta.get("checksum", "nan"))
+        return tag, tensors, float(meta.get("checksum", "nan"))
     return None

@@ -18,8 +18,6 @@ class Member:
     seen: float = field(default_factory=time.monotonic)
     fails: int = 0
     suspended_until: float = 0.0
-    shm: bool = False          # can read our shared-memory segments (same host, same /dev/shm, same user)
-    bell: bool = False         # can take versions through a doorbell page (async_vla.weights.bell)
 
 
 class MemberRegistry:
@@ -50,8 +48,7 @@ class MemberRegistry:
                 self._known = tok
                 continue
             info = json.loads(store.get(f"w/member/{tok}"))
-            self.members[tok] = Member(int(info.get("actor_id", -tok)), shm=bool(info.get("shm")),
-                                       bell=bool(info.get("bell")))
+            self.members[tok] = Member(int(info.get("actor_id", -tok)))
             beats[tok] = store.add(f"w/hb/{tok}", 0)
             self._known = tok
         if leaves != self._leaves:      # someone left: find who (one store round trip per member, only now)

@@ -75,7 +75,7 @@ class BucketPacker:
 
     def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
                  pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True,
-                 previous: Optional["Layout"] = None, split: bool = True, stream=None):
+                 previous: Optional["Layout"] = None):
         self.cap = int(cap_bytes)
         self._previous = previous    # the last version's layout: reused (manifest, digest, shares) when equal
         self.device = torch.device(device)
@@ -89,26 +89,16 @@ class BucketPacker:
         # One pass that copies with non-temporal stores and sums on the way (async_vla.weights.native): about twice
         # the bandwidth of copy_ into memory other processes read next, and no checksum pass after it.
         self._native = self.device.type == "cpu" and native.available()
-        # ``split=False``: the other core is busy anyway (receivers following a doorbell post sum while we pack;
-        # measured: one thread was as fast at 10M and 100M)
-        self._helper = summer if self._native and split else None
+        self._helper = summer if self._native else None
         self._allocs: list[tuple[str, int]] = []    # (dtype, numel) of each buffer asked for, in order
         self._replay: Optional[Layout] = None
-        # False once a replay ended midway: the buffers it asked for up front and did not use leave gaps, so these
-        # offsets are not the ones the next packing of this layout will take
-        self.compact = True
         allocs = previous.__dict__.get("_allocs") if previous is not None else None
         if allocs is not None and not zero_copy and previous.cap_bytes == self.cap:
             self._start_replay(previous, allocs)
-        # ``stream``: a doorbell post of ``previous`` (``bell_versions.EarlyPost``), told of each tensor as it
-        # lands while the replay holds, aborted as soon as the packing leaves that layout (or cannot replay it).
-        self._stream = stream
-        if stream is not None and (self._replay is None or self._replay is not stream.layout):
-            stream.abort()
 
     # Replay: the same tensors as last time (a learner publishes the same parameters every version) go to the same
-    # places, so the buffers are asked for up front in the order the last packing asked for them - the same
-    # offsets in a shared-memory segment - and each tensor's destination is known: ``add`` checks that the tensor is
+    # places, so the buffers are asked for up front in the order the last packing asked for them (a pool hands the
+    # same ones back) and each tensor's destination is known: ``add`` checks that the tensor is
     # the expected one and copies, ~3 us of Python a tensor instead of ~10 (placing it, slicing its bucket). The
     # first tensor that differs ends the replay: what was packed so far is placed the usual way, nothing is lost.
     def _start_replay(self, previous: Layout, allocs: tuple[tuple[str, int], ...]) -> None:
@@ -141,17 +131,12 @@ class BucketPacker:
             dst.view(spec.shape).copy_(t)
         self._record_sum(name, total, dst, spec.numel)
         self._ri = i + 1
-        if self._stream is not None:
-            self._stream.advance(spec.nbytes)
         return True
 
     def _end_replay(self) -> None:
         """Go on the usual way from here: place the tensors replayed so far (the same places), keep their buckets."""
         prev, n = self._replay, self._ri
         self._replay = None
-        self.compact = False
-        if self._stream is not None:
-            self._stream.abort()
         for spec in prev.specs[:n]:
             self._planner.add(spec)
             self._names.add(spec.name)
@@ -229,12 +214,6 @@ class BucketPacker:
         if self._summer is None:
             raise RuntimeError("this packer was made with sums=False")
         return self._summer.result()
-
-    def tensor_sums(self) -> dict[str, tuple[int, int]]:
-        """name -> (tensor_sum, numel) of everything packed: what ``share_checksum`` folds."""
-        if self._summer is None:
-            raise RuntimeError("this packer was made with sums=False")
-        return {name: (total, numel) for name, total, numel in self._summer.sums()}
 
     def finish(self) -> tuple[Layout, list[torch.Tensor]]:
         if self._replay is not None:

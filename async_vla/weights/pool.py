@@ -1,17 +1,11 @@
 """Reuse of weight buffers between versions, and the check that says when a buffer is free to reuse (nobody
-still views it). Used by the packer (``async_vla.weights.buckets``), the shared-memory path (pins) and the
-subscriber's receive buffers."""
+still views it). Used by the packer (``async_vla.weights.packer``) and the subscriber's receive buffers."""
 
 from __future__ import annotations
 
 from typing import Union
 
 import torch
-
-
-def views_tracked() -> bool:
-    """Whether ``storage_free`` can tell (it needs a private torch API; without it nothing is ever free)."""
-    return getattr(torch._C, "_storage_Use_Count", None) is not None
 
 
 def storage_free(t: torch.Tensor) -> bool:

@@ -10,9 +10,9 @@ Membership epochs go through the store (no clocks compared across hosts): an act
 side thread bumps its heartbeat; at ``publish()`` the publisher re-forms the group (invite -> ack within
 ``join_timeout_s`` -> roster) when the live set changed or the group broke; an actor that misses the ack is
 suspended with back-off. Each broadcast is announced in the members' mailboxes (store queues), so an idle
-actor sleeps in a queue pop, never in a collective. How a version travels is the epoch's path, picked at forming
-(``async_vla.weights.transport``: the wire, shared memory, or the doorbell, one class each); ``publish`` is the
-same outline for all: pack, (re-)form if needed, deliver, export.
+actor sleeps in a queue pop, never in a collective. How a version travels is the epoch's path
+(``async_vla.weights.transport``; ``transport_wire``: the group itself); ``publish`` is the outline: pack,
+(re-)form if needed, deliver, export.
 
 Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
 actor makes the next op raise at once; a stopped one makes it time out. The publisher then drops its group -
@@ -41,20 +41,15 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from async_vla.weights import bell as weight_bell
 from async_vla.weights import native
-from async_vla.weights.bell_versions import BellSender, NoRoom
 from async_vla.weights.buckets import Layout
 from async_vla.weights.export import Exporter
 from async_vla.weights.members import MemberRegistry
 from async_vla.weights.packer import BucketPacker
 from async_vla.weights.pool import BufferPool
-from async_vla.weights.shm import RETRY_S as SHM_RETRY_S, ShmPublisher
 from async_vla.hosts import is_loopback
 from async_vla.weights.store_guard import StoreGuard
 from async_vla.weights.transport import Early, Packed, SendContext, SendTransport
-from async_vla.weights.transport_bell import BellTransport
-from async_vla.weights.transport_shm import ShmTransport
 from async_vla.weights.transport_wire import WireTransport
 from async_vla.weights.wire import WIRE_VERSION, gloo_bind, resolve_backend, td
 
@@ -66,7 +61,8 @@ BYE_DRAIN_S = 0.5       # closing: how long the store stays up for live actors t
 class WeightPublisher:
     """Learner rank 0: hosts the store, forms groups of live actors, broadcasts and exports weights."""
 
-    def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None):
+    def __init__(self, cfg, run_dir: Union[str, Path], world_timeout_s: Optional[float] = None,
+                 lineage: Optional[str] = None):
         self.cfg = cfg.weights
         self.timeout_s = float(world_timeout_s or cfg.weights.timeout_s)
         self.backend = resolve_backend(cfg)
@@ -91,8 +87,10 @@ class WeightPublisher:
             self.guard = StoreGuard(cfg.transport.host, cfg.transport.weights_port, store_port,
                                     cfg.transport.weights_allowed_peers)
         self.port = self.guard.port if self.guard is not None else store_port
-        self.session = uuid.uuid4().hex
-        self._store.set("w/session", self.session)
+        self.lineage = uuid.uuid4().hex if lineage is None else lineage
+        """The learner lineage every version published here belongs to (None given: a new one, as a learner start
+        mints; subscribers tag what they receive with it)."""
+        self._store.set("w/lineage", self.lineage)
         self._store.set("w/wire", str(WIRE_VERSION))
         for key in ("w/tokens", "w/leaves"):    # counters read with multi_get, which waits for missing keys
             self._store.add(key, 0)
@@ -101,33 +99,20 @@ class WeightPublisher:
         self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")
         if self.device.type == "cpu":
             log.info("weights: packing with %s", native.status())
-        self._shm: Optional[ShmPublisher] = None
-        if self.cfg.shm and self.backend == "gloo":
-            try:
-                self._shm = ShmPublisher(self.cfg.shm_dir, self.session, self._pool)
-            except OSError as exc:
-                log.warning("weights: no shared-memory path in %s (%s); broadcasting over gloo only",
-                            self.cfg.shm_dir, exc)
-        self._store.set("w/shm", self._shm.probe if self._shm is not None else "")
-        self._bell_ok = self._shm is not None and weight_bell.available()
-        self._ctx = SendContext(self._store, self.cfg, self.backend, self.timeout_s, self._shm,
-                                BellSender(self._store, self._shm) if self._bell_ok else None,
+        self._ctx = SendContext(self._store, self.cfg, self.backend, self.timeout_s,
                                 # gloo's pair sockets: loopback in a one-host run (docs/RELIABILITY.md "Security")
                                 gloo_bind(cfg.transport.host))
-        self._wire_until = 0.0     # shared memory had no room: groups stay on the wire until then
-        self._bell_after = 0.0     # a doorbell page could not be made: gloo messages until then
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
-                                   "session": self.session, "pid": os.getpid()}))
+                                   "lineage": self.lineage, "pid": os.getpid()}))
         os.replace(tmp, self._endpoint)
         self._registry = MemberRegistry()
         self._members = self._registry.members      # token -> Member
-        self._live_at: tuple[float, list[int]] = (-1e9, [])     # when the live set was last read, and what it was
         self._epoch = 0
-        self._group: Optional[SendTransport] = None    # this epoch's path (transport_wire / _shm / _bell)
+        self._group: Optional[SendTransport] = None    # this epoch's path (transport_wire)
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
-        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.session,
+        self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.lineage,
                                   milestone_every=cfg.run.eval_every)
         self._last_pack_s = 0.0
         self._layout: Optional[Layout] = None     # the last version's (reused while the tensors stay the same)
@@ -135,9 +120,7 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------ membership
     def _live_tokens(self) -> list[int]:
-        live = self._registry.live(self._store, 5 * self.cfg.heartbeat_s, 10 * self.cfg.heartbeat_s + 1.0)
-        self._live_at = (time.monotonic(), live)
-        return live
+        return self._registry.live(self._store, 5 * self.cfg.heartbeat_s, 10 * self.cfg.heartbeat_s + 1.0)
 
     def live_actors(self) -> list[int]:
         """Actor ids registered and heartbeating now (the next publish invites these)."""
@@ -183,21 +166,11 @@ class WeightPublisher:
         if not acked:
             return
         # Ours from now on: whatever fails below, the retry's _drop_group closes it.
-        self._group = t = self._open(self._kind(acked), e, tuple(acked))
+        self._group = t = WireTransport(self._ctx, e, tuple(acked))
         for rank, tok in enumerate(acked, 1):
             s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": len(acked) + 1,
                                                       **t.roster()}))
         t.join(deadline)
-
-    def _open(self, kind: str, epoch: int, members: tuple[int, ...]) -> SendTransport:
-        if kind == "bell":
-            try:
-                return BellTransport(self._ctx, epoch, members)
-            except OSError as exc:       # no room or no descriptor for the page: gloo messages for a while
-                log.warning("weights: no doorbell page for epoch %d (%s); using gloo messages", epoch, exc)
-                self._bell_after = time.monotonic() + SHM_RETRY_S
-                kind = "shm"
-        return (ShmTransport if kind == "shm" else WireTransport)(self._ctx, epoch, members)
 
     # ------------------------------------------------------------------ publishing
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -205,22 +178,16 @@ class WeightPublisher:
         """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors.
 
         Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
-        group), confirmed (receivers whose checksum matched; with split verification all or none, by the
-        verdict, and publish returns right after it: receivers hand over a moment later), transport (shm, gloo
-        or nccl), epoch, formed,
-        failures, error, checksum (None when nobody verifies), export_path, announced_early (members were told
-        before packing), verify_shares (receivers each checked one of this many shares: split verification on
-        shared memory; 0 when each checked everything or nothing), shm_remade (shared-memory segments re-made
-        so far because a receiver still held views of them: should stay near 0). ``zero_copy`` lets tensors
-        above the bucket cap be sent without a copy over the wire (they must stay unchanged until this returns;
-        export then runs synchronously); with shared memory on, everything is packed into the segment instead.
+        group), confirmed (receivers whose checksum matched), transport (gloo or nccl), epoch, formed, failures,
+        error, checksum (None when nobody verifies), export_path, announced_early (members were told before
+        packing). ``zero_copy`` lets tensors above the bucket cap be sent without a copy (they must stay unchanged
+        until this returns; export then runs synchronously).
         """
         t0 = time.monotonic()
         p, early = self._pack(version, named_tensors, zero_copy)
         self._last_pack_s = p.packed_at - t0
         stats = self._deliver(version, p, early, deadline=p.packed_at + self.timeout_s)
         stats["epoch"] = self._epoch
-        stats["shm_remade"] = self._shm.remade_pinned if self._shm is not None else 0
         stats["pack_s"] = p.packed_at - t0
         if p.csum is None and p.summing:
             p.csum = p.packer.checksum()
@@ -238,77 +205,53 @@ class WeightPublisher:
 
     def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
               zero_copy: bool) -> tuple[Packed, Early]:
-        """Pack the tensors into buckets (into the shared-memory segment when there is one), telling a standing
-        group of the version first where its path lets members start early (``SendTransport.start_early``, and
-        ``stream_early`` once the segment slot is taken)."""
-        shm = self._shm is not None and self.cfg.shm
+        """Pack the tensors into buckets, telling a standing group of the version first where its path lets
+        members start early (``SendTransport.start_early``)."""
         g, early = self._group, Early()
         # Not when packing took long last time (a ZeRO-3 gather of a large model): members would wait that out.
         quick = self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s))
         if g is not None and g.may_start_early(quick) and self._standing(g):
-            early = g.start_early(version, self._layout, quick)
+            early = g.start_early(version)
         try:
-            into = self._shm.arena(self._settle) if shm else self._pool
-            if early.standing:   # (the slot packed into is known now)
-                early.post = g.stream_early(version, self._layout, quick)
-            zero_copy = zero_copy and not shm       # with shared memory everything is packed into the segment
             # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
             summing = self.cfg.verify or self.cfg.verify_ranks
-            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, into, self._summer,
-                                  sums=summing, previous=self._layout, split=early.post is None, stream=early.post)
+            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, self._pool, self._summer,
+                                  sums=summing, previous=self._layout)
             for name, t in named_tensors:
                 packer.add(name, t)
             layout, buckets = packer.finish()
             self._layout = layout
-            # One version exporting, one packing; none once both shared-memory segments take the packing.
-            self._pool.trim(0 if shm and self._shm.in_place else 3 * layout.wire_bytes + 2 * packer.cap)
-            csum = packer.checksum() if summing and not early.checksum_after_seal else None
-            # Receivers through shared memory each check a share of these (wire.send_version).
-            sums_of = packer.tensor_sums if self.cfg.verify else None
+            self._pool.trim(3 * layout.wire_bytes + 2 * packer.cap)   # one version exporting, one packing
+            csum = packer.checksum() if summing else None
         except BaseException:
-            early.abort()
-            if shm:     # the slot we were packing into is ours again; the other may still be exporting v-1
-                self._shm.undo()
             if early.announced:   # the members wait in the header broadcast: closing the group fails them at once
                 self._drop_group()
             raise
-        return Packed(packer, layout, buckets, csum, sums_of, summing, zero_copy, time.monotonic()), early
+        return Packed(packer, layout, buckets, csum, summing, zero_copy, time.monotonic()), early
 
     def _deliver(self, version: int, p: Packed, early: Early, deadline: float) -> dict[str, Any]:
-        """Send the packed version to the group - formed or re-formed first unless it stood when packing began -
-        by its path; one retry with a new epoch after a failure, and the wire when shared memory has no room.
-        Returns the stats ``publish`` reports."""
+        """Send the packed version to the group - formed or re-formed first unless it stood when packing began;
+        one retry with a new epoch after a failure. Returns the stats ``publish`` reports."""
         stats: dict[str, Any] = {"version": version, "bytes": p.layout.total_bytes, "num_buckets": len(p.buckets),
                                  "checksum": p.csum, "receivers": 0, "confirmed": 0, "transport": "",
                                  "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
-                                 "announced_early": early.announced or early.post is not None, "verify_shares": 0,
-                                 "doorbell": False}
-        attempts = 2
-        while attempts > 0:
-            attempts -= 1
+                                 "announced_early": early.announced}
+        for _ in range(2):
             if deadline - time.monotonic() < 0.05:
                 break
             try:
                 if not early.standing:   # (a standing group gets it as it is; newcomers come next time)
                     live = self._live_tokens()
-                    if self._group is None or self._reform(live):
+                    if self._group is None or set(live) != set(self._group.members):
                         self._form(live, deadline)
                         stats["formed"] = True
                 g = self._group
                 if g is None:
                     break
-                stats["doorbell"] = g.kind == "bell"
                 sent = g.deliver(version, p, early, deadline)
-                self._last_pack_s += sent.place_s
                 stats["confirmed"], stats["transport"] = sent.confirmed, sent.transport
                 stats["receivers"], stats["error"] = len(g.members), ""
-                stats["verify_shares"] = g.verify_shares
                 break
-            except NoRoom as exc:   # planned: this version (and the next ones, a while) over the wire
-                log.warning("weights: v%d over the wire: %s", version, exc)
-                self._wire_until = time.monotonic() + SHM_RETRY_S
-                self._drop_group()
-                early, attempts = Early(), attempts + 1
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
                 stats["failures"] += 1
                 stats["error"] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
@@ -318,46 +261,14 @@ class WeightPublisher:
                 early = Early()
         return stats
 
-    # ------------------------------------------------------------------ which path, and does the group stand
     def _standing(self, g: SendTransport) -> bool:
-        """The group still matches the live set (so a version may be announced or posted to it before packing),
-        by a live set read from the store at most ``g.live_age_s`` ago."""
-        seen_at, live = self._live_at
+        """The group still matches the live set (so a version may be announced to it before packing), by the
+        live set read from the store now."""
         try:
-            if time.monotonic() - seen_at >= g.live_age_s:
-                live = self._live_tokens()
-            return not self._reform(live)
+            return set(self._live_tokens()) == set(g.members)
         except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
             log.debug("weights: live-set check failed: %s", exc)
             return False
-
-    def _reform(self, live: list[int]) -> bool:
-        """Does the group need re-forming: the live set changed, or it is not the path ``_form`` would take now
-        (weights.shm / weights.doorbell switched, or shared memory has room again after a spell on the wire)."""
-        g = self._group
-        if g is None or set(live) != set(g.members):
-            return True
-        want = self._kind([t for t in g.members if t in self._members])
-        if (g.kind == "bell") != (want == "bell"):
-            return True
-        return g.kind == "wire" and want != "wire"
-
-    def _kind(self, tokens: list[int]) -> str:
-        """The path for a group of these members, as things stand: "bell", "shm" or "wire"."""
-        members = [self._members[t] for t in tokens]
-        shm = (self._shm is not None and self.cfg.shm and time.monotonic() >= self._wire_until
-               and all(m.shm for m in members))
-        if not shm:
-            return "wire"
-        bell = (self._bell_ok and self.cfg.doorbell and all(m.bell for m in members)
-                and len(members) <= weight_bell.MAX_MEMBERS and time.monotonic() >= self._bell_after)
-        return "bell" if bell else "shm"
-
-    def _settle(self) -> None:
-        """A shared-memory slot is still pinned: let the group's receivers finish letting go of it first
-        (``SendTransport.settle``); past that a slot still pinned is re-made as usual (``ShmPublisher.arena``)."""
-        if self._group is not None:
-            self._group.settle()
 
     def wait_export(self) -> Optional[BaseException]:
         """Block until the previous export is on disk (``latest`` points at it); returns its error, if any."""
@@ -370,9 +281,8 @@ class WeightPublisher:
         self._summer.shutdown()
         # Goodbye to every registered actor: each closes its store connections and looks for the next learner
         # (a --resume) after a pause, instead of a blocked queue_pop failing - loudly, with a C++ stack trace in
-        # the actor's log - when this process exits. Best effort: a dead store needs no goodbye. Before dropping
-        # the group: members of a doorbell epoch wake from the page straight into their mailbox, which must
-        # hold it by then - and the store must outlive their reading it (at most BYE_DRAIN_S).
+        # the actor's log - when this process exits. Best effort: a dead store needs no goodbye. The store must
+        # outlive their reading it (at most BYE_DRAIN_S).
         boxes = [f"w/mbox/{tok}" for tok in self._members]
         with contextlib.suppress(RuntimeError, ValueError):
             for box in boxes:
@@ -383,11 +293,8 @@ class WeightPublisher:
             while boxes and time.monotonic() < end:
                 boxes = [b for b in boxes if self._store.queue_len(b) > 0]
                 time.sleep(0.005)
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
         with contextlib.suppress(OSError):
-            if json.loads(self._endpoint.read_text()).get("session") == self.session:
+            if json.loads(self._endpoint.read_text()).get("lineage") == self.lineage:
                 self._endpoint.unlink()
         if self.guard is not None:
             self.guard.close()

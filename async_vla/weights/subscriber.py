@@ -1,11 +1,11 @@
 """Actor side of the weight broadcast (the publisher and the design: ``async_vla.weights``, docs/WEIGHTS.md).
 
 A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
-membership epoch on the path its roster names (``async_vla.weights.transport``: a process group, or a doorbell
-page it serves until the epoch is dropped) and receives every version; ``poll()`` hands the newest one to the
-actor between chunks. Through shared memory the tensors are read-only views of the learner's pinned segment
-(``async_vla.weights.shm``): the actor's own ``load_state_dict`` is the only copy. A new learner session (after a
-crash and ``--resume``) is followed even when its versions restart lower.
+membership epoch on the path its roster names (``async_vla.weights.transport``; ``transport_wire``: a process
+group) and receives every version; ``poll()`` hands the newest one to the actor between chunks. Every version is
+handed out with
+its ``PolicyTag``: the lineage the learner's store names (``w/lineage``) and the version. A new learner (after a
+crash and ``--resume``) is followed whatever its versions, and what the old one sent but nobody took is dropped.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from async_vla.weights import bell as weight_bell
 from async_vla.weights.export import read_latest
-from async_vla.weights.pool import BufferPool, views_tracked
-from async_vla.weights.shm import probe_ok
-from async_vla.weights.shm_reader import ShmReader
+from async_vla.weights.pool import BufferPool
 from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
-from async_vla.weights.transport_bell import BellCache, BellReceiver
-from async_vla.weights.transport_shm import ShmReceiver
 from async_vla.weights.transport_wire import WireReceiver
 from async_vla.hosts import is_loopback
+from async_vla.messages import PolicyTag
 from async_vla.weights.wire import WIRE_VERSION, port_open, td
 
 log = logging.getLogger(__name__)
@@ -64,18 +60,12 @@ class WeightSubscriber:
         self.device = device
         self._lock = threading.Condition()
         self._hb_lock = threading.Lock()     # separate, so a slow store never blocks poll()
-        self._latest: Optional[tuple[int, dict[str, torch.Tensor]]] = None
-        self._delivered = -1
-        self._publisher_session = ""   # the learner incarnation ("w/session") we last took weights from
-        self._lineage = 0               # how many times we moved on to a new learner incarnation
-        self._handed_lineage = 0
-        self._export_session = ""       # session of the export fetch_latest handed out last ("": none/unknown)
+        self._latest: Optional[tuple[PolicyTag, dict[str, torch.Tensor]]] = None
+        self._delivered = -1            # newest version of the followed lineage handed out
+        self._live: Optional[str] = None   # the lineage of the learner we follow (None: none reached yet)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
-        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire / _shm / _bell)
-        self.bell_cache = BellCache()     # doorbell epochs: layouts and plans, kept across epochs
+        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire)
         self.pool = BufferPool()          # buckets of versions received over the wire
-        self._shm_reader: Optional[ShmReader] = None
-        self._shm_refused = False      # a segment of this learner session could not be read: use the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
                       "last_version": -1, "last_recv_s": 0.0, "bytes": 0, "wire_mismatch": 0, "byes": 0}
@@ -85,8 +75,8 @@ class WeightSubscriber:
         self._beat.start()
 
     # ------------------------------------------------------------------ public
-    def poll(self, timeout: float = 0.0) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """The newest received (version, tensors) not handed out yet, or None. Non-blocking by default."""
+    def poll(self, timeout: float = 0.0) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
+        """The newest received (tag, tensors) not handed out yet, or None. Non-blocking by default."""
         end = time.monotonic() + timeout
         with self._lock:
             while self._latest is None and timeout > 0 and not self._stop.is_set():
@@ -94,56 +84,38 @@ class WeightSubscriber:
                     break
             out, self._latest = self._latest, None
             if out is not None:
-                self._delivered = max(self._delivered, out[0])
-                self._handed_lineage = self._lineage   # (a session change clears _latest under this lock)
-        reader = self._shm_reader
-        if reader is not None:   # the version our caller loaded last time is let go of by now: unpin it
-            reader.release_unused()
+                self._delivered = max(self._delivered, out[0].version)
         return out
 
-    def fetch_latest(self, newer_than: int = -1) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """Load the newest exported weights from ``<run>/weights`` (actor start, or after missing broadcasts);
-        None if there are none newer than ``newer_than`` (checked before any tensor is read). Once connected,
-        only exports of the learner session we follow count (a dead learner's ``latest`` can outlive it), and a
-        ``newer_than`` from an older session (``lineage``) is ignored: version numbers restart on a resume."""
+    def fetch_latest(self, newer_than: Optional[PolicyTag] = None
+                     ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
+        """Load the newest export from ``<run>/weights`` (actor start, or after missing broadcasts): (tag, tensors),
+        or None if it is not newer than ``newer_than`` (checked before any tensor is read). Once a learner was
+        reached, only its exports count (a dead learner's ``latest`` can outlive it)."""
         with self._lock:
-            live, lineage = self._publisher_session, self._lineage
-            if live and self._handed_lineage < lineage:
-                newer_than = -1
-        meta: dict = {}
-        got = read_latest(self.weights_dir, newer_than=newer_than, session=live, meta_out=meta)
+            live = self._live
+        got = read_latest(self.weights_dir, newer_than=newer_than, lineage=live)
         if got is None:
             return None
-        version, tensors, _ = got
+        tag, tensors, _ = got
         with self._lock:
-            if self._lineage != lineage:     # we moved on to another learner session while reading
+            if self._live != live:     # we moved on to another learner while reading
                 return None
-            self._delivered = max(self._delivered, version)
-            if self._latest is not None and self._latest[0] <= version:
-                self._latest = None
-            self._handed_lineage, self._export_session = lineage, meta.get("session", "")
-        return version, tensors
+            if live is None or tag.lineage == live:   # (before any learner was reached: reset when one is)
+                self._delivered = max(self._delivered, tag.version)
+                if self._latest is not None and self._latest[0].version <= tag.version:
+                    self._latest = None
+        return tag, tensors
 
     @property
     def version(self) -> int:
-        """Newest version handed out by poll() / fetch_latest() (-1 = none yet)."""
+        """Newest version of the learner followed handed out by poll() / fetch_latest() (-1 = none yet)."""
         return self._delivered
-
-    @property
-    def lineage(self) -> int:
-        """Which learner session the version ``poll()`` last returned belongs to: 0 for the first one this
-        subscriber followed, +1 at every move to a new one (a resumed learner, whose versions restart lower). A
-        policy that refuses old versions (the vLLM backend's ``VersionGuard``) takes a lower version of a
-        newer lineage."""
-        return self._handed_lineage
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-        epoch = self._epoch
-        if epoch is not None:     # our thread may sleep on a doorbell's futexes: wake it
-            epoch.wake()
         with self._hb_lock:
             hb, self._hb = self._hb, None
         if hb is not None:   # wake our own blocking mailbox pop and tell the publisher we left
@@ -208,19 +180,15 @@ class WeightSubscriber:
             return
         store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
         hb_store = TCPStore(self.host, port, None, False, td(CONNECT_TIMEOUT_S), wait_for_workers=False)
-        session = store.get("w/session").decode()
+        lineage = store.get("w/lineage").decode()
         if not self._wire_matches(store, port):
             return
-        if session != self._publisher_session:
-            self._follow_session(session)
-        # Pinning needs to see when a handed-out view is gone (views_tracked): without it, read over the wire.
-        probe = store.get("w/shm").decode() if store.check(["w/shm"]) else ""
-        shm = (self.cfg.shm and not self._shm_refused and views_tracked()
-               and probe_ok(probe, session, self.cfg.shm_dir))
-        token = self._register(store, hb_store, shm)
+        if lineage != self._live:
+            self._follow(lineage)
+        token = self._register(store, hb_store)
         if token is None:
             return
-        self._serve_mailbox(store, token, probe)
+        self._serve_mailbox(store, token)
 
     def _wire_matches(self, store, port: int) -> bool:
         """The learner speaks our weight wire version. A learner from another release: its stream would fail
@@ -237,29 +205,21 @@ class WeightSubscriber:
                       self.weights_dir)
         return False
 
-    def _follow_session(self, session: str) -> None:
-        """A new learner incarnation. After a resume from an older checkpoint its versions restart below the ones
-        the dead learner sent: accept them (its lineage is the one being trained), and drop anything of the old
-        lineage not yet handed out."""
+    def _follow(self, lineage: str) -> None:
+        """A new learner (the first, or one restarted): its versions are tagged with its lineage from now on, and
+        whatever the previous one sent that was not handed out yet is dropped."""
         with self._lock:
-            # (also at the first connection, when what we handed out is a dead learner's export)
-            moved = bool(self._publisher_session) or (self._delivered >= 0 and bool(self._export_session)
-                                                      and self._export_session != session)
-            if moved:
-                log.info("weights: actor %d follows a new learner session (last version %d)", self.actor_id,
-                         self._delivered)
-                self._delivered, self._latest = -1, None
-                self._lineage += 1
-            self._publisher_session = session
-            self._shm_refused, self._shm_reader = False, None
+            if self._live is not None:
+                log.info("weights: actor %d follows a new learner %s (last version %d)", self.actor_id,
+                         lineage[:12], self._delivered)
+            self._delivered, self._latest, self._live = -1, None, lineage
 
-    def _register(self, store, hb_store, shm: bool) -> Optional[int]:
+    def _register(self, store, hb_store) -> Optional[int]:
         """A new token with this actor's member info, and the heartbeat on it; None when closing."""
         token = store.add("w/tokens", 1)
         store.add(f"w/hb/{token}", 1)      # before the member info: the publisher reads every member's at once
         store.set(f"w/member/{token}", json.dumps({"actor_id": self.actor_id, "pid": os.getpid(),
-                                                   "host": socket.gethostname(), "shm": bool(shm),
-                                                   "bell": bool(shm and weight_bell.available())}))
+                                                   "host": socket.gethostname()}))
         with self._hb_lock:
             if self._stop.is_set():
                 return None
@@ -267,9 +227,9 @@ class WeightSubscriber:
         self.stats["connects"] += 1
         return token
 
-    def _serve_mailbox(self, store, token: int, probe: str) -> None:
-        """Wait in the mailbox: an invite is acknowledged, its roster joins the epoch (a doorbell epoch is served
-        until it is dropped), a broadcast announcement of the current gloo / NCCL epoch is received."""
+    def _serve_mailbox(self, store, token: int) -> None:
+        """Wait in the mailbox: an invite is acknowledged, its roster joins the epoch, a broadcast announcement of the
+        current epoch is received."""
         mbox = f"w/mbox/{token}"
         store.set_timeout(td(POP_TIMEOUT_S))
         pending = -1
@@ -297,18 +257,16 @@ class WeightSubscriber:
                 store.set(f"w/e{epoch}/ack/{token}", "1")
             elif kind == "roster" and epoch == pending:
                 pending = -1
-                self._epoch = self._join(store, msg, epoch, token, probe)
-                if self._epoch is not None and not self._epoch.serve():
-                    self._leave_group()
+                self._epoch = self._join(store, msg, epoch)
             elif kind == "bcast" and self._epoch is not None and epoch == self._epoch.epoch:
                 if not self._epoch.take():
                     self._leave_group()
 
-    def _join(self, store, msg: dict, epoch: int, token: int, probe: str) -> Optional[ReceiveTransport]:
+    def _join(self, store, msg: dict, epoch: int) -> Optional[ReceiveTransport]:
         """This member's end of the epoch on the path its roster names; None (counted) when it cannot join."""
-        path = BellReceiver if msg.get("bell") else ShmReceiver if msg.get("shm") else WireReceiver
+        path = WireReceiver
         try:
-            joined = path(self, store, msg, epoch, token, probe)
+            joined = path(self, store, msg, epoch)
         except path.JOIN_ERRORS as exc:
             self.stats["failures"] += 1
             log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
@@ -331,35 +289,15 @@ class WeightSubscriber:
         with self._lock:
             self._lock.notify_all()
 
-    def reader_for(self, prefix: str) -> ShmReader:
-        """The mappings of the learner's segments under ``prefix``, kept across epochs: mapped once."""
-        if self._shm_reader is None or self._shm_reader.prefix != prefix:
-            self._shm_reader = ShmReader(prefix)
-        return self._shm_reader
-
-    def refuse_shm(self, store, token: int, exc: BaseException) -> None:
-        """Registered as able to read the learner's segments, but cannot: leave this registration (so a retry does
-        not invite this token again) and register again without (a new token re-forms the group on the wire);
-        do not claim it again for this learner."""
-        self._shm_refused, self._shm_reader = True, None
-        self._leave(store, token)
-        log.warning("weights: actor %d cannot read the learner's shared memory (%s); re-registering for the "
-                    "wire", self.actor_id, exc)
-
-    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float, reader: Optional[ShmReader],
-                  nbytes: Optional[int] = None) -> None:
-        """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch),
-        then unpin what nobody holds any more, so the publisher may rewrite it."""
+    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float) -> None:
+        """A received version: count it and make it the one ``poll()`` hands out (or count a checksum mismatch)."""
         if not ok:
             self.stats["checksum_errors"] += 1
             log.warning("weights: actor %d checksum mismatch on v%d", self.actor_id, version)
-        else:
-            self.stats.update(received=self.stats["received"] + 1, last_version=version,
-                              last_recv_s=time.monotonic() - t0,
-                              bytes=self.stats["bytes"] + (sum(t.nbytes for t in tensors.values())
-                                                           if nbytes is None else nbytes))
-            with self._lock:
-                if version > self._delivered:
-                    self._latest = (version, tensors)   # drops an older one nobody took
-        if reader is not None:
-            reader.release_unused()
+            return
+        self.stats.update(received=self.stats["received"] + 1, last_version=version,
+                          last_recv_s=time.monotonic() - t0,
+                          bytes=self.stats["bytes"] + sum(t.nbytes for t in tensors.values()))
+        with self._lock:
+            if version > self._delivered:
+                self._latest = (PolicyTag(self._live, version), tensors)   # drops an older one nobody took

@@ -1,11 +1,7 @@
 """Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
 version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
-manifest digest, sequence, shared-memory generation or -1, verification shares, then room for 64 shared-memory
-offsets), the manifest when the layout changed, the buckets (or, on one host, only their offsets in a
-shared-memory segment: ``async_vla.weights.shm``), then one (received, checksum ok) acknowledgement per receiver
-sent point-to-point to rank 0 - or, with split verification on shared memory, (received, share checksum) and
-then the publisher's verdict broadcast to all, after which each receiver counts itself released in the store
-(no acknowledgement over the group: see ``send_version``). Layout, packing and checksums are
+manifest digest, sequence), the manifest when the layout changed, the buckets, then one (received, checksum ok)
+acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
 ``async_vla.weights.buckets``; membership and epochs are ``async_vla.weights``.
 """
 
@@ -19,30 +15,24 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions
 
 from async_vla.hosts import is_loopback
-from async_vla.weights.buckets import (
-    DTYPES, MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, fold, share_checksum, share_sums,
-    unpack, verify_shares,
-)
-from async_vla.weights.shm import ShmUnreadable
-from async_vla.weights.shm_reader import ShmReader
+from async_vla.weights.buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, checksum, empty_buckets, unpack
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x5745494748      # "WEIGH"
 # What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not
-# join). 2: the verification-shares header slot; 3: split verification ends at the verdict + a release count;
-# 4: doorbell epochs (async_vla.weights.bell), heartbeat keys made before registering, a count of leaves.
-WIRE_VERSION = 4
-HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq", "shm", "split")
+# join). 4: heartbeat keys made before registering, a count of leaves; 5: the wire is the only path (no
+# shared-memory or doorbell fields in the header).
+WIRE_VERSION = 5
+HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
 DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up
-INLINE_OFFSETS = 64       # shared-memory bucket offsets carried in the header itself (the rest in one more op)
 ACK_TAG = 7
 
 
@@ -115,11 +105,7 @@ class BroadcastGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.layout: Optional[Layout] = None      # manifest this group has already seen
         self.seq = 0
-        self.shm_reader: Optional[ShmReader] = None   # receiver: mappings of the publisher's segments
         self.dropped: Optional[Callable[[], bool]] = None   # receiver: has the publisher given up on this epoch?
-        self.verify_shares = 0                    # publisher: shares the last version was checked in (0: not split)
-        self.released_owed = 0                    # publisher: release counts the members owe in this epoch (split)
-        self.released: Optional[Callable[[], None]] = None   # receiver: count ourselves released (split)
         if backend == "gloo" and bind is not None:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = td(timeout_s)
@@ -186,26 +172,20 @@ class BroadcastGroup:
         """Sum of the (received, checksum ok) pairs of every member; ``timeout_s_left()`` per wait."""
         if not self.members:
             return torch.zeros(2, dtype=torch.int64)
-        return torch.stack(self.recv_acks_each(timeout_s_left)).sum(0)
-
-    def recv_acks_each(self, timeout_s_left) -> list[torch.Tensor]:
-        """Every member's int64[2] acknowledgement, by rank (1, 2, ...); ``timeout_s_left()`` per wait."""
         # Post every receive before waiting on any: a gloo send waits for its matching receive, so with the
         # receives posted one after another a stopped rank 1 would hold rank 2's send (and rank 2 itself)
-        # until this epoch is torn down, instead of letting it go on to wait for the verdict, where it polls
-        # for the drop.
+        # until this epoch is torn down.
         out = [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in self.members]
         works = [self.pg.recv([t], rank, ACK_TAG) for rank, t in enumerate(out, start=1)]
         for w in works:
             w.wait(td(timeout_s_left()))
-        return [t.cpu() for t in out]
+        return torch.stack([t.cpu() for t in out]).sum(0)
 
     def close(self) -> None:
         if self.backend == "nccl":
             with contextlib.suppress(Exception):
                 self.pg.abort()
         pg, self.pg = self.pg, None
-        self.shm_reader = None   # owned by the subscriber: kept mapped across epochs
         if pg is not None and self.backend == "gloo":
             # Destroying a gloo group joins its worker threads, which first finish their in-flight ops - up to
             # the ops' timeout when a peer is gone or stalled. Let that happen on a thread of its own: once it
@@ -225,73 +205,32 @@ def parse_header(t: torch.Tensor) -> dict[str, int]:
 # One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
 # worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
 def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor],
-                 csum: Optional[float],
-                 left: Callable[[], float], overlap: bool = True,
-                 shm: Optional[tuple[int, list[int]]] = None,
-                 sums: Optional[Mapping[str, tuple[int, int]]] = None) -> int:
-    """Rank 0: header int64[10 + INLINE_OFFSETS], the manifest when this group has not seen it, the buckets - or,
-    with ``shm`` = (segment generation, byte offset of each bucket) already written there, just the offsets
-    (the first ``INLINE_OFFSETS`` inside the header: one collective for a whole version) - then the receivers'
+                 csum: Optional[float], left: Callable[[], float], overlap: bool = True) -> int:
+    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the receivers'
     (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
-    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt).
-
-    Split verification: through shared memory every receiver maps the same pages, so checking all of them in
-    every receiver repeats one check k times. With ``sums`` (name -> (tensor_sum, numel) of what was packed) and
-    at least two receivers, receiver r checks only share r of ``verify_shares`` and acknowledges with that
-    share's checksum; the publisher compares each with its own and broadcasts one verdict, receivers hand
-    the version over only on a verdict that every share matched (so all or none confirm), then count themselves
-    released in the store (``g.released``) instead of acknowledging again: returns after the verdict, with
-    ``g.released_owed`` raised by the number of receivers."""
+    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt)."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
-    offsets = list(shm[1]) if shm else []
-    inline = offsets[:INLINE_OFFSETS]
-    split = len(g.members) if shm and sums is not None and csum is not None and len(g.members) >= 2 else 0
-    g.verify_shares = split
-    # The values the shares must match, worked out now: once the header is out, receivers take both cores and
-    # a publisher that still needs one waits its turn (2.5 ms at 10M on 2 cores).
-    expected = [share_checksum(names, sums) for names in verify_shares(layout, split)] if split else []
     header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes,
-                           -1 if csum is None else int(csum),
-                           layout.digest, g.seq, shm[0] if shm else -1, split] + inline
-                          + [0] * (INLINE_OFFSETS - len(inline)), dtype=torch.int64, device=g.device)
+                           -1 if csum is None else int(csum), layout.digest, g.seq],
+                          dtype=torch.int64, device=g.device)
     g.seq += 1
     g.bcast(header, left())
     if manifest:
         g.bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(g.device), left())
         g.layout = layout
-    if shm:
-        if len(offsets) > INLINE_OFFSETS:
-            g.bcast(torch.tensor(offsets[INLINE_OFFSETS:], dtype=torch.int64, device=g.device), left())
-    else:
-        g.bcast_many(list(buckets), left(), overlap)
-    if not split:
-        return int(g.recv_acks(left)[1])
-    acks = g.recv_acks_each(left)
-    verdict = all(int(a[0]) == 1 and int(a[1]) == want for a, want in zip(acks, expected))
-    g.bcast(torch.tensor([int(verdict)], dtype=torch.int64, device=g.device), left())
-    # Nothing more over the group: each receiver now takes the version (or refuses it), lets go of what it no
-    # longer holds and counts itself released in the store (``g.released``); the next publish waits for those
-    # counts before it rewrites a segment (``WeightPublisher._settle``). An acknowledgement here held the
-    # publisher until receivers busy loading the version got a core (0.5-9 ms at 10M on 2 cores; gloo's send
-    # also waits for the matching receive, so a receiver cannot leave one behind for later).
-    g.released_owed += len(g.members)
-    return len(g.members) if verdict else 0
+    g.bcast_many(list(buckets), left(), overlap)
+    return int(g.recv_acks(left)[1])
 
 
 def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True,
                  before_ack: Optional[Callable[[dict[str, int], dict[str, torch.Tensor], bool], None]] = None
                  ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
     """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
-    into fresh (or pooled) buckets, or - through shared memory - read-only views into the publisher's pinned
-    segment. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the subscriber hands the version
-    over and unpins what nobody holds any more there, so the publisher may rewrite it next). The acknowledgement
-    is sent whether or not the checksum matched. With split verification (header ``split`` > 0, set by the
-    publisher whatever this side's ``verify``) the share's acknowledgement and the publisher's verdict on all
-    shares (``ok``) come first, and ``g.released()`` (a count in the store) replaces the acknowledgement."""
-    header = torch.zeros(len(HEADER_KEYS) + INLINE_OFFSETS, dtype=torch.int64, device=g.device)
+    into fresh (or pooled) buckets. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the
+    subscriber hands the version over there). The acknowledgement is sent whether or not the checksum matched."""
+    header = torch.zeros(len(HEADER_KEYS), dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
-    inline = header[len(HEADER_KEYS):].cpu().tolist()
     if h["magic"] != MAGIC:
         raise ValueError("bad weight header")
     if h["manifest"]:
@@ -304,41 +243,13 @@ def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool]
     if (layout is None or layout.digest != h["digest"] or len(layout.buckets) != h["buckets"]
             or layout.wire_bytes != h["nbytes"]):
         raise ValueError("weight header does not match the manifest")
-    if h["shm"] >= 0:
-        offsets = inline[:len(layout.buckets)]
-        if len(layout.buckets) > INLINE_OFFSETS:
-            rest = torch.zeros(len(layout.buckets) - INLINE_OFFSETS, dtype=torch.int64, device=g.device)
-            g.bcast(rest, timeout_s)
-            offsets += rest.cpu().tolist()
-        if g.shm_reader is None or g.device.type != "cpu":
-            raise ShmUnreadable("the publisher sent a shared-memory segment this receiver cannot read")
-        views = g.shm_reader.pin(h["shm"], h["version"], offsets, [b.nbytes for b in layout.buckets])
-        buckets = [v.view(DTYPES[b.dtype]) for v, b in zip(views, layout.buckets)]
-    else:
-        buckets = empty_buckets(layout, g.device, pool)
-        if pool is not None:
-            pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
-        g.bcast_many(buckets, timeout_s)
-    if h["split"]:   # shared memory: check our share, then the publisher's verdict on all of them
-        if h["shm"] < 0 or h["checksum"] < 0 or not 1 <= g.rank <= h["split"]:
-            raise ValueError("split verification header does not fit this group")
-        names = verify_shares(layout, h["split"])[g.rank - 1]
-        share = fold(share_sums(layout, buckets, names))     # straight from the buckets: no views needed yet
-        g.send_ack(torch.tensor([1, share], dtype=torch.int64, device=g.device), timeout_s)
-        tensors = unpack(layout, buckets)                    # while the publisher compares the shares
-        verdict = torch.zeros(1, dtype=torch.int64, device=g.device)
-        g.bcast(verdict, timeout_s)
-        ok = int(verdict[0]) == 1
-    else:
-        tensors = unpack(layout, buckets)
-        ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: none was sent
-    if h["shm"] >= 0:
-        g.shm_reader.check(h["shm"], h["version"])   # pinned, so it cannot have changed: never ack another version
+    buckets = empty_buckets(layout, g.device, pool)
+    if pool is not None:
+        pool.trim(3 * layout.wire_bytes)   # the caller's version, the one waiting to be taken, this one
+    g.bcast_many(buckets, timeout_s)
+    tensors = unpack(layout, buckets)
+    ok = not verify or h["checksum"] < 0 or int(checksum(tensors)) == h["checksum"]   # < 0: none was sent
     if before_ack is not None:
         before_ack(h, tensors, ok)
-    if h["split"]:   # the verdict was the last message: tell the publisher (via the store) we let go
-        if g.released is not None:
-            g.released()
-    else:
-        g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
+    g.send_ack(torch.tensor([1, int(ok)], dtype=torch.int64, device=g.device), timeout_s)
     return h, layout, tensors, ok

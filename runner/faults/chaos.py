@@ -116,10 +116,10 @@ class _FloodActor(threading.Thread):
         self.template.proprio = np.zeros((calls, cfg.policy.proprio_dim), np.float32)
         self.calls = calls
 
-    def _traj(self, gid: str, m: int, version: int):
+    def _traj(self, gid: str, m: int, version: int, lineage: str):
         return dataclasses.replace(self.template, group_id=gid, traj_id=f"{gid}/m{m}", success=m % 2 == 0,
                                    reward=float(m % 2 == 0), behaviour_version=version,
-                                   chunk_versions=np.full(self.calls, version, np.int64))
+                                   chunk_versions=np.full(self.calls, version, np.int64), lineage=lineage)
 
     def run(self) -> None:
         import zmq
@@ -131,18 +131,18 @@ class _FloodActor(threading.Thread):
         ctl = ControlClient(self.sys.control, identity=f"flood-{self.actor_id}-{os.getpid()}".encode(), ctx=ctx,
                             keys=self.sys.keys)
         snd = TrajectorySender(self.sys.trajectory, hwm=self.sys.cfg.transport.hwm, ctx=ctx, keys=self.sys.keys)
-        k, version = 0, 0
+        k, version, lineage = 0, 0, ""
         try:
             while not self.stop.is_set():
                 t0 = time.monotonic()
                 try:  # an unpaced actor asks for nothing: the reply only tells it the learner's version
-                    grant = ctl.call(GrantRequest(self.actor_id, want=4 if self.paced else 0, policy_version=version),
-                                     timeout_s=5)
+                    grant = ctl.call(GrantRequest(self.actor_id, want=4 if self.paced else 0, policy_version=version,
+                                                  policy_lineage=lineage), timeout_s=5)
                 except ControlTimeout:
                     continue
                 if not isinstance(grant, AdmissionGrant):
                     continue
-                version = grant.learner_version   # "loads" the current weights at once
+                version, lineage = grant.learner_version, grant.learner_lineage   # "loads" the current weights
                 incarnation = grant.buffer_id or "-"
                 gids = list(grant.group_ids) if self.paced else [f"flood{self.actor_id}-{k}"]
                 k += 1
@@ -155,7 +155,7 @@ class _FloodActor(threading.Thread):
                 for gid in gids:
                     for m in range(self.sys.cfg.actor.group_size):
                         t1 = time.monotonic()
-                        frames = encode(self._traj(gid, m, grant.learner_version))
+                        frames = encode(self._traj(gid, m, version, lineage))
                         self.make_s += time.monotonic() - t1
                         t2 = time.monotonic()
                         while not snd.send_frames(frames, timeout_s=0.2):  # back-pressure: wait, never drop

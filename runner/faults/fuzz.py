@@ -160,14 +160,13 @@ def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -
 # ------------------------------------------------------------------------------------------ control channel
 CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "grant_huge", "grant_zero", "grant_negative",
                  "grant_many_actors", "batch_bad_world", "batch_bad_rank", "batch_long_park", "heartbeat_forged",
-                 "stats_forged", "unknown_command", "weights_path_huge", "version_negative", "version_huge",
-                 "garbage")
+                 "stats_forged", "unknown_command", "garbage")
 
 
 def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
     """(kind, frames) of one forged control message: well-formed on the wire (it decodes) but out of bounds or
-    pretending to be someone else, except "garbage" (random bytes). Never a lower-version or new-session
-    BatchRequest: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
+    pretending to be someone else, except "garbage" (random bytes). Never a BatchRequest of another learner
+    lineage: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
     kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
     actor = int(rng.integers(0, 10**9))
     msg: M.Message
@@ -199,12 +198,6 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
                            successes_by_task=tasks)
     elif kind == "unknown_command":
         msg = M.ControlCommand("".join(map(chr, rng.integers(97, 123, 20))), None)
-    elif kind == "weights_path_huge":
-        msg = M.ControlCommand("set_weights_path", "x" * int(rng.integers(5000, 100_000)))
-    elif kind == "version_negative":
-        msg = M.ControlCommand("set_learner_version", -int(rng.integers(1, 10**6)))
-    elif kind == "version_huge":   # far past any learner's batch request (buffer.max_version_step)
-        msg = M.ControlCommand("set_learner_version", int(rng.integers(1000, 10**12)))
     else:
         return kind, [rng.bytes(int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 4)))]
     return kind, _frames(msg)

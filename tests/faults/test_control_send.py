@@ -93,7 +93,10 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     actor._retry_at = 0.0
     from actors.rollout import RolloutStats
 
-    actor.core = type("Core", (), {"maybe_swap": lambda self: None, "version": 0, "totals": RolloutStats()})()
+    from async_vla.messages import ROOT, PolicyTag
+
+    actor.core = type("Core", (), {"maybe_swap": lambda self: None, "tag": PolicyTag(ROOT, 0),
+                                   "totals": RolloutStats()})()
     t0 = time.monotonic()
     assert actor._next_group() is None                       # the grant request is dropped, not blocking
     assert time.monotonic() - t0 < slack(2.0) and actor._grant_sent_at is None
@@ -104,17 +107,17 @@ def test_actor_tick_never_hangs_when_the_buffer_is_gone(tmp_path, unreachable):
     actor._ctx.term()
 
 
-def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path, unreachable, monkeypatch):
-    """A grant request sent right after new weights can reach the buffer before the learner's BatchRequest for
-    that version does: the refusal is about the old version's pacing. The actor asks again within ~20 ms (a
-    bounded number of times) instead of sleeping out retry_after_s; a refusal at its own version waits.
-    The actor's clock is frozen here (``actors.actor.time``), so the waits it picks are read exactly, whatever the
-    machine's load: ~20 ms ("soon") against retry_after_s = 5 s ("waits")."""
+def test_a_refusal_answers_the_weights_asked_with(tmp_path, unreachable, monkeypatch):
+    """An empty grant is waited out (retry_after_s) unless the actor's weights change: new weights are a new
+    question, asked at once. The refusal's reason is what the actor's weight sources see (a catch-up starts only
+    on "behind" / "dead": tests/test_weight_sources.py). The actor's clock is frozen here (``actors.actor.time``),
+    so the waits it picks are read exactly."""
     import types
 
     import actors.actor as actor_module
-    from actors.actor import QUICK_RETRIES, QUICK_RETRY_S, Actor
-    from async_vla.messages import AdmissionGrant
+    from actors.actor import Actor
+    from actors.rollout import RolloutStats
+    from async_vla.messages import AdmissionGrant, PolicyTag
 
     cfg = load_config(None, [])
     actor = Actor(cfg, 3, tmp_path, {"trajectory": unreachable(), "control": unreachable()})
@@ -122,25 +125,19 @@ def test_refusal_that_predates_our_weights_is_retried_soon(tmp_path, unreachable
     now = 1000.0
     monkeypatch.setattr(actor_module, "time", types.SimpleNamespace(monotonic=lambda: now, time=time.time,
                                                                      sleep=time.sleep))
+    actor.core = types.SimpleNamespace(maybe_swap=lambda: None, tag=PolicyTag("l", 5), totals=RolloutStats())
     try:
-        actor._asked_version = 5
-        refusal = AdmissionGrant(actor_id=3, group_ids=[], learner_version=4, max_staleness=1, retry_after_s=5.0)
-        actor._handle(refusal)
-        assert actor._retry_at - now <= QUICK_RETRY_S and actor._refused_at_version == 5
-        for _ in range(QUICK_RETRIES):
-            actor._handle(refusal)
-        assert actor._retry_at - now == 5.0                      # bounded: the buffer's wait applies again
-        actor._handle(AdmissionGrant(actor_id=3, group_ids=[], learner_version=5, max_staleness=1,
-                                     retry_after_s=5.0))
-        assert actor._retry_at - now == 5.0                      # refused at our own version: a real "not now"
-        actor._handle(refusal)
-        assert actor._retry_at - now == 5.0                      # the allowance is per version, not per refusal
-        actor._asked_version = 6                                 # new weights: a fresh allowance
-        actor._handle(refusal)
-        assert actor._retry_at - now <= QUICK_RETRY_S
-        actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"], learner_version=5, max_staleness=1))
-        assert list(actor.pending) == ["g1"] and actor._quick_retries == 0
+        actor._asked = PolicyTag("l", 5)
+        actor._handle(AdmissionGrant(actor_id=3, refused="wait", retry_after_s=5.0))
+        assert actor._retry_at - now == 5.0 and actor._refused == "wait"
+        actor.core.tag = PolicyTag("l", 6)                   # new weights: asked at once
+        assert actor._next_group() is None and actor._asked == PolicyTag("l", 6)
+        actor._handle(AdmissionGrant(actor_id=3, refused="behind", retry_after_s=5.0))
+        assert actor._refused == "behind"
+        actor._handle(AdmissionGrant(actor_id=3, group_ids=["g1"]))
+        assert list(actor.pending) == ["g1"] and actor._refused == ""
     finally:
+        actor.core = None
         actor.control.close()
         actor.sender.close(flush_s=0)
         actor._ctx.term()

@@ -115,24 +115,6 @@ def test_control_file_and_socket_cannot_raise_eta_past_its_limit(tmp_path):
         client.close()
 
 
-def test_a_forged_learner_version_is_bounded_by_the_learners_batch_requests(tmp_path):
-    with running(tmp_path, service_cfg(groups_per_batch=2, max_version_step=4)) as svc:
-        client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
-        for forged in (10**12, 5, 10**9):           # each measured from the latest batch request (0), not ratcheted
-            reply = client.call(ControlCommand("set_learner_version", forged), 10)
-            assert reply.command == "error" and "buffer.max_version_step=4" in reply.value, reply
-        assert client.call(ControlCommand("set_learner_version", 4), 10).value == 4
-        assert client.call(ControlCommand("set_learner_version", 5), 10).command == "error"
-        learner.send(BatchRequest(rank=0, world=1, version=7, timeout_s=0.0))   # the learner's own word moves it
-        assert not learner.recv_bundle(10)[0].ready
-        assert client.call(ControlCommand("set_learner_version", 11), 10).value == 11
-        s = stats(client)
-        assert s["learner_version"] == 11 and s["service"]["learner_version_refused"] == 4
-        assert s["service"]["control_errors"] == 4
-        client.close()
-        learner.close()
-
-
 @pytest.mark.slow
 def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(tmp_path):
     run_dir = tmp_path / "run"
@@ -140,7 +122,6 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
     yaml.write_text("run: {name: hostile}\nlogging: {tensorboard: false}\n")
     overrides = ["transport.use_ipc=true", "buffer.groups_per_batch=2", "buffer.max_staleness=1",
                  "buffer.max_staleness_limit=4", "buffer.max_groups_per_actor=2", "buffer.reclaim_after_s=3",
-                 "buffer.max_version_step=3",
                  "actor.hung_after_s=3",
                  "buffer.max_bytes=8000000", "env.task_ids=[0]", "transport.max_message_mb=1"]
     cfg = load_config(str(yaml), overrides)
@@ -162,16 +143,16 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
         assert set(forged) == set(CONTROL_KINDS)
+        refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "unknown_command"))
         s1 = wait_stats(client, lambda s: s["ledger"]["malformed"] >= 3000 and s["service"].get(
-            "learner_version_refused") == forged["version_huge"], timeout=120)   # every forged command read
+            "control_errors") == refused, timeout=120)   # every forged command read
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         assert proc.poll() is None, "the buffer died"
         assert s1["max_staleness"] == 1 and s1["ledger"]["malformed"] == sum(sent.values())
-        # No batch request yet: a forged set_learner_version moves the version at most max_version_step past 0.
-        assert s1["learner_version"] <= 3 and s1["service"]["learner_version_refused"] == forged["version_huge"]
+        assert s1["learner_version"] == 0       # no batch request came: nothing moved the learner's version
         # (eta + v + 1) * B groups in flight at most, and no actor holds more than its cap
         assert s1["groups_in_flight"] <= (1 + 0 + 1) * 2 and s1["most_groups_held_by_one_actor"] <= 2
-        assert s1["service"]["control_errors"] > 0 and s1["service"]["grant_requests_out_of_bounds"] > 0
+        assert s1["service"]["grant_requests_out_of_bounds"] > 0
         # Memory: the forged actors, parked requests and stats did not accumulate (bounds in service.py).
         assert max(peak) - rss0 < 200 * 2**20, [(p - rss0) / 2**20 for p in peak]
         print(f"hostile: {sum(sent.values())} frames + {sum(forged.values())} forged control messages; buffer RSS "

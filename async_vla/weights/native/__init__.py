@@ -1,7 +1,5 @@
-"""Optional native kernels (``copysum.c``, ``bell.c``), loaded with ctypes: a copy with non-temporal stores that
-sums what it copies in the same pass, and a plain byte-word sum (both sums equal ``buckets.tensor_sum``);
-and the doorbell primitives of the same-host weight broadcast (atomics and futexes on a shared page, a receiver's
-sum that follows the publisher's packing: ``async_vla.weights.bell``).
+"""Optional native kernels (``copysum.c``), loaded with ctypes: a copy with non-temporal stores that sums what it
+copies in the same pass, and a plain byte-word sum (both sums equal ``buckets.tensor_sum``).
 
 The shared library is built by the set-up (``bin/_setup.sh`` runs ``cc -O2 -shared -fPIC``; ``bin/build-native``
 does it alone). Where it is missing (no C compiler, another platform) every caller falls back to torch: same
@@ -18,7 +16,7 @@ from typing import Optional
 import torch
 
 LIBRARY = Path(__file__).with_name("libavla_copysum.so")
-SOURCES = (Path(__file__).with_name("copysum.c"), Path(__file__).with_name("bell.c"))
+SOURCES = (Path(__file__).with_name("copysum.c"),)
 ABI_VERSION = 2      # copysum.c's AVLA_ABI_VERSION: a stale build from older source is not used
 _U64 = (1 << 64) - 1
 
@@ -42,18 +40,6 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
     lib.avla_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     lib.avla_sum.restype = ctypes.c_uint64
     lib.avla_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    for name, res, args in (("avla_bell_supported", ctypes.c_int, []),
-                            ("avla_load_i64", i64, [p]), ("avla_store_i64", None, [p, i64]),
-                            ("avla_load_i32", i32, [p]), ("avla_futex_wait", ctypes.c_int, [p, i32, i64]),
-                            ("avla_futex_wake", ctypes.c_int, [p]), ("avla_set_wake", None, [p, i32]),
-                            ("avla_wait_eq", ctypes.c_int, [p, i32, i64, i64]),
-                            ("avla_progress", None, [p, i64, p, i64, i64]),
-                            ("avla_wake_members", None, [p, i64, i64]),
-                            ("avla_wait_progress", ctypes.c_int, [p, i64, p, p, i32, i64]),
-                            ("avla_follow_sum", ctypes.c_int, [p, p, p, p, i64, p, p, p, p, p, i32, i64])):
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
     return lib, ""
 
 
@@ -67,12 +53,6 @@ def lib() -> ctypes.CDLL:
     if loaded is None:
         raise RuntimeError(f"native kernels unavailable: {why}")
     return loaded
-
-
-def bell_available() -> bool:
-    """The doorbell primitives work here (library built, Linux futexes)."""
-    loaded = _load()[0]
-    return loaded is not None and bool(loaded.avla_bell_supported())
 
 
 def status() -> str:
@@ -105,11 +85,6 @@ def copy_sum_raw(dst_ptr: int, src_ptr: int, nbytes: int) -> int:
     so a helper thread calling it holds the GIL only for a moment."""
     lib = _load()[0]
     return int(lib.avla_copy_sum(dst_ptr, src_ptr, nbytes)) & _U64 if nbytes else 0
-
-
-def sum_raw(ptr: int, nbytes: int) -> int:
-    """``tensor_sum`` of ``nbytes`` at an address the caller has checked (kernel available, memory readable)."""
-    return int(_load()[0].avla_sum(ptr, nbytes)) & _U64 if nbytes else 0
 
 
 def byte_sum(t: torch.Tensor) -> Optional[int]:

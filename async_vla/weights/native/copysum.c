@@ -18,7 +18,7 @@
 #define AVLA_SSE2 1
 #endif
 
-#define AVLA_ABI_VERSION 2   /* 2: bell.c's doorbell primitives in the same library */
+#define AVLA_ABI_VERSION 2
 
 int avla_abi_version(void) { return AVLA_ABI_VERSION; }
 

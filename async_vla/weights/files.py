@@ -9,6 +9,7 @@ it has missed broadcasts, then reads it as it reads a local export. Torch-free: 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from async_vla.messages import WeightsChunk, WeightsFetch
+from async_vla.messages import ROOT, PolicyTag, WeightsChunk, WeightsFetch
 from async_vla.transport import Authenticator, ControlClient, ControlServer, CurveKeys
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,14 @@ class WeightsFileServer:
         try:
             with open(path, "rb") as f:
                 total = os.fstat(f.fileno()).st_size
+                lineage = _lineage_of(f) if req.offset == 0 else ROOT
                 f.seek(req.offset)
                 data = f.read(min(req.max_bytes, CHUNK_BYTES))
         except FileNotFoundError:   # pruned since the client learnt its name: it starts over from latest
             return WeightsChunk(name=name, version=int(m.group(1)), offset=req.offset, total=0, data=empty,
                                 error="gone")
         return WeightsChunk(name=name, version=int(m.group(1)), offset=req.offset, total=total,
-                            data=np.frombuffer(data, np.uint8))
+                            data=np.frombuffer(data, np.uint8), lineage=lineage)
 
     def close(self) -> None:
         self._stop.set()
@@ -90,11 +92,22 @@ class WeightsFileServer:
         self._ctx.term()
 
 
-def mirror_latest(endpoint: str, weights_dir: Path, newer_than: int = -1, keys: Optional[CurveKeys] = None,
-                  timeout_s: float = 30.0) -> Optional[int]:
+def _lineage_of(f) -> str:
+    """The learner lineage in an export's safetensors header (export.py writes it; a bad header: ROOT)."""
+    try:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(min(n, 1 << 20))).get("__metadata__") or {}
+        return str(meta.get("lineage", ROOT))
+    except (ValueError, AttributeError):
+        return ROOT
+
+
+def mirror_latest(endpoint: str, weights_dir: Path, newer_than: Optional[PolicyTag] = None,
+                  keys: Optional[CurveKeys] = None, timeout_s: float = 30.0) -> Optional[PolicyTag]:
     """Copy the server's newest export into ``weights_dir`` (written under a temporary name, then renamed, then
-    ``latest`` switched, as export.py does) if its version is above ``newer_than``; its version, else None (none
-    newer, or the server did not answer: the caller tries again later)."""
+    ``latest`` switched, as export.py does) unless it is not newer than ``newer_than`` (the same lineage, a
+    version not above it); its tag, else None (none newer, or the server did not answer: the caller tries again
+    later)."""
     from async_vla.transport import ControlTimeout
 
     weights_dir = Path(weights_dir)
@@ -102,7 +115,10 @@ def mirror_latest(endpoint: str, weights_dir: Path, newer_than: int = -1, keys: 
     try:
         for _ in range(3):   # an export pruned mid-copy: start over from the newer latest
             first = client.call(WeightsFetch(), timeout_s)
-            if not isinstance(first, WeightsChunk) or not first.name or first.error or first.version <= newer_than:
+            if not isinstance(first, WeightsChunk) or not first.name or first.error:
+                return None
+            tag = PolicyTag(first.lineage, first.version)
+            if newer_than is not None and tag.lineage == newer_than.lineage and tag.version <= newer_than.version:
                 return None
             weights_dir.mkdir(parents=True, exist_ok=True)
             part = weights_dir / f".{first.name}.part{os.getpid()}"
@@ -125,7 +141,7 @@ def mirror_latest(endpoint: str, weights_dir: Path, newer_than: int = -1, keys: 
             for old in weights_dir.glob("v*.safetensors"):   # this mirror keeps the newest only
                 if old.name != first.name:
                     old.unlink(missing_ok=True)
-            return first.version
+            return tag
         return None
     except ControlTimeout as exc:
         log.warning("weights fetch from %s: %s", endpoint, exc)
