@@ -58,7 +58,8 @@ def collect_demos(env: Env, task_ids: Sequence[int], demos_per_task: int, chunk_
     picks = []
     for task in task_ids:
         train_ids = env.init_state_ids(task, "train")
-        picks += [(task, int(i)) for i in rng.choice(train_ids, size=min(demos_per_task, len(train_ids)), replace=False)]
+        chosen = rng.choice(train_ids, size=min(demos_per_task, len(train_ids)), replace=False)
+        picks += [(task, int(i)) for i in chosen]
     images, proprio, instr, actions, tids = [], [], [], [], []
     with Progress(progress, len(picks), "demos") as bar:
         for task, init_id in picks:
