@@ -16,12 +16,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from async_vla.envs.base import Observation
 from async_vla.messages import Trajectory, decode, encode
+from async_vla.progress import Progress
 from async_vla.tokenizer import ActionStats, ActionTokenizer
 
 DEMO_STATS_KEY = "libero_demos"
@@ -40,24 +41,32 @@ class RawDemo:
 
 
 def record_expert_demos(env, episodes: Sequence[tuple[int, int]], chunk_size: int,
-                        log=None) -> tuple[list[RawDemo], dict]:
+                        log: Optional[Callable[[str], None]] = None,
+                        progress: Optional[str] = None) -> tuple[list[RawDemo], dict]:
     """Run the scripted expert on ``episodes`` (task, init state) of a LiberoEnv, rendering only at the
-    decision points. Failed episodes are counted in the returned report and left out of the demos."""
+    decision points. Failed episodes are counted in the returned report and left out of the demos.
+    ``log(message)`` after every episode (its outcome); ``progress``: a label to report the episodes under
+    (``async_vla.progress``), None reports nothing."""
     from async_vla.envs.libero_expert import expert_episode
 
     demos, report = [], {"attempted": 0, "succeeded": 0, "failed": [], "wall_s": 0.0}
     t0 = time.perf_counter()
-    for task_id, init_id in episodes:
-        observations, actions, success = expert_episode(env, task_id, init_id, observe_every=chunk_size)
-        report["attempted"] += 1
-        if not success:
-            report["failed"].append([int(task_id), int(init_id)])
-            continue
-        report["succeeded"] += 1
-        demos.append(RawDemo(int(task_id), int(init_id), env.instruction(task_id), observations,
-                             np.asarray(actions, dtype=np.float32), True))
-        if log is not None:
-            log(f"demo task {task_id} init {init_id}: {len(actions)} steps, {len(observations)} decision points")
+    with Progress(progress, len(episodes), "demos") as bar:
+        for task_id, init_id in episodes:
+            observations, actions, success = expert_episode(env, task_id, init_id, observe_every=chunk_size)
+            report["attempted"] += 1
+            if success:
+                report["succeeded"] += 1
+                demos.append(RawDemo(int(task_id), int(init_id), env.instruction(task_id), observations,
+                                     np.asarray(actions, dtype=np.float32), True))
+            else:
+                report["failed"].append([int(task_id), int(init_id)])
+            if log is not None:
+                bar.clear()
+                log(f"demo task {task_id} init {init_id}: " + (
+                    f"{len(actions)} steps, {len(observations)} decision points" if success
+                    else f"the expert FAILED ({len(actions)} steps), left out"))
+            bar.update(info=f"{report['succeeded']} succeeded")
     report["wall_s"] = time.perf_counter() - t0
     return demos, report
 

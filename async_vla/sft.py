@@ -20,6 +20,7 @@ import torch
 
 from async_vla.envs.base import Env, Observation
 from async_vla.policy.interface import VLAPolicy
+from async_vla.progress import Progress
 
 # Defaults (bin/sft uses the same; bin/quickstart passes its own recipe). bin_sigma: a target a few bins wide keeps
 # T=1.6 rollouts near the demos' actions, so GRPO groups come out mixed; a much wider one makes rollouts so noisy
@@ -47,19 +48,24 @@ class DemoSamples:
 
 
 def collect_demos(env: Env, task_ids: Sequence[int], demos_per_task: int, chunk_size: int, seed: int = 0,
-                  all_offsets: bool = True) -> tuple[DemoSamples, list[tuple[int, int]]]:
-    """Expert demos on randomly chosen train init states; returns samples and the (task, init id) used."""
+                  all_offsets: bool = True, progress: Optional[str] = None
+                  ) -> tuple[DemoSamples, list[tuple[int, int]]]:
+    """Expert demos on randomly chosen train init states; returns samples and the (task, init id) used.
+    ``progress``: a label to report each demo under (``async_vla.progress``); None reports nothing."""
     from async_vla.envs.expert import expert_episode
 
     rng = np.random.default_rng(seed)
-    images, proprio, instr, actions, tids, used = [], [], [], [], [], []
+    picks = []
     for task in task_ids:
         train_ids = env.init_state_ids(task, "train")
-        for init_id in rng.choice(train_ids, size=min(demos_per_task, len(train_ids)), replace=False):
-            obs, acts, success = expert_episode(env, task, int(init_id))
+        chosen = rng.choice(train_ids, size=min(demos_per_task, len(train_ids)), replace=False)
+        picks += [(task, int(i)) for i in chosen]
+    images, proprio, instr, actions, tids = [], [], [], [], []
+    with Progress(progress, len(picks), "demos") as bar:
+        for task, init_id in picks:
+            obs, acts, success = expert_episode(env, task, init_id)
             if not success:
                 raise RuntimeError(f"the expert failed task {task} init state {init_id}")
-            used.append((task, int(init_id)))
             acts = np.asarray(acts, dtype=np.float32)
             hold = np.zeros((chunk_size, acts.shape[1]), dtype=np.float32)
             hold[:, -1] = acts[-1, -1]
@@ -71,7 +77,8 @@ def collect_demos(env: Env, task_ids: Sequence[int], demos_per_task: int, chunk_
                 instr.append(env.instruction(task))
                 actions.append(padded[s:s + chunk_size])
                 tids.append(task)
-    return DemoSamples(np.stack(images), np.stack(proprio).astype(np.float32), instr, np.stack(actions), tids), used
+            bar.update()
+    return DemoSamples(np.stack(images), np.stack(proprio).astype(np.float32), instr, np.stack(actions), tids), picks
 
 
 def smoothed_targets(index: torch.Tensor, num_bins: int, sigma: float) -> torch.Tensor:
@@ -84,8 +91,11 @@ def smoothed_targets(index: torch.Tensor, num_bins: int, sigma: float) -> torch.
 def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCHS, lr: float = DEFAULT_LR,
               batch_size: int = DEFAULT_BATCH_SIZE, weight_decay: float = 0.0, seed: int = 0,
               bin_sigma: float = 0.0, lr_schedule: str = "constant",
-              after_epoch: Optional[Callable[[int], bool]] = None) -> dict:
+              after_epoch: Optional[Callable[[int], bool]] = None, progress: Optional[str] = None) -> dict:
     """Cross-entropy on the expert's action tokens at T = 1.
+
+    ``progress``: a label to report each epoch (its mean loss, an ETA) under (``async_vla.progress``); None
+    reports nothing.
 
     ``after_epoch(k)`` runs after the k-th epoch (1-based); returning True ends training there, with the
     schedule as it stood (the learning rate is not re-planned): ``bin/sft --stop-at-val-success`` evaluates
@@ -126,6 +136,7 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     losses, t0, steps = [], time.perf_counter(), 0
     n = len(demos)
     stopped_at = None
+    bar = Progress(progress, epochs, "epochs")
     for epoch in range(1, epochs + 1):
         order = rng.permutation(n)
         epoch_loss = 0.0
@@ -149,12 +160,15 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
             epoch_loss += float(loss.detach()) * len(idx)
             steps += 1
         losses.append(epoch_loss / n)
+        bar.update(epoch, f"loss {losses[-1]:.4f}")
         if after_epoch is not None:
+            bar.clear()   # what after_epoch prints starts on a line of its own
             stop = after_epoch(epoch)
             policy.train()
             if stop:
                 stopped_at = epoch
                 break
+    bar.close()
     policy.eval()
     with torch.no_grad():
         logits = policy.action_logits(images, proprio, demos.instructions, policy.tokenizer.token_to_index(tokens))
@@ -245,10 +259,11 @@ def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
                     split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
                     videos: int = 0, temperature: float = 0.0, repeats: int = 1,
-                    generator: Optional[torch.Generator] = None) -> dict:
+                    generator: Optional[torch.Generator] = None, progress: Optional[str] = None) -> dict:
     """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``).
     ``temperature`` > 0 samples instead (the rollout-temperature readout, with ``generator``), ``repeats``
-    episodes per init state (outcomes then hold each init state ``repeats`` times).
+    episodes per init state (outcomes then hold each init state ``repeats`` times). ``progress``: a label to
+    report each batch of episodes (success so far, an ETA) under (``async_vla.progress``); None reports nothing.
 
     ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
     Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
@@ -267,10 +282,12 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     policy.eval()
     results: list[EpisodeResult] = []
     width = max(1, min(batch_size, len(envs)))
-    for start in range(0, len(episodes), width):
-        part = episodes[start:start + width]
-        results += rollout(policy, envs[:len(part)], part, temperature=temperature, generator=generator,
-                           record=[ep in film for ep in part])
+    with Progress(progress, len(episodes), "episodes") as bar:
+        for start in range(0, len(episodes), width):
+            part = episodes[start:start + width]
+            results += rollout(policy, envs[:len(part)], part, temperature=temperature, generator=generator,
+                               record=[ep in film for ep in part])
+            bar.update(len(results), f"{sum(r.success for r in results)} successes")
     policy.train(was_training)
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
     out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,

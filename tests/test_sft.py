@@ -2,6 +2,8 @@
 
 import copy
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,6 +94,7 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # by default it evaluates val and train layouts only: choosing a recipe with bin/sft never shows held-out
     assert "greedy success, val:" in proc.stdout and "greedy success, train" in proc.stdout, proc.stdout
+    assert "[sft] training:" not in proc.stdout + proc.stderr   # progress stays out of a log (not a terminal)
     assert "held-out" not in proc.stdout, proc.stdout
     report = json.loads((out / "sft_metrics.json").read_text())
     assert 0.0 <= report["val_success"] <= 1.0 and report["demos_per_task"] == 1 and "eval_success" not in report
@@ -119,13 +122,22 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     assert bad.returncode == 2 and "--eval-splits" in bad.stderr and "heldout" in bad.stderr, bad.stderr
 
 
-def test_bin_sft_evaluates_held_out_only_when_asked(tmp_path):
+def test_bin_sft_evaluates_held_out_only_when_asked_and_shows_progress_lines_when_asked(tmp_path):
     out = tmp_path / "ckpt"
-    cmd = [sys.executable, str(REPO / "bin" / "sft"), *SMALL, "env.task_ids=[4]", "--demos", "1", "--epochs", "1",
+    cmd = [sys.executable, str(REPO / "bin" / "sft"), *SMALL, "env.task_ids=[4]", "--demos", "1", "--epochs", "2",
            "--eval-splits", "eval", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "ASYNC_VLA_PROGRESS": "lines:0"})
     assert proc.returncode == 0, proc.stderr
     assert "greedy success, held-out:" in proc.stdout and "val:" not in proc.stdout, proc.stdout
+    # progress lines on stderr (every update with lines:0): the demo, each epoch with its loss, the held-out episodes
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[sft] ")]
+    shapes = [re.sub(r"loss \d+\.\d{4}", "loss L", re.sub(r"\d+ successes", "N successes", re.sub(
+        r"\d+(m\d\d)?s elapsed", "T elapsed", re.sub(r"ETA \d+(m\d\d)?s", "ETA T", line)))) for line in progress]
+    assert shapes == ["[sft] expert demos: 1/1 demos, T elapsed",
+                      "[sft] training: 1/2 epochs, loss L, T elapsed, ETA T",
+                      "[sft] training: 2/2 epochs, loss L, T elapsed",
+                      "[sft] greedy eval, held-out: 3/3 episodes, N successes, T elapsed"], proc.stderr  # one batch
     report = json.loads((out / "sft_metrics.json").read_text())
     assert 0.0 <= report["eval_success"] <= 1.0 and "val_success" not in report
 
