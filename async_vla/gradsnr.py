@@ -190,11 +190,11 @@ def trajectory_scores(policy, trajectories: Sequence, temperature: float):
     scores = torch.empty((len(trajectories), sum(p.numel() for p in params)), dtype=torch.float32)
     counts = np.empty(len(trajectories))
     for row, traj in enumerate(trajectories):
-        mask = torch.from_numpy(np.asarray(traj.token_mask, dtype=bool))
-        logp = policy.token_logprobs(torch.from_numpy(np.asarray(traj.images)),
-                                     torch.from_numpy(np.asarray(traj.proprio, dtype=np.float32)),
+        mask = torch.tensor(np.asarray(traj.token_mask, dtype=bool))   # copies: decoded arrays are read-only
+        logp = policy.token_logprobs(torch.tensor(np.asarray(traj.images)),
+                                     torch.tensor(np.asarray(traj.proprio, dtype=np.float32)),
                                      [traj.instruction] * traj.num_calls,
-                                     torch.from_numpy(np.asarray(traj.action_tokens, dtype=np.int64)), temperature)
+                                     torch.tensor(np.asarray(traj.action_tokens, dtype=np.int64)), temperature)
         total = torch.where(mask, logp, torch.zeros_like(logp)).sum()
         grads = torch.autograd.grad(total, params, allow_unused=True)
         scores[row] = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
