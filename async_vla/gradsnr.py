@@ -179,18 +179,26 @@ def measure(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray], cells:
             "by_batch_size": by_k}
 
 
-def trajectory_scores(policy, trajectories: Sequence, temperature: float):
+def trajectory_scores(policy, trajectories: Sequence, temperature: float, dims: Optional[Sequence[int]] = None,
+                      action_dim: Optional[int] = None):
     """Per-trajectory score vectors ``s_t``: the gradient of trajectory t's token log-probs (at ``temperature``,
     the learner's: the rollout temperature) summed over its ``token_mask``, as float32 [N, #trainable
     parameters], with each trajectory's token count [N]. ``s_t / count_t`` is its direction under
-    ``seq_mean_token_mean``. One backward per trajectory; the policy's weights are not changed."""
+    ``seq_mean_token_mean``. ``dims``: only the tokens of these action dimensions (a call's tokens are
+    step-major: token k is dimension ``k % action_dim``), e.g. what a loss restricted to them would follow.
+    One backward per trajectory; the policy's weights are not changed."""
     import torch
+
+    if dims is not None and not action_dim:
+        raise ValueError("trajectory_scores: dims needs action_dim")
 
     params = [p for p in policy.parameters() if p.requires_grad]
     scores = torch.empty((len(trajectories), sum(p.numel() for p in params)), dtype=torch.float32)
     counts = np.empty(len(trajectories))
     for row, traj in enumerate(trajectories):
         mask = torch.tensor(np.asarray(traj.token_mask, dtype=bool))   # copies: decoded arrays are read-only
+        if dims is not None:
+            mask &= torch.tensor(np.isin(np.arange(mask.shape[-1]) % action_dim, list(dims)))
         logp = policy.token_logprobs(torch.tensor(np.asarray(traj.images)),
                                      torch.tensor(np.asarray(traj.proprio, dtype=np.float32)),
                                      [traj.instruction] * traj.num_calls,

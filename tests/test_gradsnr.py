@@ -166,3 +166,21 @@ def test_scores_give_the_gradient_of_the_grpo_loss_at_the_sampling_weights(aggre
     K = gradsnr.score_gram(scores, counts, aggregation)
     S = scores.double() / (1.0 if aggregation == "token_mean" else torch.from_numpy(counts)[:, None])
     np.testing.assert_allclose(K, (S @ S.T).numpy(), rtol=1e-9)
+
+
+def test_scores_of_some_action_dimensions_are_the_gradient_of_those_tokens_only():
+    from tests.learner_helpers import DOF
+
+    policy = StandInPolicy(seed=3)
+    trajs = [make_traj("g", j, 3, float(j % 2), seed=j, mask_tail=1, policy=policy) for j in range(3)]
+    scores, counts = gradsnr.trajectory_scores(policy, trajs, 1.0, dims=[1], action_dim=DOF)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for row, t in enumerate(trajs):
+        logp = policy.token_logprobs(torch.tensor(t.images), torch.tensor(t.proprio), [t.instruction] * t.num_calls,
+                                     torch.tensor(t.action_tokens), 1.0)
+        keep = torch.tensor(t.token_mask) & (torch.arange(logp.shape[-1]) % DOF == 1)
+        grads = torch.autograd.grad(torch.where(keep, logp, 0.0).sum(), params)
+        torch.testing.assert_close(scores[row], torch.cat([g.reshape(-1) for g in grads]))
+        assert counts[row] == float(keep.sum())
+    with pytest.raises(ValueError, match="action_dim"):
+        gradsnr.trajectory_scores(policy, trajs, 1.0, dims=[1])
