@@ -65,13 +65,16 @@ def _produce(endpoint: str, n: int, calls: int, image: int, release) -> None:
     sender.close()
 
 
-def _consume(endpoint: str, batches: int) -> None:
+def _consume(endpoint: str, batches: int, run_dir: str) -> None:
+    from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
     from async_vla.transport import ControlClient
+
+    secret = learner_secret(f"{run_dir}/{SECRET_FILE}")
 
     client = ControlClient(endpoint)
     version = 0
     while version < batches:
-        client.send(BatchRequest(rank=0, world=1, version=version, timeout_s=30.0))
+        client.send(sign(secret, BatchRequest(rank=0, world=1, version=version, timeout_s=30.0)))
         reply = client.recv_bundle(60.0)
         if reply is None:
             raise RuntimeError("no reply from the buffer")
@@ -93,7 +96,7 @@ def service_cost(n: int, calls: int, image: int, B: int = 4) -> dict:
         svc = BufferService(_config(B), run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         release = ctx.Event()
         procs = [ctx.Process(target=_produce, args=(svc.trajectory_endpoint, n, calls, image, release)),
-                 ctx.Process(target=_consume, args=(svc.batch_endpoint, batches))]
+                 ctx.Process(target=_consume, args=(svc.batch_endpoint, batches, run_dir))]
         for p in procs:
             p.start()
         cpu0, thread0 = time.process_time(), time.thread_time()

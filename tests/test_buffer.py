@@ -22,12 +22,12 @@ def make_cfg(**buffer) -> Config:
 
 def make_traj(group_id: str, i: int, success: bool, bv: int = 0, G: int = 4, run_id: str = RUN, task_id: int = 0,
               init_state_id: int = 0, calls: int = 1, image: int = 8, tokens: int = 7, traj_id=None,
-              lineage: str = ROOT) -> Trajectory:
+              lineage: str = ROOT, actor_id: int = 0) -> Trajectory:
     """A small valid trajectory (member ``i`` of ``group_id``) whose chunk versions all equal ``bv``, sampled by
     learner ``lineage``'s policies."""
     rng = np.random.default_rng(zlib.crc32(f"{group_id}/{i}".encode()))  # same every run (hash() is salted)
     return Trajectory(
-        run_id=run_id, actor_id=0, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
+        run_id=run_id, actor_id=actor_id, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
         init_state_id=init_state_id, instruction="pick", behaviour_version=bv, success=bool(success),
         reward=float(success), env_steps=10, t_start=0.0, t_end=1.0, group_size=G,
         chunk_versions=np.full(calls, bv, np.int64),

@@ -8,7 +8,9 @@ socket, ControlCommand("stats")). Each ``step()``:
   1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (GroupBuffer.grant, the
      refusal's reason from its Admission); ControlCommand; Heartbeat and ActorStats are kept (latest per actor) for
      metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
-     timeout_s passes (then ready=False). A BatchRequest on the control socket is answered
+     timeout_s passes (then ready=False); a BatchRequest without the learner's credential (async_vla/learner_secret.py:
+     an HMAC with the run's secret) is answered not-ready at once and counted by reason (``learner_refused_*``),
+     moving nothing. A BatchRequest on the control socket is answered
      not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
@@ -42,6 +44,7 @@ from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
                                 Heartbeat, Lineage, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
+from async_vla.learner_secret import learner_secret, secret_path, verify
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class BufferService:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.previous_ledger = archive_ledger(self.run_dir)
+        self._secret = learner_secret(secret_path(cfg.transport, self.run_dir))
         self.clock = clock
         bc = cfg.buffer
         self.recorder: Optional[Recorder] = None
@@ -239,6 +243,13 @@ class BufferService:
 
     def _handle_batch(self, peer: bytes, msg) -> None:
         if isinstance(msg, BatchRequest):
+            why = verify(self._secret, msg)
+            if why:   # not the learner's: nothing moves (version, lineage, batches); its one reply, not ready
+                self.counters[f"learner_refused_{why}"] += 1
+                self._warn("learner_refused", "buffer: a batch request without the learner's credential (%s) on %s: "
+                           "refused", why, self.batch_endpoint)
+                self.batches.reply_bundle(peer, BatchHeader(batch_id=-1, version=msg.version, ready=False), [])
+                return
             self._batch_request(peer, msg)
         else:
             self.counters["batch_socket_unexpected"] += 1

@@ -14,9 +14,8 @@ import time
 
 import pytest
 from test_buffer import make_traj
-from test_buffer_service import RUN, running, service_cfg, stats
+from test_buffer_service import RUN, learner_request, running, service_cfg, stats
 
-from async_vla.messages import BatchRequest
 from async_vla.transport import ControlClient, TrajectorySender
 
 
@@ -72,7 +71,7 @@ def test_flood_back_pressure(tmp_path):
         try:
             version, t_start = 0, time.monotonic()
             while time.monotonic() - t_start < flood_s:
-                learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=2))
+                learner.send(learner_request(tmp_path, rank=0, world=1, version=version, timeout_s=2))
                 header, members = learner.recv_bundle(10)
                 if header.ready:
                     version += 1
@@ -85,7 +84,7 @@ def test_flood_back_pressure(tmp_path):
             total_sent = sum(sent)
             drain_deadline = time.monotonic() + 30
             while stats(control)["received"] < total_sent and time.monotonic() < drain_deadline:
-                learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=0.5))  # drain the queues
+                learner.send(learner_request(tmp_path, rank=0, world=1, version=version, timeout_s=0.5))  # drain the queues
                 if learner.recv_bundle(10)[0].ready:
                     version += 1
             s = stats(control)

@@ -10,12 +10,12 @@ import time
 
 from test_buffer import RUN, add_group, make_cfg, make_traj
 from test_buffer_service import RUN as SVC_RUN
-from test_buffer_service import running, service_cfg, stats, wait_stats
+from test_buffer_service import learner_request, running, service_cfg, stats, wait_stats
 
 from async_vla.buffer import GroupBuffer
 from async_vla.buffer.service import BufferService
 from async_vla.config import write_resolved
-from async_vla.messages import ROOT, BatchRequest, Lineage, PolicyTag
+from async_vla.messages import ROOT, Lineage, PolicyTag
 from async_vla.transport import ControlClient, TrajectorySender
 
 MIXED = (1, 0, 1, 0)
@@ -106,9 +106,9 @@ def test_the_dead_learners_parked_request_is_answered_and_never_followed_again(t
     with running(tmp_path, service_cfg(groups_per_batch=2)) as svc:
         dead, resumed = ControlClient(svc.batch_endpoint), ControlClient(svc.batch_endpoint)
         control = ControlClient(svc.control_endpoint)
-        dead.send(BatchRequest(rank=0, world=1, version=5, timeout_s=60, lineage=DEAD.encode()))   # parked
+        dead.send(learner_request(tmp_path, rank=0, world=1, version=5, timeout_s=60, lineage=DEAD.encode()))   # parked
         wait_stats(control, lambda s: s["metrics"]["buffer/parked_requests"] == 1)
-        resumed.send(BatchRequest(rank=0, world=1, version=3, timeout_s=0.5,
+        resumed.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=0.5,
                                   lineage=DEAD.descend("b", 3).encode()))
         assert not resumed.recv_bundle(10)[0].ready          # b's own, after its 0.5 s
         sender = TrajectorySender(svc.trajectory_endpoint)
@@ -119,7 +119,7 @@ def test_the_dead_learners_parked_request_is_answered_and_never_followed_again(t
         assert s["metrics"]["buffer/parked_requests"] == 0   # answered once, and gone
         assert s["learner_version"] == 3 and s["service"]["bad_batch_requests"] == 1
         assert [r["to"] for r in s["rollbacks"]] == [3]      # a is never followed again
-        dead.send(BatchRequest(rank=0, world=1, version=6, timeout_s=60, lineage=DEAD.encode()))
+        dead.send(learner_request(tmp_path, rank=0, world=1, version=6, timeout_s=60, lineage=DEAD.encode()))
         assert not dead.recv_bundle(10)[0].ready and stats(control)["learner_version"] == 3
         sender.close(flush_s=0)
         for c in (dead, resumed, control):
