@@ -85,9 +85,9 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         assert len(grant.group_ids) == (1 + 0 + 1) * 2                       # pacing: (eta + v + 1) * B
         ranks[1].send(learner_request(tmp_path, rank=1, world=2, version=0, timeout_s=10))  # parked until a batch exists
         ids = grant.group_ids
-        send_group(sender, ids[0], (1, 0))
-        send_group(sender, ids[1], (0, 1))
-        send_group(sender, ids[2], (1, 1))                                    # uniform: filtered, slot freed
+        send_group(sender, ids[0], (1, 0), actor_id=1)
+        send_group(sender, ids[1], (0, 1), actor_id=1)
+        send_group(sender, ids[2], (1, 1), actor_id=1)                                    # uniform: filtered, slot freed
         ranks[0].send(learner_request(tmp_path, rank=0, world=2, version=0, timeout_s=10))
         replies = [r.recv_bundle(10) for r in ranks]
         assert all(rep is not None for rep in replies)
@@ -140,7 +140,8 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
         assert len({svc.trajectory_endpoint, svc.control_endpoint, svc.batch_endpoint}) == 3
         control, rank = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        send_group(sender, "a", (1, 0))
+        (a,) = control.call(GrantRequest(actor_id=0, want=1), 10).group_ids
+        send_group(sender, a, (1, 0))
         wait_stats(control, lambda s: s["groups_ready"] == 1)
         control.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))   # its one reply, not the batch
         header, members = control.recv_bundle(10)
@@ -150,7 +151,7 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
         rank.send(GrantRequest(actor_id=1, want=1))                 # control traffic on the batch socket: counted
         rank.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=10))
         header, members = rank.recv_bundle(10)
-        assert header.ready and sorted(t.traj_id for t in members) == ["a-t0", "a-t1"]
+        assert header.ready and sorted(t.traj_id for t in members) == [f"{a}-t0", f"{a}-t1"]
         assert stats(control)["service"]["batch_socket_unexpected"] == 1
         for c in (control, rank, sender):
             c.close()
@@ -199,14 +200,16 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
     with running(tmp_path, cfg) as svc:
         client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        send_group(sender, "a", (1, 0, 1, 0))
-        send_group(sender, "u", (1, 1))
-        sender.send(make_traj("partial", 0, True, run_id=RUN))                  # its actor "dies"
+        a, u, partial = client.call(GrantRequest(actor_id=0, want=3), 10).group_ids
+        send_group(sender, a, (1, 0, 1, 0))
+        send_group(sender, u, (1, 1))
+        sender.send(make_traj(partial, 0, True, run_id=RUN))                    # its actor "dies"
         sender.send(make_traj("b", 0, True, run_id=RUN, task_id=9, G=2))        # unknown task
-        sender.send(make_traj("a", 1, False, run_id=RUN))                       # duplicate
+        sender.send(make_traj(a, 1, False, run_id=RUN))                         # duplicate
         learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))     # "a" is too old now
         assert not learner.recv_bundle(10)[0].ready
-        send_group(sender, "c", (0, 1), bv=3)
+        (c,) = client.call(GrantRequest(actor_id=0, want=1, policy_version=3), 10).group_ids   # now: grants expire in 0.3 s
+        send_group(sender, c, (0, 1), bv=3)
         learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))
         assert learner.recv_bundle(10)[0].ready
         wait_stats(client, lambda s: s["ledger"]["expired_partial"] == 1)
@@ -253,16 +256,20 @@ def test_a_parked_batch_request_is_served_by_the_last_trajectory_even_when_it_co
 
     with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, pacing=False) as svc:
         learner, sender = ControlClient(svc.batch_endpoint), TrajectorySender(svc.trajectory_endpoint)
-        assert sender.send(make_traj("a", 0, True, G=2, run_id=RUN), timeout_s=5)
+        actor = ControlClient(svc.control_endpoint)
+        actor.send(GrantRequest(actor_id=0, want=1))
+        (a,) = _step_until(svc, lambda: actor.recv(0.0), "the grant").group_ids
+        assert sender.send(make_traj(a, 0, True, G=2, run_id=RUN), timeout_s=5)
         learner.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=60))
         _step_until(svc, lambda: svc.buffer.received == 1 and svc.metrics()["buffer/parked_requests"] == 1,
                     "the request parked")
-        late = threading.Timer(0.3, lambda: sender.send(make_traj("a", 1, False, G=2, run_id=RUN), timeout_s=5))
+        late = threading.Timer(0.3, lambda: sender.send(make_traj(a, 1, False, G=2, run_id=RUN), timeout_s=5))
         late.start()
         svc.step(wait_s=30.0)          # idle until the last member comes (returns as soon as it did)
         late.join()
         got = _step_until(svc, lambda: learner.recv_bundle(0.0), "the batch for the parked request")
         assert got[0].ready and len(got[1]) == 2
+        actor.close()
         learner.close()
         sender.close()
 

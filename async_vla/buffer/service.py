@@ -95,8 +95,7 @@ class BufferService:
                     "valid_task_ids": None if valid_task_ids is None else sorted(int(t) for t in valid_task_ids)}
             self.recorder = Recorder(self.run_dir / "recording", bc.record_file_bytes, bc.record_max_files, meta)
         journal = self._journal if self.recorder is not None else None
-        self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
-                                              gid_start=time.time_ns() // 1_000_000)
+        self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal)
         ctx = zmq.Context.instance()
         # Ingest and delivery each have a ZeroMQ context, so an I/O thread, of their own: reading megabytes of
         # trajectories and sending batches of hundreds of MB never delay grants and heartbeats on the control socket,

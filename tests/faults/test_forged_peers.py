@@ -125,3 +125,35 @@ def test_the_learner_secret_is_private_and_one_per_run(tmp_path):
     path.chmod(0o640)
     with pytest.raises(ValueError, match="chmod 600"):
         learner_secret(path)
+
+
+@pytest.mark.slow
+def test_trajectories_for_groups_nobody_granted_them_are_refused_and_the_honest_actor_still_trains(tmp_path):
+    with live_buffer(tmp_path) as (cfg, run_dir, eps, client, proc):
+        victim = client.call(GrantRequest(actor_id=5, want=1), 10)          # an honest actor's open group
+        (open_gid,) = victim.group_ids
+        forger = TrajectorySender(eps["trajectory"])
+        guessed = [f"{RUN}-g{n}" for n in range(2000)]                       # ids of the old counter scheme
+        for gid in guessed:
+            assert forger.send(make_traj(gid, 0, True, G=2, run_id=RUN, actor_id=5), timeout_s=10)
+        for i in range(2):                   # the victim's real id, sent as another actor: a complete forged group
+            assert forger.send(make_traj(open_gid, 10 + i, i == 0, G=2, run_id=RUN, actor_id=6), timeout_s=10)
+        s = wait_stats(client, lambda s: s["received"] == len(guessed) + 2, timeout=120)
+        assert proc.poll() is None
+        assert s["malformed_by_reason"] == {"ungranted_group": len(guessed), "not_granted_to_actor": 2}
+        assert s["groups_in_flight"] == 1 and s["groups_ready"] == 0 and s["ledger"]["pending"] == 0
+        forger.close(flush_s=0)
+        # The victim's group is intact: its own members complete it and it is trained; so is a new actor's next one.
+        sender = TrajectorySender(eps["trajectory"])
+        for i in range(2):
+            assert sender.send(make_traj(open_gid, i, i == 0, G=2, run_id=RUN, actor_id=5), timeout_s=10)
+        sender.close()
+        learner = BatchClient(cfg, run_dir, 0, 1, lineage=HONEST)
+        try:
+            groups = next(filter(None, (learner.poll(0) for _ in range(20))), None)
+            assert groups is not None and {t.traj_id for t in groups[0]} == {f"{open_gid}-t0", f"{open_gid}-t1"}
+        finally:
+            learner.close()
+        s = honest_group_is_trained(cfg, run_dir, eps, client, actor_id=8, version=1)
+        assert s["ledger"]["trained"] == 4 and s["ledger"]["malformed"] == len(guessed) + 2
+        assert s["received"] == sum(s["ledger"].values())

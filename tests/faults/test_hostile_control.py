@@ -171,7 +171,7 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         sender = TrajectorySender(eps["trajectory"])
         for gid in grant.group_ids:
             for i in range(2):
-                assert sender.send(make_traj(gid, i, i == 0, G=2, run_id="hostile"), timeout_s=10)
+                assert sender.send(make_traj(gid, i, i == 0, G=2, run_id="hostile", actor_id=77), timeout_s=10)
         learner = ControlClient(eps["batch"])
         learner.send(learner_request(run_dir, rank=0, world=1, version=0, timeout_s=30))
         header, members = learner.recv_bundle(40)

@@ -185,7 +185,8 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
             assert time.monotonic() - t0 < slack(3.0)
         good = TrajectorySender(svc.trajectory_endpoint, keys=client_keys)
         closing.callback(good.close)
-        assert good.send(make_traj("g", 0, True, run_id=RUN), timeout_s=5)
+        (gid,) = ok.call(M.GrantRequest(actor_id=0, want=1), timeout_s=10).group_ids
+        assert good.send(make_traj(gid, 0, True, run_id=RUN), timeout_s=5)
         deadline = time.monotonic() + 10
         while svc.buffer.received < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
