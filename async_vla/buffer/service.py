@@ -20,7 +20,8 @@ Every BatchRequest gets exactly one reply. Malformed frames counted by the recei
 Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
-actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
+actors remembered besides those holding grants (newcomers never push out an actor holding a grant); an actor silent
+for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
 Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
 takes in the trajectories already queued on its socket first (``_drain``). A batch request from a new learner
 lineage (a learner restarted) is followed (GroupBuffer.set_learner_version); one from a lineage left behind is
@@ -260,15 +261,20 @@ class BufferService:
             log.warning(fmt + ("" if n <= 10 else f" ({n} such so far)"), *args)
 
     def _touch(self, actor_id: int) -> dict:
-        """The entry of an actor that just spoke (bounded: the longest-silent one is forgotten past
-        MAX_ACTORS_TRACKED, its open groups reclaimed first)."""
+        """The entry of an actor that just spoke. Bounded: past MAX_ACTORS_TRACKED the longest-silent actor that
+        holds no open group is forgotten; an actor holding a grant is never pushed out by newcomers (made-up ids
+        cannot churn it out of the table and have its groups reclaimed: only its own silence,
+        buffer.reclaim_after_s, does that), so the table holds at most MAX_ACTORS_TRACKED + the actors holding
+        grants (bounded by the groups open)."""
         entry = self._actors.pop(actor_id, None)
         if entry is None:
             entry = {}
-            while len(self._actors) >= MAX_ACTORS_TRACKED:
-                oldest = next(iter(self._actors))   # dict order = order of last contact (re-inserted on each)
-                self._reclaim(oldest, "forgotten")
-                del self._actors[oldest]
+            if len(self._actors) >= MAX_ACTORS_TRACKED:
+                # dict order = order of last contact (re-inserted on each): the first without a grant is the oldest
+                idle = next((a for a in self._actors if not self.buffer.held_by(a)), None)
+                if idle is not None:
+                    del self._actors[idle]
+                    self.counters["actors_forgotten"] += 1
         self._actors[actor_id] = entry
         entry["t"] = self.clock()
         return entry

@@ -157,3 +157,36 @@ def test_trajectories_for_groups_nobody_granted_them_are_refused_and_the_honest_
         s = honest_group_is_trained(cfg, run_dir, eps, client, actor_id=8, version=1)
         assert s["ledger"]["trained"] == 4 and s["ledger"]["malformed"] == len(guessed) + 2
         assert s["received"] == sum(s["ledger"].values())
+
+
+@pytest.mark.slow
+def test_made_up_actor_ids_cannot_churn_out_an_actor_holding_a_grant(tmp_path):
+    from async_vla.buffer.service import MAX_ACTORS_TRACKED
+    from async_vla.messages import Heartbeat
+
+    with live_buffer(tmp_path) as (cfg, run_dir, eps, client, proc):
+        (gid,) = client.call(GrantRequest(actor_id=5, want=1), 10).group_ids
+        sender = TrajectorySender(eps["trajectory"])
+        assert sender.send(make_traj(gid, 0, True, G=2, run_id=RUN, actor_id=5), timeout_s=10)   # half-finished
+        wait_stats(client, lambda s: s["ledger"]["pending"] == 1)
+        churn = ControlClient(eps["control"])
+        fakes = MAX_ACTORS_TRACKED + 1000
+        for k in range(fakes):                     # made-up ids, each newer than the honest actor's last word
+            assert churn.send(Heartbeat(actor_id=10_000 + k), timeout_s=10)
+        s = wait_stats(client, lambda s: s["service"].get("actors_forgotten") == fakes + 1 - MAX_ACTORS_TRACKED,
+                       timeout=120)
+        # every fake was tracked and the oldest idle ones forgotten; the honest actor, older than all, stays
+        assert s["service"].get("actors_forgotten") == fakes + 1 - MAX_ACTORS_TRACKED, s["metrics"]
+        assert proc.poll() is None and "groups_reclaimed" not in s["service"] and s["groups_in_flight"] == 1
+        churn.close()
+        assert sender.send(make_traj(gid, 1, False, G=2, run_id=RUN, actor_id=5), timeout_s=10)
+        sender.close()
+        learner = BatchClient(cfg, run_dir, 0, 1, lineage=HONEST)
+        try:
+            groups = next(filter(None, (learner.poll(0) for _ in range(20))), None)
+            assert groups is not None and [t.group_id for t in groups[0]] == [gid, gid]
+        finally:
+            learner.close()
+        s = stats(client)
+        assert s["ledger"]["trained"] == 2 and s["ledger"]["expired_partial"] == 0
+        assert s["received"] == sum(s["ledger"].values())
