@@ -5,7 +5,9 @@ Whoever first needs it (the buffer, a learner rank, or a launcher before it star
 32 random bytes, hex, mode 0600 in a 0700 folder, written whole before any reader can see it. Learner ranks sign
 every ``BatchRequest`` with it (HMAC-SHA256 over the request's fields, ``BatchRequest.auth``); the buffer serves
 only requests whose signature checks, so a peer that cannot read the run directory's secret (an actor on another
-node, another user) cannot move the learner version, start a new lineage or take a batch. Actors never get it: the
+node, another user) cannot move the learner version, start a new lineage or take a batch. A live eta change on the
+control socket (``ControlCommand("set_max_staleness")``) is signed the same way (an operator without the secret
+writes ``<run>/control/max_staleness`` instead). Actors never get it: the
 Slurm actor bundle and the Ray fleet's files hold keys and config only.
 """
 
@@ -19,7 +21,11 @@ import secrets
 import stat
 from pathlib import Path
 
-from async_vla.messages import BatchRequest
+from typing import Union
+
+from async_vla.messages import BatchRequest, ControlCommand
+
+Signed = Union[BatchRequest, ControlCommand]
 
 SECRET_FILE = "secrets/learner"
 SECRET_BYTES = 32
@@ -61,16 +67,18 @@ def learner_secret(path) -> bytes:
     return text
 
 
-def _payload(req: BatchRequest) -> bytes:
-    return f"batch_request {req.rank} {req.world} {req.version} {float(req.timeout_s)!r} {req.lineage}".encode()
+def _payload(msg: Signed) -> bytes:
+    if isinstance(msg, ControlCommand):
+        return f"control {msg.command} {msg.value!r}".encode()
+    return f"batch_request {msg.rank} {msg.world} {msg.version} {float(msg.timeout_s)!r} {msg.lineage}".encode()
 
 
-def sign(secret: bytes, req: BatchRequest) -> BatchRequest:
+def sign(secret: bytes, req: Signed) -> Signed:
     """``req`` with its ``auth`` set: what a learner rank sends."""
     return dataclasses.replace(req, auth=hmac.new(secret, _payload(req), hashlib.sha256).hexdigest())
 
 
-def verify(secret: bytes, req: BatchRequest) -> str:
+def verify(secret: bytes, req: Signed) -> str:
     """Why ``req`` is not the learner's: "no_credential", "bad_credential", or "" (it is)."""
     if not req.auth:
         return "no_credential"

@@ -346,9 +346,10 @@ class ControlCommand(Message):
     """Operator or learner -> buffer: change a live knob (e.g. max_staleness) or report the learner version."""
 
     KIND: ClassVar[str] = "control"
-    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None))}
+    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None)), "auth": _STR}
     command: str
     value: Any = None
+    auth: str = ""      # set_max_staleness: HMAC with the run's learner secret (async_vla/learner_secret.py)
 
 
 @dataclass

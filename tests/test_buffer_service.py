@@ -100,7 +100,9 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         s = wait_stats(actor, lambda s: s["ledger"]["filtered_uniform"] == 2)
         assert s["ledger"]["trained"] == 4 and s["ledger"]["filtered_uniform"] == 2
 
-        actor.send(ControlCommand("set_max_staleness", 3))
+        actor.send(ControlCommand("set_max_staleness", 3))                   # not signed: refused
+        assert actor.recv(10).command == "error" and stats(actor)["service"]["control_refused_no_credential"] == 1
+        actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", 3)))
         assert actor.recv(10) == ControlCommand("ok", 3)
         actor.send(GrantRequest(actor_id=2, want=8))
         grant2 = actor.recv(10)
@@ -111,7 +113,7 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         assert len(actor.recv(10).group_ids) == 1
         s = stats(actor)
         assert s["metrics"]["buffer/max_staleness"] == 3.0 and s["eta_changes"][-1]["source"] == "control"
-        actor.send(ControlCommand("set_max_staleness", "x"))
+        actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", "x")))
         assert actor.recv(10).command == "error"
 
         ranks[0].send(learner_request(tmp_path, rank=0, world=2, version=1, timeout_s=0.2))

@@ -370,6 +370,11 @@ class BufferService:
     def _command(self, cmd: ControlCommand) -> ControlCommand:
         try:
             if cmd.command == "set_max_staleness":
+                why = verify(self._secret, cmd)
+                if why:
+                    self.counters[f"control_refused_{why}"] += 1
+                    raise ValueError(f"set_max_staleness needs the learner credential ({why}; "
+                                     "async_vla/learner_secret.py): sign it, or write <run>/control/max_staleness")
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool):
                     raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
                 return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))

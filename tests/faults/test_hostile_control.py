@@ -18,6 +18,7 @@ from test_buffer_service import RUN, learner_request, running, service_cfg, stat
 
 from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import load_config, write_resolved
+from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
 from async_vla.messages import ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender, endpoints
 from runner.commands import component_argv
@@ -104,7 +105,10 @@ def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path)
 def test_control_file_and_socket_cannot_raise_eta_past_its_limit(tmp_path):
     with running(tmp_path, service_cfg(max_staleness=1, max_staleness_limit=4, control_poll_s=0.05)) as svc:
         client = ControlClient(svc.control_endpoint)
-        assert client.call(ControlCommand("set_max_staleness", 10**9), 10).command == "error"
+        secret = learner_secret(tmp_path / SECRET_FILE)
+        assert client.call(sign(secret, ControlCommand("set_max_staleness", 10**9)), 10).command == "error"
+        assert stats(client)["service"]["control_errors"] == 1 and "control_refused_no_credential" not in stats(
+            client)["service"]                   # signed: refused for its value
         (tmp_path / "control" / "max_staleness").write_text("9" * 10_000)   # huge (and not a small int)
         wait_stats(client, lambda s: s["service"].get("control_file_refused") == 1)
         (tmp_path / "control" / "max_staleness").write_text("5\n")
@@ -143,7 +147,7 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
         assert set(forged) == set(CONTROL_KINDS)
-        refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "unknown_command"))
+        refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "unknown_command"))
         s1 = wait_stats(client, lambda s: s["ledger"]["malformed"] >= 3000 and s["service"].get(
             "control_errors") == refused, timeout=120)   # every forged command read
         peak.append(psutil.Process(proc.pid).memory_info().rss)
