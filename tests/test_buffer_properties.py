@@ -78,6 +78,7 @@ def test_buffer_properties(sc):
     buf = GroupBuffer.from_config(cfg, RUN, clock=clock)
     gids = buf.grant(0, len(sc["groups"]))              # the honest actor 0's groups (pacing is tested elsewhere)
     forged = {"ungranted_group": 0, "other_actor": 0}
+    issued = set(gids)                                  # every id granted so far: never issued twice
     eta, version = sc["eta"], 0
     emitted: list = []
     arrived: dict[int, set] = {}
@@ -107,7 +108,9 @@ def test_buffer_properties(sc):
         elif ev[0] == "malformed":
             buf.count_malformed("test")
         else:
-            buf.grant(actor_id=1, want=ev[1])
+            got = buf.grant(actor_id=1, want=ev[1])
+            assert not issued & set(got) and len(set(got)) == len(got), "a granted id was issued again"
+            issued.update(got)
         buf.check_invariants()
         assert buf.malformed_by_reason["ungranted_group"] == forged["ungranted_group"]
         _note_stale(buf, sc, arrived, eta, ever_stale)
