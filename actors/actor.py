@@ -145,7 +145,7 @@ class SerialActor:
         """Task and init state of a group: a pure function of (group id, run seed).
 
         Nothing here depends on the actor: a group re-run elsewhere gets the same spec. Buffer ids end in a global
-        counter (``<run>-g<n>``): tasks cycle with it so every task gets an equal share of groups; other ids fall
+        counter (``<run>-<token>-g<n>``): tasks cycle with it so every task gets an equal share of groups; other ids fall
         back to a hash.
         """
         m = COUNTER_RE.search(group_id)

@@ -315,12 +315,14 @@ class BatchRequest(Message):
     """Learner rank -> buffer: my share of the next batch, at learner version ``version``."""
 
     KIND: ClassVar[str] = "batch_request"
-    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "lineage": _STR}
+    SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "lineage": _STR,
+                               "auth": _STR}
     rank: int
     world: int
     version: int
     timeout_s: float = 1.0
     lineage: str = ""   # the learner's Lineage, encoded ("": not told; the buffer keeps the one it follows)
+    auth: str = ""      # HMAC of the fields with the run's learner secret (async_vla/learner_secret.py)
 
     def validate(self) -> None:
         if self.lineage:
@@ -344,9 +346,10 @@ class ControlCommand(Message):
     """Operator or learner -> buffer: change a live knob (e.g. max_staleness) or report the learner version."""
 
     KIND: ClassVar[str] = "control"
-    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None))}
+    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None)), "auth": _STR}
     command: str
     value: Any = None
+    auth: str = ""      # set_max_staleness: HMAC with the run's learner secret (async_vla/learner_secret.py)
 
 
 @dataclass

@@ -42,36 +42,54 @@ def make_trajectory(calls: int, image: int, tokens: int = 56, proprio: int = 8) 
         token_mask=np.ones((calls, tokens), bool))
 
 
-def member(template: Trajectory, k: int) -> Trajectory:
-    """Trajectory k of the stream: group k // G, mixed outcomes (so every group is admitted)."""
-    return dataclasses.replace(template, group_id=f"g{k // G}", traj_id=f"t{k}", success=k % 2 == 0)
+def member(template: Trajectory, k: int, gids: list[str]) -> Trajectory:
+    """Trajectory k of the stream: of granted group gids[k // G], mixed outcomes (so every group is admitted)."""
+    return dataclasses.replace(template, group_id=gids[k // G], traj_id=f"t{k}", success=k % 2 == 0)
+
+
+def _grants(grant, groups: int) -> list[str]:
+    """``groups`` group ids for actor 0, from ``grant(want)`` (at most MAX_WANT a call)."""
+    from async_vla.buffer.group_buffer import MAX_WANT
+
+    ids: list[str] = []
+    while len(ids) < groups:
+        got = grant(min(MAX_WANT, groups - len(ids)))
+        if not got:
+            raise RuntimeError("the buffer granted nothing")
+        ids += got
+    return ids
 
 
 def _config(B: int) -> Config:
-    # Pacing off (the producer asks for no grants) and staleness unbounded: the stream must all be emitted.
+    # Pacing off (the producer's groups are granted up front) and staleness unbounded: the stream must all be
+    # emitted.
     return Config(run=RunConfig(name=RUN), buffer=BufferConfig(groups_per_batch=B, pacing=False,
                                                               max_staleness=10**9, max_staleness_limit=10**9,
-                                                              max_bytes=512 * 1024**2))
+                                                              max_bytes=512 * 1024**2, max_groups_per_actor=10**6,
+                                                              reclaim_after_s=10**6))
 
 
-def _produce(endpoint: str, n: int, calls: int, image: int, release) -> None:
+def _produce(endpoint: str, n: int, calls: int, image: int, release, gids: list[str]) -> None:
     from async_vla.transport import TrajectorySender
 
     template = make_trajectory(calls, image)
     sender = TrajectorySender(endpoint, hwm=64)
     for k in range(n):
-        sender.send(member(template, k))
+        sender.send(member(template, k, gids))
     release.wait(600)  # queued frames die with the socket (short linger): close only once all were consumed
     sender.close()
 
 
-def _consume(endpoint: str, batches: int) -> None:
+def _consume(endpoint: str, batches: int, run_dir: str) -> None:
+    from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
     from async_vla.transport import ControlClient
+
+    secret = learner_secret(f"{run_dir}/{SECRET_FILE}")
 
     client = ControlClient(endpoint)
     version = 0
     while version < batches:
-        client.send(BatchRequest(rank=0, world=1, version=version, timeout_s=30.0))
+        client.send(sign(secret, BatchRequest(rank=0, world=1, version=version, timeout_s=30.0)))
         reply = client.recv_bundle(60.0)
         if reply is None:
             raise RuntimeError("no reply from the buffer")
@@ -91,9 +109,22 @@ def service_cost(n: int, calls: int, image: int, B: int = 4) -> dict:
     ctx = mp.get_context("spawn")  # never fork a process that holds ZeroMQ sockets
     with tempfile.TemporaryDirectory() as run_dir:
         svc = BufferService(_config(B), run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        from async_vla.messages import GrantRequest
+        from async_vla.transport import ControlClient
+
+        client = ControlClient(svc.control_endpoint)
+
+        def grant(want: int) -> list[str]:
+            client.send(GrantRequest(actor_id=0, want=want))
+            while (reply := client.recv(0.0)) is None:
+                svc.step(wait_s=0.005)
+            return reply.group_ids
+
+        gids = _grants(grant, -(-n // G))
+        client.close()
         release = ctx.Event()
-        procs = [ctx.Process(target=_produce, args=(svc.trajectory_endpoint, n, calls, image, release)),
-                 ctx.Process(target=_consume, args=(svc.batch_endpoint, batches))]
+        procs = [ctx.Process(target=_produce, args=(svc.trajectory_endpoint, n, calls, image, release, gids)),
+                 ctx.Process(target=_consume, args=(svc.batch_endpoint, batches, run_dir))]
         for p in procs:
             p.start()
         cpu0, thread0 = time.process_time(), time.thread_time()
@@ -126,8 +157,9 @@ def stage_costs(n: int, calls: int, image: int, B: int = 4) -> dict:
 
     template = make_trajectory(calls, image)
     n -= n % (B * G)
-    frames = [[bytes(memoryview(f)) for f in encode(member(template, k))] for k in range(n)]
     buf = GroupBuffer.from_config(_config(B), RUN)
+    gids = _grants(lambda want: buf.grant(0, want), n // G)
+    frames = [[bytes(memoryview(f)) for f in encode(member(template, k, gids))] for k in range(n)]
     t0 = time.perf_counter()
     msgs = [decode(f) for f in frames]
     t1 = time.perf_counter()

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from async_vla.config import Config, dump_config
+from async_vla.learner_secret import learner_secret, secret_path
 from runner.commands import component_argv
 from runner.ray_host import CALL_TIMEOUT_S, PYTHON, RayProcess, ReturnCode
 
@@ -217,11 +218,14 @@ class RankGroup:
         return self.proc.returncode
 
 
-def rank_files(cfg: Config, rank_cfg: Config, workdir: str, key_files: dict[str, bytes]) -> tuple[dict, Config]:
+def rank_files(cfg: Config, rank_cfg: Config, workdir: str, key_files: dict[str, bytes],
+               secret: bytes) -> tuple[dict, Config]:
     """The files a rank off the driver's node gets in its node-local ``workdir`` and the config it runs (which
-    points at them): config.yaml, the client CURVE keys, the DeepSpeed JSON if ``learner.deepspeed_config``."""
+    points at them): config.yaml, the learner secret (``secret``: the run's, async_vla/learner_secret.py), the
+    client CURVE keys, the DeepSpeed JSON if ``learner.deepspeed_config``."""
     out = rank_cfg.model_copy(deep=True)
-    files = dict(key_files)
+    files = {**key_files, "learner.secret": secret}
+    out.transport.learner_secret_file = f"{workdir}/learner.secret"
     if cfg.transport.curve:
         out.transport.curve_dir = f"{workdir}/keys"
     if cfg.learner.deepspeed_config:
@@ -256,6 +260,7 @@ def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[s
             "learner_resources), or add nodes") from None
     bundle_nodes = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
     token = uuid.uuid4().hex[:8]   # this launch's ranks never reuse an earlier one's directory
+    secret = learner_secret(secret_path(cfg.transport, run_dir))   # the run's (rank 0 and the buffer read it there)
     ranks: list[Any] = []
     for k in range(n):
         env = rank_env(k, n, driver_ip, rc.learner_master_port)
@@ -263,7 +268,7 @@ def start_ranks(cfg: Config, cfg_path: Path, rank_cfg: Config, key_files: dict[s
             workdir, files, config_file = str(run_dir), {}, str(cfg_path)
         else:
             workdir = f"/tmp/async_vla-{cfg.run.name}-{token}-rank{k}"   # node-local
-            files, _ = rank_files(cfg, rank_cfg, workdir, key_files)
+            files, _ = rank_files(cfg, rank_cfg, workdir, key_files, secret)
             config_file = f"{workdir}/config.yaml"
         argv = component_argv("learner", config_file, str(run_dir), python=PYTHON, resume=resume)
         opts: dict = dict(num_cpus=rc.learner_cpus, num_gpus=rc.learner_gpus, resources=dict(rc.learner_resources),

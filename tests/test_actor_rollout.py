@@ -305,7 +305,7 @@ def test_a_granted_group_assembles_in_group_buffer(cfg, policy):
     from async_vla.transport import LocalPipe
 
     pipe, buf = LocalPipe(), GroupBuffer.from_config(cfg, "rt")
-    gid = buf.grant(0, 1)[0]
+    gid = buf.grant(1, 1)[0]                 # granted to actor 1: only its trajectories join
     a0 = SerialActor(cfg, 0, policy, builtin_envs(cfg, 2))
     a1 = SerialActor(cfg, 1, policy, builtin_envs(cfg, 2))
     assert a0.spec_for(gid) == a1.spec_for(gid)

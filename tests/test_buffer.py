@@ -22,12 +22,12 @@ def make_cfg(**buffer) -> Config:
 
 def make_traj(group_id: str, i: int, success: bool, bv: int = 0, G: int = 4, run_id: str = RUN, task_id: int = 0,
               init_state_id: int = 0, calls: int = 1, image: int = 8, tokens: int = 7, traj_id=None,
-              lineage: str = ROOT) -> Trajectory:
+              lineage: str = ROOT, actor_id: int = 0) -> Trajectory:
     """A small valid trajectory (member ``i`` of ``group_id``) whose chunk versions all equal ``bv``, sampled by
     learner ``lineage``'s policies."""
     rng = np.random.default_rng(zlib.crc32(f"{group_id}/{i}".encode()))  # same every run (hash() is salted)
     return Trajectory(
-        run_id=run_id, actor_id=0, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
+        run_id=run_id, actor_id=actor_id, group_id=group_id, traj_id=traj_id or f"{group_id}-t{i}", task_id=task_id,
         init_state_id=init_state_id, instruction="pick", behaviour_version=bv, success=bool(success),
         reward=float(success), env_steps=10, t_start=0.0, t_end=1.0, group_size=G,
         chunk_versions=np.full(calls, bv, np.int64),
@@ -48,6 +48,24 @@ class FakeClock:
         return self.t
 
 
+class Granted(dict):
+    """Test names -> group ids ``buf`` granted to ``actor`` (on a name's first use): only a granted group takes
+    trajectories, and only from the actor it was granted to."""
+
+    def __init__(self, buf: GroupBuffer, actor: int = 0):
+        super().__init__()
+        self.buf, self.actor = buf, actor
+
+    def __missing__(self, name: str) -> str:
+        ids = self.buf.grant(self.actor, 1)
+        assert ids, f"group {name!r}: nothing granted (pacing, memory or max_groups_per_actor)"
+        self[name] = ids[0]
+        return ids[0]
+
+    def name(self, gid: str) -> str:
+        return next(n for n, g in self.items() if g == gid)
+
+
 def add_group(buf: GroupBuffer, gid: str, pattern, bv: int = 0, **kw) -> list[str]:
     """Add a whole group; ``pattern`` = successes, G = len(pattern). Returns the states add() reported."""
     return [buf.add(make_traj(gid, i, s, bv=bv, G=len(pattern), **kw)) for i, s in enumerate(pattern)]
@@ -58,15 +76,16 @@ MIXED = (1, 0, 1, 0)
 
 def test_assembly_streams_interleaved_groups():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2), RUN)
-    a = [make_traj("a", i, s) for i, s in enumerate(MIXED)]
-    b = [make_traj("b", i, s) for i, s in enumerate((0, 0, 1, 1))]
+    g = Granted(buf)
+    a = [make_traj(g["a"], i, s) for i, s in enumerate(MIXED)]
+    b = [make_traj(g["b"], i, s) for i, s in enumerate((0, 0, 1, 1))]
     for t in (a[3], b[0], a[0], b[2], a[1]):
         assert buf.add(t) == "pending"
     assert buf.ready_groups == 0 and buf.groups_in_flight == 2
     buf.add(a[2])
-    assert buf.ready_group_ids() == ["a"] and buf.groups_in_flight == 1
+    assert buf.ready_group_ids() == [g["a"]] and buf.groups_in_flight == 1
     buf.add(b[1]), buf.add(b[3])
-    assert buf.ready_group_ids() == ["a", "b"]
+    assert buf.ready_group_ids() == [g["a"], g["b"]]
     groups = buf.next_batch(0)
     assert [len(g) for g in groups] == [4, 4]
     assert {t.traj_id for t in groups[0]} == {t.traj_id for t in a}
@@ -76,20 +95,22 @@ def test_assembly_streams_interleaved_groups():
 
 def test_group_size_comes_from_trajectory():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1), RUN)
-    add_group(buf, "g2", (1, 0))
-    add_group(buf, "g3", (1, 0, 0))
-    assert buf.ready_group_ids() == ["g2", "g3"]
+    g = Granted(buf)
+    add_group(buf, g["g2"], (1, 0))
+    add_group(buf, g["g3"], (1, 0, 0))
+    assert buf.ready_group_ids() == [g["g2"], g["g3"]]
 
 
 def test_duplicates_and_stragglers():
     buf = GroupBuffer.from_config(make_cfg(), RUN)
-    t0 = make_traj("g", 0, True)
+    (gid,) = buf.grant(0, 1)
+    t0 = make_traj(gid, 0, True)
     assert buf.add(t0) == "pending"
-    assert buf.add(make_traj("g", 0, True)) == "duplicate"        # same traj id while assembling
+    assert buf.add(make_traj(gid, 0, True)) == "duplicate"        # same traj id while assembling
     for i, s in enumerate(MIXED[1:], 1):
-        buf.add(make_traj("g", i, s))
-    assert buf.add(make_traj("g", 2, True)) == "duplicate"        # same traj id after completion
-    assert buf.add(make_traj("g", 9, True)) == "malformed"        # a fifth distinct member
+        buf.add(make_traj(gid, i, s))
+    assert buf.add(make_traj(gid, 2, True)) == "duplicate"        # same traj id after completion
+    assert buf.add(make_traj(gid, 9, True)) == "malformed"        # a fifth distinct member
     assert buf.malformed_by_reason["group_overfull"] == 1
     assert buf.ledger["duplicate"] == 2 and buf.ledger["pending"] == 4
     buf.check_invariants()
@@ -97,15 +118,16 @@ def test_duplicates_and_stragglers():
 
 def test_validation_reasons():
     buf = GroupBuffer.from_config(make_cfg(), RUN, valid_task_ids=[0, 1])
-    assert buf.add(make_traj("g", 0, True, run_id="other")) == "malformed"
-    assert buf.add(make_traj("g", 0, True, task_id=7)) == "malformed"
-    buf.add(make_traj("h", 0, True))
-    assert buf.add(make_traj("h", 1, True, init_state_id=3)) == "malformed"   # not the same init state
-    assert buf.add(make_traj("h", 2, True, G=5)) == "malformed"               # disagrees on G
-    bad = make_traj("k", 0, True)
+    g = Granted(buf)
+    assert buf.add(make_traj(g["g"], 0, True, run_id="other")) == "malformed"
+    assert buf.add(make_traj(g["g"], 0, True, task_id=7)) == "malformed"
+    buf.add(make_traj(g["h"], 0, True))
+    assert buf.add(make_traj(g["h"], 1, True, init_state_id=3)) == "malformed"   # not the same init state
+    assert buf.add(make_traj(g["h"], 2, True, G=5)) == "malformed"               # disagrees on G
+    bad = make_traj(g["k"], 0, True)
     bad.action_tokens[0, 0] = 5                                                # not an action token id
     assert buf.add(bad) == "malformed"
-    padded = make_traj("k", 1, True)
+    padded = make_traj(g["k"], 1, True)
     padded.action_tokens[0, -1], padded.token_mask[0, -1] = 5, False          # padding may hold anything
     assert buf.add(padded) == "pending"
     buf.count_malformed("msgpack")
@@ -117,37 +139,40 @@ def test_validation_reasons():
 
 def test_expiry_of_partial_and_granted_groups():
     clock = FakeClock()
-    buf = GroupBuffer.from_config(make_cfg(group_timeout_s=10.0, groups_per_batch=1, max_staleness=0), RUN, clock=clock)
+    buf = GroupBuffer.from_config(make_cfg(group_timeout_s=10.0, groups_per_batch=2, max_staleness=0), RUN, clock=clock)
     (gid,) = buf.grant(actor_id=3, want=1)
+    (p,) = buf.grant(actor_id=4, want=1)
     assert buf.admission.capacity() == 0
-    buf.add(make_traj("p", 0, True))
+    buf.add(make_traj(p, 0, True, actor_id=4))
     clock.t = 5.0
-    buf.add(make_traj("p", 1, False))      # activity resets the partial group's age
+    buf.add(make_traj(p, 1, False, actor_id=4))      # activity resets the partial group's age
     clock.t = 12.0
     assert buf.expire() == 0               # the granted, empty group expires (no trajectories) ...
     assert buf.groups_in_flight == 1 and buf.group_counts["expired_empty"] == 1
     clock.t = 15.5
     assert buf.expire() == 2               # ... the partial one 10 s after its last member
     assert buf.ledger["expired_partial"] == 2
-    assert buf.add(make_traj("p", 2, True)) == "expired_partial"   # a straggler of an expired group
-    assert buf.add(make_traj("p", 1, True)) == "duplicate"
-    assert buf.admission.capacity() == 1      # both slots freed
+    assert buf.add(make_traj(p, 2, True, actor_id=4)) == "expired_partial"   # a straggler of an expired group
+    assert buf.add(make_traj(p, 1, True, actor_id=4)) == "duplicate"
+    assert buf.admission.capacity() == 2      # both slots freed
     buf.check_invariants()
 
 
 def test_dynamic_sampling_and_difficulty_mask():
     buf = GroupBuffer.from_config(make_cfg(), RUN)
-    assert add_group(buf, "u1", (1, 1, 1, 1))[-1] == "filtered_uniform"
-    assert add_group(buf, "u0", (0, 0, 0, 0))[-1] == "filtered_uniform"
-    assert add_group(buf, "m", MIXED)[-1] == "pending"
+    g = Granted(buf)
+    assert add_group(buf, g["u1"], (1, 1, 1, 1))[-1] == "filtered_uniform"
+    assert add_group(buf, g["u0"], (0, 0, 0, 0))[-1] == "filtered_uniform"
+    assert add_group(buf, g["m"], MIXED)[-1] == "pending"
     off = GroupBuffer.from_config(make_cfg(dynamic_sampling=False), RUN)
-    add_group(off, "u1", (1, 1, 1, 1))
+    add_group(off, Granted(off)["u1"], (1, 1, 1, 1))
     assert off.ready_groups == 1
     mask = GroupBuffer.from_config(make_cfg(dynamic_sampling=False, difficulty_mask=(0.3, 0.8)), RUN)
-    assert add_group(mask, "r25", (1, 0, 0, 0))[-1] == "filtered_difficulty"
-    assert add_group(mask, "r100", (1, 1, 1, 1))[-1] == "filtered_difficulty"
-    assert add_group(mask, "r50", (1, 1, 0, 0))[-1] == "pending"
-    assert add_group(mask, "r75", (1, 1, 1, 0))[-1] == "pending"
+    m = Granted(mask)
+    assert add_group(mask, m["r25"], (1, 0, 0, 0))[-1] == "filtered_difficulty"
+    assert add_group(mask, m["r100"], (1, 1, 1, 1))[-1] == "filtered_difficulty"
+    assert add_group(mask, m["r50"], (1, 1, 0, 0))[-1] == "pending"
+    assert add_group(mask, m["r75"], (1, 1, 1, 0))[-1] == "pending"
     assert mask.ledger["filtered_difficulty"] == 8
     for b in (buf, off, mask):
         b.check_invariants()
@@ -156,14 +181,15 @@ def test_dynamic_sampling_and_difficulty_mask():
 def test_staleness_at_completion_and_at_batch_time():
     buf = GroupBuffer.from_config(make_cfg(max_staleness=2, groups_per_batch=1), RUN)
     buf.set_learner_version(5)
-    assert add_group(buf, "old", MIXED, bv=2)[-1] == "stale"        # lag 3 > 2
-    assert add_group(buf, "ok", MIXED, bv=3)[-1] == "pending"       # lag 2
+    g = Granted(buf)
+    assert add_group(buf, g["old"], MIXED, bv=2)[-1] == "stale"        # lag 3 > 2
+    assert add_group(buf, g["ok"], MIXED, bv=3)[-1] == "pending"       # lag 2
     assert buf.admission.accepted == 1
     buf.set_learner_version(6)                                      # now lag 3: dropped while waiting
     assert buf.ready_groups == 0 and buf.ledger["stale"] == 8 and buf.admission.accepted == 0
-    add_group(buf, "mixed_versions", MIXED, bv=4)
-    buf.add(make_traj("late", 0, True, bv=6, G=2))
-    buf.add(make_traj("late", 1, False, bv=3, G=2))                 # oldest member decides: lag 3
+    add_group(buf, g["mixed_versions"], MIXED, bv=4)
+    buf.add(make_traj(g["late"], 0, True, bv=6, G=2))
+    buf.add(make_traj(g["late"], 1, False, bv=3, G=2))                 # oldest member decides: lag 3
     assert buf.ledger["stale"] == 10
     assert buf.next_batch(6) is not None
     assert buf.lag_histogram == {2: 4}
@@ -174,10 +200,12 @@ def test_pacing_arithmetic():
     B, eta = 2, 1
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=B, max_staleness=eta), RUN)
     ids = buf.grant(0, want=10)
-    assert len(ids) == (eta + 0 + 1) * B == 4 and ids[0] == f"{RUN}-g0"
+    assert len(ids) == (eta + 0 + 1) * B == 4 and len(set(ids)) == 4
+    assert [gid.split("-")[2] for gid in ids] == ["g0", "g1", "g2", "g3"]    # the counter actors cycle tasks by
+    assert all(len(gid.split("-")[1]) == 32 for gid in ids)                     # and 128 random bits each
     assert buf.grant(1, want=1) == []
     add_group(buf, ids[0], (1, 1, 1, 1))          # filtered: not accepted, its slot returns
-    assert buf.grant(1, want=5) == [f"{RUN}-g4"]
+    assert len(buf.grant(1, want=5)) == 1
     add_group(buf, ids[1], MIXED)
     add_group(buf, ids[2], MIXED)                 # running 2 (g3, g4), accepted 2
     assert buf.admission.capacity() == 4 - 2 - 2 == 0
@@ -227,13 +255,13 @@ def test_an_actor_holding_the_learners_next_version_is_judged_at_it():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=0), RUN)
     assert buf.take_batch(0, lineage=learner) is None
     (gid,) = buf.grant(1, 1, tag=PolicyTag("l", 0))
-    add_group(buf, gid, (1, 0), lineage="l")
+    add_group(buf, gid, (1, 0), lineage="l", actor_id=1)
     assert buf.take_batch(0, lineage=learner) is not None
     assert buf.grant(1, 1, tag=PolicyTag("l", 0)) == []                  # v0's weights: pacing is full at v0
     (gid1,) = buf.grant(1, 1, tag=PolicyTag("l", 1))                     # v1 is published: judged at v1
     assert buf.grant(2, 1, tag=PolicyTag("l", 2)) == []                  # v2 was never published: proves nothing
     assert buf.grant(2, 1, tag=PolicyTag("x", 1)) == [] and buf.grants_refused["dead"] == 1
-    add_group(buf, gid1, (1, 0), bv=1, lineage="l")
+    add_group(buf, gid1, (1, 0), bv=1, lineage="l", actor_id=1)
     assert buf.take_batch(0, lineage=learner)[0] == 0                    # it waits for v1 (never a lag < 0) ...
     got = buf.take_batch(1, lineage=learner)
     assert got[1][0][0].group_id == gid1 and buf.lag_histogram == {0: 4}   # ... and is trained at it
@@ -241,9 +269,10 @@ def test_an_actor_holding_the_learners_next_version_is_judged_at_it():
 
 def test_grant_stops_when_full():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_groups=2, pacing=False), RUN)
-    add_group(buf, "a", MIXED)
+    g = Granted(buf)
+    add_group(buf, g["a"], MIXED)
     assert buf.has_room()
-    add_group(buf, "b", MIXED)
+    add_group(buf, g["b"], MIXED)
     assert not buf.has_room() and buf.grant(0, want=3) == []
     buf.next_batch(0)
     assert buf.has_room()
@@ -253,12 +282,13 @@ def test_byte_bound():
     size = make_traj("x", 0, True, image=32).nbytes
     # Groups of 4 one-call trajectories: the config says so, or its start-up check (one batch must fit) would
     # size the batch for its own default episodes and refuse a bound of 10 trajectories.
-    cfg = Config(buffer=BufferConfig(groups_per_batch=1, max_bytes=10 * size),
+    cfg = Config(buffer=BufferConfig(groups_per_batch=1, max_bytes=10 * size, pacing=False),
                  env=EnvConfig(max_steps=8, image_size=32), actor=ActorConfig(group_size=4))
     buf = GroupBuffer.from_config(cfg, RUN)
+    ids = buf.grant(0, 3)                    # room for 10 trajectories: two groups and half of a third
     n = 0
     while buf.has_room():
-        buf.add(make_traj(f"g{n // 4}", n % 4, n % 2 == 0, image=32))
+        buf.add(make_traj(ids[n // 4], n % 4, n % 2 == 0, image=32))
         n += 1
         assert buf.held_bytes <= buf.cfg.max_bytes
     assert n == buf.cfg.max_bytes // size
@@ -270,12 +300,13 @@ def test_byte_bound():
 
 def test_batch_split_across_ranks_is_one_batch():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=4), RUN)
+    ids = buf.grant(0, 2) + buf.grant(1, 3)
     for k in range(5):
-        add_group(buf, f"g{k}", MIXED)
+        add_group(buf, ids[k], MIXED, actor_id=0 if k < 2 else 1)
     bid0, share0 = buf.take_batch(0, rank=0, world=2)
     bid1, share1 = buf.take_batch(0, rank=1, world=2)
     assert bid0 == bid1 == 0
-    assert [g[0].group_id for g in share0] == ["g0", "g1"] and [g[0].group_id for g in share1] == ["g2", "g3"]
+    assert [g[0].group_id for g in share0] == ids[:2] and [g[0].group_id for g in share1] == ids[2:4]
     assert buf.take_batch(0, rank=0, world=2) == (bid0, share0)       # a repeated request: same answer
     assert buf.take_batch(1, rank=1, world=2) is None                 # only g4 left
     with pytest.raises(ValueError):
@@ -286,16 +317,18 @@ def test_batch_split_across_ranks_is_one_batch():
 
 def test_lifo_order():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, order="lifo"), RUN)
-    for k in range(3):
-        add_group(buf, f"g{k}", MIXED)
-    assert buf.next_batch(0)[0][0].group_id == "g2"
+    ids = buf.grant(0, 3)
+    for gid in ids:
+        add_group(buf, gid, MIXED)
+    assert buf.next_batch(0)[0][0].group_id == ids[2]
 
 
 def test_reuse_trains_twice_counts_once():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, reuse=2, max_staleness=5), RUN)
-    add_group(buf, "a", MIXED)
-    add_group(buf, "b", MIXED)
-    order = [buf.next_batch(v)[0][0].group_id for v in range(4)]
+    g = Granted(buf)
+    add_group(buf, g["a"], MIXED)
+    add_group(buf, g["b"], MIXED)
+    order = [g.name(buf.next_batch(v)[0][0].group_id) for v in range(4)]
     assert order == ["a", "b", "a", "b"]
     assert buf.next_batch(4) is None
     assert buf.ledger["trained"] == 8
@@ -305,9 +338,10 @@ def test_reuse_trains_twice_counts_once():
 
 def test_ledger_metrics_snapshot_and_file(tmp_path):
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1), RUN)
-    add_group(buf, "a", MIXED)
-    add_group(buf, "u", (1, 1, 1, 1))
-    buf.add(make_traj("p", 0, True))
+    g = Granted(buf)
+    add_group(buf, g["a"], MIXED)
+    add_group(buf, g["u"], (1, 1, 1, 1))
+    buf.add(make_traj(g["p"], 0, True))
     buf.count_malformed("frame_count")
     buf.next_batch(0)
     assert buf.ledger == {"trained": 4, "filtered_uniform": 4, "filtered_difficulty": 0, "stale": 0,
@@ -376,20 +410,21 @@ def test_a_ledger_subclass_sees_every_trajectory_fate():
     tracer = Tracer(RUN)
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=1, max_staleness=1), RUN, ledger=tracer)
     assert buf.books is tracer
-    add_group(buf, "uniform", (1, 1, 1, 1))
-    add_group(buf, "a", MIXED)
-    add_group(buf, "b", MIXED)
+    g = Granted(buf)
+    add_group(buf, g["uniform"], (1, 1, 1, 1))
+    add_group(buf, g["a"], MIXED)
+    add_group(buf, g["b"], MIXED)
     assert buf.next_batch(0) is not None                     # "a" trained at version 0
     buf.set_learner_version(1)
     assert buf.next_batch(1) is not None                     # "b" trained at version 1
     resumed = Lineage("b0", (PolicyTag(ROOT, 0),))            # a learner resumed at 0: "b" is pending again
     buf.set_learner_version(0, resumed)
-    add_group(buf, "old", MIXED, bv=0)
+    add_group(buf, g["old"], MIXED, bv=0)
     buf.set_learner_version(2)                               # "old" and "b" (behaviour version 0) now lag 2 > 1
-    fates = {tid.rsplit("-t", 1)[0]: state for tid, (state, _) in tracer.fate.items()}
+    fates = {g.name(tid.rsplit("-t", 1)[0]): state for tid, (state, _) in tracer.fate.items()}
     assert fates == {"uniform": "filtered_uniform", "a": "trained", "b": "stale", "old": "stale"}
-    assert tracer.fate["a-t0"] == ("trained", 0) and tracer.formed["b-t0"] == 1
-    assert tracer.admitted == [f"{g}-t{i}" for g in ("uniform", "a", "b", "old") for i in range(4)]
+    assert tracer.fate[f"{g['a']}-t0"] == ("trained", 0) and tracer.formed[f"{g['b']}-t0"] == 1
+    assert tracer.admitted == [f"{g[n]}-t{i}" for n in ("uniform", "a", "b", "old") for i in range(4)]
     assert tracer.received_from == {0: 16} and tracer.counts() == buf.ledger
     assert buf.ledger["stale"] == 8 and buf.ledger["trained"] == 4 and buf.ledger["filtered_uniform"] == 4
     buf.check_invariants()

@@ -4,7 +4,9 @@ Properties (dynamic sampling on):
   * no uniform group is ever emitted; every emitted group is complete, distinct, and within eta at emission;
   * no mixed, fresh, complete group is lost: at the end it was emitted, is still pending, or its lag exceeded
     the eta of the moment at some point after it completed (then dropping it as stale was the rule);
-  * received == sum of the ledger states (and pending / held bytes match the structures) after every input.
+  * received == sum of the ledger states (and pending / held bytes match the structures) after every input;
+  * hostile trajectories (a group id never granted, a granted group's id from another actor) are refused and
+    counted by reason, never open a group and are never trained.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def scenarios(draw):
     events += [("eta", draw(st.integers(0, 3))) for _ in range(draw(st.integers(0, 2)))]
     events += [("malformed",)] * draw(st.integers(0, 2))
     events += [("grant", draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 2)))]
+    events += [("forge_unknown", draw(st.integers(0, 10**6))) for _ in range(draw(st.integers(0, 3)))]
+    events += [("forge_other", draw(st.integers(0, len(groups) - 1))) for _ in range(draw(st.integers(0, 3)))]
     order = draw(st.permutations(events))
     return dict(G=G, B=B, world=world, eta=draw(st.integers(0, 3)), reuse=draw(st.integers(1, 2)),
                 order=order, groups=groups, lifo=draw(st.booleans()))
@@ -70,8 +74,11 @@ def test_buffer_properties(sc):
     G, B, world = sc["G"], sc["B"], sc["world"]
     clock = FakeClock()
     cfg = make_cfg(groups_per_batch=B, max_staleness=sc["eta"], reuse=sc["reuse"], group_timeout_s=1e6,
-                   order="lifo" if sc["lifo"] else "fifo")
+                   order="lifo" if sc["lifo"] else "fifo", pacing=False, max_groups_per_actor=64)
     buf = GroupBuffer.from_config(cfg, RUN, clock=clock)
+    gids = buf.grant(0, len(sc["groups"]))              # the honest actor 0's groups (pacing is tested elsewhere)
+    forged = {"ungranted_group": 0, "other_actor": 0}
+    issued = set(gids)                                  # every id granted so far: never issued twice
     eta, version = sc["eta"], 0
     emitted: list = []
     arrived: dict[int, set] = {}
@@ -81,8 +88,17 @@ def test_buffer_properties(sc):
         if ev[0] == "traj":
             _, k, i = ev
             succ, bvs, _ = sc["groups"][k]
-            buf.add(make_traj(f"g{k}", i, succ[i], bv=bvs[i], G=G, calls=1, image=2, tokens=2))
+            buf.add(make_traj(gids[k], i, succ[i], bv=bvs[i], G=G, calls=1, image=2, tokens=2))
             arrived.setdefault(k, set()).add(i)
+        elif ev[0] == "forge_unknown":          # a guessed id: never granted
+            in_flight = buf.groups_in_flight
+            assert buf.add(make_traj(f"{RUN}-g{ev[1]}", 0, True, G=G, calls=1, image=2, tokens=2)) == "malformed"
+            assert buf.groups_in_flight == in_flight
+            forged["ungranted_group"] += 1
+        elif ev[0] == "forge_other":            # a real id, another actor: refused whatever state the group is in
+            state = buf.add(make_traj(gids[ev[1]], G + 5, True, G=G, calls=1, image=2, tokens=2, actor_id=9))
+            assert state in ("malformed", "expired_partial")
+            forged["other_actor"] += 1
         elif ev[0] == "step":
             if _request(buf, version, world, B, emitted, eta):
                 version += 1
@@ -92,8 +108,11 @@ def test_buffer_properties(sc):
         elif ev[0] == "malformed":
             buf.count_malformed("test")
         else:
-            buf.grant(actor_id=1, want=ev[1])
+            got = buf.grant(actor_id=1, want=ev[1])
+            assert not issued & set(got) and len(set(got)) == len(got), "a granted id was issued again"
+            issued.update(got)
         buf.check_invariants()
+        assert buf.malformed_by_reason["ungranted_group"] == forged["ungranted_group"]
         _note_stale(buf, sc, arrived, eta, ever_stale)
     clock.t += 3e6
     buf.expire()                             # dead actors' groups (and unused grants) expire now
@@ -108,6 +127,7 @@ def test_buffer_properties(sc):
 
     emitted_ids = {}
     for gid, v, eta_then, members in emitted:
+        assert all(t.actor_id == 0 for t in members), "a forged trajectory was trained"
         succ = [t.success for t in members]
         assert 0 < sum(succ) < G, "a uniform group was emitted"
         assert len(members) == G and len({t.traj_id for t in members}) == G
@@ -116,7 +136,7 @@ def test_buffer_properties(sc):
     assert all(n <= sc["reuse"] for n in emitted_ids.values())
     pending = set(buf.ready_group_ids())
     for k, (succ, bvs, sent) in enumerate(sc["groups"]):
-        gid = f"g{k}"
+        gid = gids[k]
         if sent == G and 0 < sum(succ) < G and k not in ever_stale:
             assert gid in emitted_ids or gid in pending, f"mixed fresh complete group {gid} was lost"
         if sent < G:
@@ -131,7 +151,7 @@ def test_buffer_properties(sc):
 def restart_scenarios(draw):
     """A learner that trains, dies and resumes from older checkpoints while actors keep sending. Events:
     ("sample", granted, behind, now) a group sampled now by the live policy ``behind`` versions back (granted by
-    this buffer, or not: granted before a buffer restart), sent at once or not; ("arrive", k) group k's unsent
+    this buffer, or not: granted before a buffer restart, refused as ungranted_group), sent at once or not; ("arrive", k) group k's unsent
     members reach the buffer;
     ("step",) a batch request at the learner's version; ("resume", back) the learner killed and resumed from its
     checkpoint ``back`` versions earlier (each learner life has a lineage of its own, descending from the life
@@ -172,7 +192,7 @@ def test_a_dead_learners_data_is_never_trained(sc):
     def send(g):
         while g["sent"] < G:
             buf.add(make_traj(g["gid"], g["sent"], g["sent"] == 0, bv=g["tag"].version, G=G, calls=1, image=2,
-                              tokens=2, lineage=g["tag"].lineage))
+                              tokens=2, lineage=g["tag"].lineage, actor_id=1))
             g["sent"] += 1
 
     def request():

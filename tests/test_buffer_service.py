@@ -15,6 +15,7 @@ import zmq
 from test_buffer import make_traj
 
 from async_vla.buffer.service import BufferService
+from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
 from async_vla.config import BufferConfig, Config, RunConfig, TransportConfig, write_resolved
 from async_vla.messages import (ROOT, ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Lineage,
                                 Trajectory, decode)
@@ -44,6 +45,11 @@ def running(tmp_path, cfg: Config):
         stop.set()
         thread.join(10)
         svc.close()
+
+
+def learner_request(run_dir, **fields) -> BatchRequest:
+    """A BatchRequest signed with the run's learner secret, as a learner rank (BatchClient) sends it."""
+    return sign(learner_secret(Path(run_dir) / SECRET_FILE), BatchRequest(**fields))
 
 
 def stats(client: ControlClient) -> dict:
@@ -77,12 +83,12 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         grant = actor.recv(10)
         assert isinstance(grant, AdmissionGrant) and grant.max_staleness == 1 and grant.learner_version == 0
         assert len(grant.group_ids) == (1 + 0 + 1) * 2                       # pacing: (eta + v + 1) * B
-        ranks[1].send(BatchRequest(rank=1, world=2, version=0, timeout_s=10))  # parked until a batch exists
+        ranks[1].send(learner_request(tmp_path, rank=1, world=2, version=0, timeout_s=10))  # parked until a batch exists
         ids = grant.group_ids
-        send_group(sender, ids[0], (1, 0))
-        send_group(sender, ids[1], (0, 1))
-        send_group(sender, ids[2], (1, 1))                                    # uniform: filtered, slot freed
-        ranks[0].send(BatchRequest(rank=0, world=2, version=0, timeout_s=10))
+        send_group(sender, ids[0], (1, 0), actor_id=1)
+        send_group(sender, ids[1], (0, 1), actor_id=1)
+        send_group(sender, ids[2], (1, 1), actor_id=1)                                    # uniform: filtered, slot freed
+        ranks[0].send(learner_request(tmp_path, rank=0, world=2, version=0, timeout_s=10))
         replies = [r.recv_bundle(10) for r in ranks]
         assert all(rep is not None for rep in replies)
         headers = [rep[0] for rep in replies]
@@ -94,7 +100,9 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         s = wait_stats(actor, lambda s: s["ledger"]["filtered_uniform"] == 2)
         assert s["ledger"]["trained"] == 4 and s["ledger"]["filtered_uniform"] == 2
 
-        actor.send(ControlCommand("set_max_staleness", 3))
+        actor.send(ControlCommand("set_max_staleness", 3))                   # not signed: refused
+        assert actor.recv(10).command == "error" and stats(actor)["service"]["control_refused_no_credential"] == 1
+        actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", 3)))
         assert actor.recv(10) == ControlCommand("ok", 3)
         actor.send(GrantRequest(actor_id=2, want=8))
         grant2 = actor.recv(10)
@@ -105,10 +113,10 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         assert len(actor.recv(10).group_ids) == 1
         s = stats(actor)
         assert s["metrics"]["buffer/max_staleness"] == 3.0 and s["eta_changes"][-1]["source"] == "control"
-        actor.send(ControlCommand("set_max_staleness", "x"))
+        actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", "x")))
         assert actor.recv(10).command == "error"
 
-        ranks[0].send(BatchRequest(rank=0, world=2, version=1, timeout_s=0.2))
+        ranks[0].send(learner_request(tmp_path, rank=0, world=2, version=1, timeout_s=0.2))
         header, members = ranks[0].recv_bundle(10)
         assert not header.ready and members == []
 
@@ -134,7 +142,8 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
         assert len({svc.trajectory_endpoint, svc.control_endpoint, svc.batch_endpoint}) == 3
         control, rank = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        send_group(sender, "a", (1, 0))
+        (a,) = control.call(GrantRequest(actor_id=0, want=1), 10).group_ids
+        send_group(sender, a, (1, 0))
         wait_stats(control, lambda s: s["groups_ready"] == 1)
         control.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))   # its one reply, not the batch
         header, members = control.recv_bundle(10)
@@ -142,9 +151,9 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
         s = stats(control)
         assert s["service"]["batch_requests_on_control"] == 1 and s["groups_ready"] == 1   # nothing was taken
         rank.send(GrantRequest(actor_id=1, want=1))                 # control traffic on the batch socket: counted
-        rank.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))
+        rank.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=10))
         header, members = rank.recv_bundle(10)
-        assert header.ready and sorted(t.traj_id for t in members) == ["a-t0", "a-t1"]
+        assert header.ready and sorted(t.traj_id for t in members) == [f"{a}-t0", f"{a}-t1"]
         assert stats(control)["service"]["batch_socket_unexpected"] == 1
         for c in (control, rank, sender):
             c.close()
@@ -193,15 +202,17 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
     with running(tmp_path, cfg) as svc:
         client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        send_group(sender, "a", (1, 0, 1, 0))
-        send_group(sender, "u", (1, 1))
-        sender.send(make_traj("partial", 0, True, run_id=RUN))                  # its actor "dies"
+        a, u, partial = client.call(GrantRequest(actor_id=0, want=3), 10).group_ids
+        send_group(sender, a, (1, 0, 1, 0))
+        send_group(sender, u, (1, 1))
+        sender.send(make_traj(partial, 0, True, run_id=RUN))                    # its actor "dies"
         sender.send(make_traj("b", 0, True, run_id=RUN, task_id=9, G=2))        # unknown task
-        sender.send(make_traj("a", 1, False, run_id=RUN))                       # duplicate
-        learner.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))     # "a" is too old now
+        sender.send(make_traj(a, 1, False, run_id=RUN))                         # duplicate
+        learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))     # "a" is too old now
         assert not learner.recv_bundle(10)[0].ready
-        send_group(sender, "c", (0, 1), bv=3)
-        learner.send(BatchRequest(rank=0, world=1, version=3, timeout_s=5))
+        (c,) = client.call(GrantRequest(actor_id=0, want=1, policy_version=3), 10).group_ids   # now: grants expire in 0.3 s
+        send_group(sender, c, (0, 1), bv=3)
+        learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))
         assert learner.recv_bundle(10)[0].ready
         wait_stats(client, lambda s: s["ledger"]["expired_partial"] == 1)
         client.close()
@@ -247,16 +258,20 @@ def test_a_parked_batch_request_is_served_by_the_last_trajectory_even_when_it_co
 
     with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, pacing=False) as svc:
         learner, sender = ControlClient(svc.batch_endpoint), TrajectorySender(svc.trajectory_endpoint)
-        assert sender.send(make_traj("a", 0, True, G=2, run_id=RUN), timeout_s=5)
-        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=60))
+        actor = ControlClient(svc.control_endpoint)
+        actor.send(GrantRequest(actor_id=0, want=1))
+        (a,) = _step_until(svc, lambda: actor.recv(0.0), "the grant").group_ids
+        assert sender.send(make_traj(a, 0, True, G=2, run_id=RUN), timeout_s=5)
+        learner.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=60))
         _step_until(svc, lambda: svc.buffer.received == 1 and svc.metrics()["buffer/parked_requests"] == 1,
                     "the request parked")
-        late = threading.Timer(0.3, lambda: sender.send(make_traj("a", 1, False, G=2, run_id=RUN), timeout_s=5))
+        late = threading.Timer(0.3, lambda: sender.send(make_traj(a, 1, False, G=2, run_id=RUN), timeout_s=5))
         late.start()
         svc.step(wait_s=30.0)          # idle until the last member comes (returns as soon as it did)
         late.join()
         got = _step_until(svc, lambda: learner.recv_bundle(0.0), "the batch for the parked request")
         assert got[0].ready and len(got[1]) == 2
+        actor.close()
         learner.close()
         sender.close()
 
@@ -269,7 +284,7 @@ def test_a_grant_says_why_it_is_empty_and_whose_learner_it_answers_for(tmp_path)
     learner_lineage = Lineage(ROOT).descend("l", 0)
     with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, max_staleness=0) as svc:
         actor, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
-        learner.send(BatchRequest(rank=0, world=1, version=2, timeout_s=0.0, lineage=learner_lineage.encode()))
+        learner.send(learner_request(tmp_path, rank=0, world=1, version=2, timeout_s=0.0, lineage=learner_lineage.encode()))
         assert not _step_until(svc, lambda: learner.recv_bundle(0.0), "the learner's request")[0].ready
         replies = []
         for n, (lineage, version) in enumerate((("l", 2), ("l", 2), ("l", 1), ("gone", 2))):

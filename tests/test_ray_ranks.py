@@ -88,9 +88,11 @@ def test_a_rank_elsewhere_gets_its_config_keys_and_deepspeed_json_in_its_own_dir
     remote = cfg.model_copy(deep=True)
     remote.transport.connect_host = "10.0.0.7"   # what fleet_transport makes of it
     key_files = {"keys/client.key": b"c", "keys/server.key": b"s", "keys/client.key_secret": b"x"}
-    files, rank_cfg = rank_files(cfg, remote, "/tmp/w-rank1", key_files)
-    assert set(files) == {"config.yaml", "deepspeed.json", *key_files}
+    files, rank_cfg = rank_files(cfg, remote, "/tmp/w-rank1", key_files, b"s3cret")
+    assert set(files) == {"config.yaml", "deepspeed.json", "learner.secret", *key_files}
+    assert files["learner.secret"] == b"s3cret"
     shipped = yaml.safe_load(files["config.yaml"])
+    assert shipped["transport"]["learner_secret_file"] == "/tmp/w-rank1/learner.secret"
     assert shipped["transport"]["curve_dir"] == "/tmp/w-rank1/keys"
     assert shipped["transport"]["connect_host"] == "10.0.0.7"
     assert shipped["learner"]["deepspeed_config"] == "/tmp/w-rank1/deepspeed.json"

@@ -4,7 +4,8 @@
 
 Binds the trajectory (PULL), control (ROUTER) and batch (ROUTER) endpoints from the transport config, writes the
 resolved config to DIR/config.yaml, serves, and writes DIR/ledger.json periodically and at exit. Change eta live with
-`echo 4 > DIR/control/max_staleness` or a ControlCommand("set_max_staleness", 4). Imports no torch.
+`echo 4 > DIR/control/max_staleness` or a ControlCommand("set_max_staleness", 4) signed with the run's learner secret
+(DIR/secrets/learner, created here if the learner has not yet: async_vla/learner_secret.py). Imports no torch.
 """
 
 import argparse

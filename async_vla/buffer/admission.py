@@ -9,7 +9,7 @@ and never trained (checked when it completes and again while it waits: the versi
 
 Pacing: ``capacity`` new groups may be granted now, where
     capacity = (eta + v_rel + 1) * B - running - accepted
-    running  = groups started and unfinished: granted ids, groups with members, not complete, expired or dropped;
+    running  = groups granted and unfinished: not complete, expired, reclaimed or dropped;
     accepted = groups that completed, passed the filters and were fresh, counted once for the run (trained ones
                stay counted), minus those dropped later (stale or dead: a dropped group frees its slot); filtered
                groups never count, so actors get replacements;
@@ -126,7 +126,7 @@ class Admission:
 
     # ------------------------------------------------------------------ what happened to groups
     def on_started(self, n: int = 1) -> None:
-        """``n`` groups were granted, or a group not granted here received its first member."""
+        """``n`` groups were granted (nothing else opens a group)."""
         self.running += n
 
     def on_finished(self) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from async_vla.learner_secret import learner_secret, secret_path, sign
 from async_vla.messages import BatchRequest, ControlCommand, Lineage
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
@@ -30,6 +31,7 @@ class BatchClient:
         eps = endpoints(cfg.transport, run_dir, side="connect")
         self.endpoint, self.control_endpoint = eps["batch"], eps["control"]
         self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
+        self.secret = learner_secret(secret_path(cfg.transport, run_dir))
         self.client = self._connect()
         self.pending = False
         self.sent_at = 0.0
@@ -44,9 +46,9 @@ class BatchClient:
         timeout = self.cfg.learner.batch_timeout_s
         if not self.pending:
             try:
-                self.client.request(BatchRequest(rank=self.rank, world=self.world, version=version,
-                                                 timeout_s=timeout, lineage=self.lineage.encode()),
-                                timeout_s=timeout)
+                self.client.request(sign(self.secret, BatchRequest(
+                    rank=self.rank, world=self.world, version=version, timeout_s=timeout,
+                    lineage=self.lineage.encode())), timeout_s=timeout)
             except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
                 log.warning("%s: reconnecting", exc)
                 self._reconnect()

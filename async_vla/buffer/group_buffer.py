@@ -1,7 +1,10 @@
 """Group-assembling replay buffer: pure logic, no sockets, no threads (the service wraps it; serial mode calls it).
 
 A trajectory's life
-    add(traj) -> validated (run id, task id, duplicate, group consistency) -> joins its group (by group_id)
+    grant(actor) -> an unguessable group id (a capability: "<run>-<32 hex digits from secrets>-g<n>", never issued
+    twice; the counter n lets actors cycle tasks evenly) bound to that actor
+    add(traj) -> validated (run id, task id, its group granted to its actor, duplicate, group consistency)
+    -> joins its group (by group_id)
     -> the group completes at G = traj.group_size members -> filters -> staleness -> the ready queue
     -> a learner batch (B groups, FIFO by default, split across learner ranks) -> "trained".
 
@@ -13,8 +16,9 @@ Ledger: every received trajectory is in exactly one state; ``received == sum(led
     stale               its group's lag exceeded eta, when the group completed or later, while it waited for a batch
     expired_partial     its group stayed incomplete for group_timeout_s (an actor died), or it arrived after that
     duplicate           a trajectory id already seen in its group
-    malformed           failed validation here (wrong_run, unknown_task, bad_action_token, group_mismatch,
-                        group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
+    malformed           failed validation here (wrong_run, unknown_task, bad_action_token, ungranted_group: a
+                        group id this buffer never granted, or forgot; not_granted_to_actor: a group granted
+                        to another actor; group_mismatch, group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
                         never become messages)
     ahead               its group holds data of a dead policy: a tag outside the learner's lineage (a dead
                         learner's versions past the checkpoint its successor resumed from); the whole group goes,
@@ -51,6 +55,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -77,7 +82,7 @@ class _Group:
     key: Optional[tuple] = None         # (group_size, task_id, init_state_id, run_id, lineage) members share
     min_bv: int = 2**62                 # oldest behaviour version among members (its lag)
     max_bv: int = -1                    # newest behaviour version among members (never trained at a lag < 0)
-    actor: Optional[int] = None         # the actor it was granted to (None: not granted by this buffer)
+    actor: int = -1                     # the actor it was granted to (only its trajectories join)
     nbytes: int = 0
     uses: int = 0
     refs: int = 0
@@ -106,8 +111,7 @@ class GroupBuffer:
 
     def __init__(self, cfg, run_id: str, *, token_range: tuple[int, int], max_staleness: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic, valid_task_ids: Optional[Iterable[int]] = None,
-                 journal: Optional[Callable[[float, Message], None]] = None, gid_start: int = 0,
-                 ledger: Optional[Ledger] = None):
+                 journal: Optional[Callable[[float, Message], None]] = None, ledger: Optional[Ledger] = None):
         self.cfg = cfg
         self.B = self.cfg.groups_per_batch
         if self.cfg.max_groups < self.B:
@@ -127,7 +131,7 @@ class GroupBuffer:
         self.held_bytes = 0
         self._largest = 0
         self.batches_formed = 0
-        self._next_gid = int(gid_start)  # the service starts at ms-since-epoch: a restart never reissues an id
+        self._next_gid = 0              # the ids' counter (the actors' task cycle); the random part makes them unique
         self.grants_refused: collections.Counter = collections.Counter()   # by Admission.judge: behind / dead
         self.grants_capped = 0          # grant requests trimmed to max_groups_per_actor
         self.rollbacks: list[dict] = []  # learner lineages followed after the first (restarts, resumes)
@@ -195,8 +199,9 @@ class GroupBuffer:
                 if state in ("expired_partial", "ahead"):
                     return self.books.settle(state)
                 return self.books.malformed("group_overfull")
-            g = self._open[traj.group_id] = _Group(traj.group_id, last_t=now)   # not granted here (or forged)
-            self.admission.on_started()
+            return self.books.malformed("ungranted_group")      # never opens a group: only grants do
+        if traj.actor_id != g.actor:
+            return self.books.malformed("not_granted_to_actor")
         if traj.traj_id in g.traj_ids:
             return self.books.settle("duplicate")
         key = (traj.group_size, traj.task_id, traj.init_state_id, traj.run_id, traj.lineage)
@@ -249,12 +254,11 @@ class GroupBuffer:
         """``g`` leaves assembly (complete, expired, reclaimed, ahead): later stragglers are judged by ``state``."""
         del self._open[g.gid]
         self.admission.on_finished()
-        if g.actor is not None:
-            held = self._by_actor.get(g.actor)
-            if held is not None:
-                held.discard(g.gid)
-                if not held:
-                    del self._by_actor[g.actor]
+        held = self._by_actor.get(g.actor)
+        if held is not None:
+            held.discard(g.gid)
+            if not held:
+                del self._by_actor[g.actor]
         self._remember(g.gid, state, g.traj_ids)
 
     def _drop_open(self, g: _Group, state: str) -> int:
@@ -341,7 +345,7 @@ class GroupBuffer:
 
     # ------------------------------------------------------------------ grants
     def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None) -> list[str]:
-        """New group ids ("<run>-g<n>") the actor may start; [] = not now (``Admission.grantable``: pacing, or its
+        """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may start; [] = not now (``Admission.grantable``: pacing, or its
         policy ``tag`` is unusable - whatever it produced would be dropped - ; memory full; or the actor holds
         ``max_groups_per_actor`` open groups already). A want above what the actor may still hold is trimmed
         (``grants_capped``); a want < 1 gets nothing; ``tag`` None: not judged by weights."""
@@ -354,19 +358,28 @@ class GroupBuffer:
             self.grants_refused[why] += 1
         n = self.admission.grantable(tag, min(want, room)) if self.has_room() else 0
         now = self.clock()
-        ids = [f"{self.run_id}-g{self._next_gid + k}" for k in range(n)]
-        self._next_gid += n
+        ids = [self._new_gid() for _ in range(n)]
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too
             self._record(now, ControlCommand("j.grant", f"{actor_id}:" + ",".join(ids)))
             self._open_granted(actor_id, ids, now)
         return ids
 
-    def _open_granted(self, actor_id: Optional[int], ids: list[str], now: float) -> None:
+    def _new_gid(self) -> str:
+        """An id no one can guess and this buffer never issued (a repeat of one remembered is drawn again; 128
+        random bits make a repeat of a forgotten one, or one from an earlier buffer of the run, negligible)."""
+        while True:
+            gid = f"{self.run_id}-{secrets.token_hex(16)}-g{self._next_gid}"
+            if gid not in self._open and gid not in self._closed:
+                self._next_gid += 1
+                return gid
+
+    def _open_granted(self, actor_id: int, ids: list[str], now: float) -> None:
         for gid in ids:
+            if gid in self._open:   # only a replayed journal could ask; a grant never overwrites a group
+                raise ValueError(f"group {gid} granted twice")
             self._open[gid] = _Group(gid, last_t=now, actor=actor_id)
         self.admission.on_started(len(ids))
-        if actor_id is not None:
-            self._by_actor.setdefault(actor_id, set()).update(ids)
+        self._by_actor.setdefault(actor_id, set()).update(ids)
 
     # ------------------------------------------------------------------ the learner
     def set_max_staleness(self, eta: int, source: str = "api") -> int:

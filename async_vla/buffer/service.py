@@ -8,7 +8,9 @@ socket, ControlCommand("stats")). Each ``step()``:
   1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (GroupBuffer.grant, the
      refusal's reason from its Admission); ControlCommand; Heartbeat and ActorStats are kept (latest per actor) for
      metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
-     timeout_s passes (then ready=False). A BatchRequest on the control socket is answered
+     timeout_s passes (then ready=False); a BatchRequest without the learner's credential (async_vla/learner_secret.py:
+     an HMAC with the run's secret) is answered not-ready at once and counted by reason (``learner_refused_*``),
+     moving nothing. A BatchRequest on the control socket is answered
      not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
@@ -18,7 +20,8 @@ Every BatchRequest gets exactly one reply. Malformed frames counted by the recei
 Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
 buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
-actors remembered; an actor silent for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
+actors remembered besides those holding grants (newcomers never push out an actor holding a grant); an actor silent
+for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
 Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
 takes in the trajectories already queued on its socket first (``_drain``). A batch request from a new learner
 lineage (a learner restarted) is followed (GroupBuffer.set_learner_version); one from a lineage left behind is
@@ -42,6 +45,7 @@ from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
                                 Heartbeat, Lineage, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
+from async_vla.learner_secret import learner_secret, secret_path, verify
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class BufferService:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.previous_ledger = archive_ledger(self.run_dir)
+        self._secret = learner_secret(secret_path(cfg.transport, self.run_dir))
         self.clock = clock
         bc = cfg.buffer
         self.recorder: Optional[Recorder] = None
@@ -91,8 +96,7 @@ class BufferService:
                     "valid_task_ids": None if valid_task_ids is None else sorted(int(t) for t in valid_task_ids)}
             self.recorder = Recorder(self.run_dir / "recording", bc.record_file_bytes, bc.record_max_files, meta)
         journal = self._journal if self.recorder is not None else None
-        self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal,
-                                              gid_start=time.time_ns() // 1_000_000)
+        self.buffer = GroupBuffer.from_config(cfg, cfg.run.name, clock=clock, valid_task_ids=valid_task_ids, journal=journal)
         ctx = zmq.Context.instance()
         # Ingest and delivery each have a ZeroMQ context, so an I/O thread, of their own: reading megabytes of
         # trajectories and sending batches of hundreds of MB never delay grants and heartbeats on the control socket,
@@ -239,6 +243,13 @@ class BufferService:
 
     def _handle_batch(self, peer: bytes, msg) -> None:
         if isinstance(msg, BatchRequest):
+            why = verify(self._secret, msg)
+            if why:   # not the learner's: nothing moves (version, lineage, batches); its one reply, not ready
+                self.counters[f"learner_refused_{why}"] += 1
+                self._warn("learner_refused", "buffer: a batch request without the learner's credential (%s) on %s: "
+                           "refused", why, self.batch_endpoint)
+                self.batches.reply_bundle(peer, BatchHeader(batch_id=-1, version=msg.version, ready=False), [])
+                return
             self._batch_request(peer, msg)
         else:
             self.counters["batch_socket_unexpected"] += 1
@@ -250,15 +261,20 @@ class BufferService:
             log.warning(fmt + ("" if n <= 10 else f" ({n} such so far)"), *args)
 
     def _touch(self, actor_id: int) -> dict:
-        """The entry of an actor that just spoke (bounded: the longest-silent one is forgotten past
-        MAX_ACTORS_TRACKED, its open groups reclaimed first)."""
+        """The entry of an actor that just spoke. Bounded: past MAX_ACTORS_TRACKED the longest-silent actor that
+        holds no open group is forgotten; an actor holding a grant is never pushed out by newcomers (made-up ids
+        cannot churn it out of the table and have its groups reclaimed: only its own silence,
+        buffer.reclaim_after_s, does that), so the table holds at most MAX_ACTORS_TRACKED + the actors holding
+        grants (bounded by the groups open)."""
         entry = self._actors.pop(actor_id, None)
         if entry is None:
             entry = {}
-            while len(self._actors) >= MAX_ACTORS_TRACKED:
-                oldest = next(iter(self._actors))   # dict order = order of last contact (re-inserted on each)
-                self._reclaim(oldest, "forgotten")
-                del self._actors[oldest]
+            if len(self._actors) >= MAX_ACTORS_TRACKED:
+                # dict order = order of last contact (re-inserted on each): the first without a grant is the oldest
+                idle = next((a for a in self._actors if not self.buffer.held_by(a)), None)
+                if idle is not None:
+                    del self._actors[idle]
+                    self.counters["actors_forgotten"] += 1
         self._actors[actor_id] = entry
         entry["t"] = self.clock()
         return entry
@@ -354,6 +370,11 @@ class BufferService:
     def _command(self, cmd: ControlCommand) -> ControlCommand:
         try:
             if cmd.command == "set_max_staleness":
+                why = verify(self._secret, cmd)
+                if why:
+                    self.counters[f"control_refused_{why}"] += 1
+                    raise ValueError(f"set_max_staleness needs the learner credential ({why}; "
+                                     "async_vla/learner_secret.py): sign it, or write <run>/control/max_staleness")
                 if not isinstance(cmd.value, int) or isinstance(cmd.value, bool):
                     raise ValueError(f"set_max_staleness needs an int, got {cmd.value!r}")
                 return ControlCommand("ok", self.buffer.set_max_staleness(cmd.value, source="control"))

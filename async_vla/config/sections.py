@@ -496,6 +496,10 @@ class TransportConfig(Section):
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
+    learner_secret_file: Optional[str] = None
+    """The learner's credential (batch requests are signed with it; async_vla/learner_secret.py). None =
+    <run_dir>/secrets/learner, created mode 0600 by whichever of the buffer and the learner starts first. Set by
+    the Ray launcher for ranks whose node does not share the run directory; actors never need it."""
     weights_allowed_peers: List[str] = []
     """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
     transport.host is beyond loopback (required then: the store has no authentication). The store itself always

@@ -11,6 +11,8 @@ flood           protocol-following synthetic actors that produce instantly (>= 1
 actor_kills     kill -9 a random actor every ``every_s`` for ``duration_s``
 learner_kill    kill -9 the learner, wait, ``--resume`` it; actors are not restarted
 buffer_restart  kill -9 (or SIGTERM) the buffer, start a new one on the same ports
+hostile_peers   peers that pretend to be someone else (forged learner batch requests, trajectories for groups
+                nobody granted them, made-up actor ids), with the honest trained rate before, during and after
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def bad_input(sys_: LiveSystem, n: int = 10_000, n_control: int = 1000, oversize
 class _FloodActor(threading.Thread):
     """A synthetic actor that makes each trajectory instantly (a template). Paced: asks for grants like a real
     actor; unpaced: ignores pacing and pushes groups of its own ids as fast as the socket takes them (a buggy or
-    hostile actor: only the buffer's memory bound and ZeroMQ back-pressure stop it)."""
+    hostile actor: the buffer refuses each trajectory of a group it did not grant, ``ungranted_group``, and its
+    memory bound and ZeroMQ back-pressure stop the rest)."""
 
     def __init__(self, sys_: LiveSystem, idx: int, stop: threading.Event, paced: bool):
         super().__init__(daemon=True)
@@ -216,6 +219,106 @@ def flood(sys_: LiveSystem, seconds: float = 20, paced: int = 2, unpaced: int = 
         "held_bytes_max": held_max, "max_bytes": sys_.cfg.buffer.max_bytes, "groups_ready_max": ready_max,
         "max_groups": sys_.cfg.buffer.max_groups, "buffer_rss_mb": [rss0, rss_max],
         "ledger_delta": _delta(_led(s0), _led(s1)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- hostile peers
+def _forge_learner(sys_: LiveSystem, stop: threading.Event, sent: collections.Counter, rng) -> None:
+    """Batch requests that claim a far newer version of a new lineage, signed with a secret not the run's."""
+    from async_vla.learner_secret import sign
+    from async_vla.messages import ROOT, BatchRequest, Lineage, PolicyTag
+    from async_vla.transport import ControlClient, endpoints
+
+    client = ControlClient(endpoints(sys_.cfg.transport, sys_.run_dir, side="connect")["batch"], keys=sys_.keys)
+    try:
+        while not stop.is_set():
+            lineage = Lineage(rng.bytes(8).hex(), (PolicyTag(ROOT, 0),)).encode()
+            req = BatchRequest(rank=0, world=1, version=int(rng.integers(1, 10**6)), timeout_s=0.0, lineage=lineage)
+            client.send(sign(rng.bytes(32).hex().encode(), req), timeout_s=1)
+            client.recv_bundle(5)            # its one reply (never a batch)
+            sent["forged_batch_requests"] += 1
+    finally:
+        client.close()
+
+
+def _forge_groups(sys_: LiveSystem, stop: threading.Event, sent: collections.Counter, rng) -> None:
+    """Trajectories for guessed group ids (the old counter scheme) from made-up actors."""
+    from async_vla.transport import TrajectorySender
+    from runner.faults.fuzz import template
+
+    cfg = sys_.cfg
+    calls = max(1, (cfg.env.max_steps or 16) // cfg.policy.chunk_size)
+    base = template(cfg.run.name, cfg.env.task_ids[0], calls=calls, side=cfg.env.image_size)
+    base = dataclasses.replace(base, group_size=cfg.actor.group_size,
+                               proprio=np.zeros((calls, cfg.policy.proprio_dim), np.float32))
+    sender = TrajectorySender(sys_.trajectory, keys=sys_.keys)
+    k = 0
+    try:
+        while not stop.is_set():
+            gid = f"{cfg.run.name}-g{k}"
+            if sender.send(dataclasses.replace(base, group_id=gid, traj_id=f"{gid}/m0",
+                                               actor_id=int(rng.integers(0, 10**6))), timeout_s=0.2):
+                sent["ungranted_trajectories"] += 1
+            k += 1
+            time.sleep(0.001)
+    finally:
+        sender.close(flush_s=5)
+
+
+def _churn_actors(sys_: LiveSystem, stop: threading.Event, sent: collections.Counter, rng) -> None:
+    """Heartbeats from ever new made-up actor ids (to churn the tracked-actor table)."""
+    from async_vla.messages import Heartbeat
+    from async_vla.transport import ControlClient
+
+    client = ControlClient(sys_.control, keys=sys_.keys)
+    k = 0
+    try:
+        while not stop.is_set():
+            if client.send(Heartbeat(actor_id=10**7 + k), timeout_s=0.2):
+                sent["fake_heartbeats"] += 1
+            k += 1
+            if k % 100 == 0:
+                time.sleep(0.01)
+    finally:
+        client.close()
+
+
+def hostile_peers(sys_: LiveSystem, seconds: float = 15.0, seed: int = 0) -> dict:
+    """The honest system's trained trajectories per second over ``seconds`` before, during and after three hostile
+    peers run at once (forged learner batch requests, trajectories for ungranted groups, made-up actor ids), what
+    the buffer counted of each, and whether anything moved that only the learner may move."""
+    rng = np.random.default_rng(seed)
+
+    def window() -> tuple[float, dict]:
+        s0, t0 = sys_.stats(), time.monotonic()
+        time.sleep(seconds)
+        s1 = sys_.stats()
+        return (s1["ledger"]["trained"] - s0["ledger"]["trained"]) / (time.monotonic() - t0), s1
+
+    pids0 = _alive_pids(sys_)
+    before, s0 = window()
+    stop, sent = threading.Event(), collections.Counter()
+    peers = [threading.Thread(target=fn, args=(sys_, stop, sent, np.random.default_rng(rng.integers(2**32))),
+                              daemon=True) for fn in (_forge_learner, _forge_groups, _churn_actors)]
+    for p in peers:
+        p.start()
+    during, s1 = window()
+    stop.set()
+    for p in peers:
+        p.join(30)
+    after, s2 = window()
+    svc0, svc2 = s0["service"], s2["service"]
+    refused = {k: svc2.get(k, 0) - svc0.get(k, 0) for k in ("learner_refused_bad_credential",
+                                                            "learner_refused_no_credential", "actors_forgotten",
+                                                            "groups_reclaimed")}
+    refused["ungranted_group"] = (s2["malformed_by_reason"].get("ungranted_group", 0)
+                                  - s0["malformed_by_reason"].get("ungranted_group", 0))
+    pids2 = _alive_pids(sys_)
+    return {
+        "seconds": seconds, "trained_per_s": [before, during, after], "sent": dict(sent), "counted": refused,
+        "learner_versions": [s0["learner_version"], s1["learner_version"], s2["learner_version"]],
+        "rollbacks": len(s2["rollbacks"]) - len(s0["rollbacks"]),
+        "crashes": sum(int(pids2[n] != pids0[n] or not sys_.alive(n)) for n in ("buffer", "learner")),
     }
 
 
@@ -408,8 +511,8 @@ def final_report(sys_: LiveSystem) -> dict:
 
 def run_all(sys_: LiveSystem, plan: Optional[dict] = None, log=print) -> dict:
     """Every scenario in turn on one live system (``plan``: scenario -> kwargs; a missing one is skipped)."""
-    plan = plan if plan is not None else {"bad_input": {}, "flood": {}, "actor_kills": {}, "learner_kill": {},
-                                          "buffer_restart": {}}
+    plan = plan if plan is not None else {"bad_input": {}, "flood": {}, "hostile_peers": {}, "actor_kills": {},
+                                          "learner_kill": {}, "buffer_restart": {}}
     out: dict[str, Any] = {}
     for name, kwargs in plan.items():
         log(f"[chaos] {name} {kwargs or ''}")

@@ -158,15 +158,17 @@ def send_oversize(endpoint: str, nbytes: int, count: int = 3, curve_keys=None) -
 
 
 # ------------------------------------------------------------------------------------------ control channel
-CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "grant_huge", "grant_zero", "grant_negative",
-                 "grant_many_actors", "batch_bad_world", "batch_bad_rank", "batch_long_park", "heartbeat_forged",
-                 "stats_forged", "unknown_command", "garbage")
+CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "grant_huge", "grant_zero",
+                 "grant_negative", "grant_many_actors", "batch_bad_world", "batch_bad_rank", "batch_long_park",
+                 "batch_forged_learner", "heartbeat_forged", "stats_forged", "unknown_command", "garbage")
 
 
 def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
     """(kind, frames) of one forged control message: well-formed on the wire (it decodes) but out of bounds or
-    pretending to be someone else, except "garbage" (random bytes). Never a BatchRequest of another learner
-    lineage: on an unauthenticated loopback socket that is indistinguishable from a resumed learner."""
+    pretending to be someone else, except "garbage" (random bytes). Batch requests carry no valid learner credential
+    (async_vla/learner_secret.py): "batch_forged_learner" claims a far newer version of a new lineage with a made-up
+    signature; the buffer must refuse every one of them before it looks at their fields. Eta changes are unsigned
+    too: "eta_in_bounds" is a value the limit allows, refused for the missing credential alone."""
     kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
     actor = int(rng.integers(0, 10**9))
     msg: M.Message
@@ -174,6 +176,8 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
         msg = M.ControlCommand("set_max_staleness", int(eta_limit + 1 + rng.integers(0, 10**9)))
     elif kind == "eta_negative":
         msg = M.ControlCommand("set_max_staleness", -int(rng.integers(1, 10**6)))
+    elif kind == "eta_in_bounds":     # a value the limit allows: only the missing learner credential stops it
+        msg = M.ControlCommand("set_max_staleness", int(rng.integers(0, eta_limit + 1)))
     elif kind == "eta_type":
         msg = M.ControlCommand("set_max_staleness", str(rng.choice(["4", "1e9", "nan", ""])))
     elif kind == "grant_huge":
@@ -190,6 +194,10 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
         msg = M.BatchRequest(rank=int(rng.choice([-1, 5, 10**6])), world=1, version=0, timeout_s=1.0)
     elif kind == "batch_long_park":
         msg = M.BatchRequest(rank=0, world=1, version=0, timeout_s=float(rng.choice([1e9, 600.0, -5.0])))
+    elif kind == "batch_forged_learner":
+        lineage = M.Lineage(rng.bytes(8).hex(), (M.PolicyTag(M.ROOT, 0),)).encode()
+        msg = M.BatchRequest(rank=0, world=1, version=int(rng.integers(1, 10**6)), timeout_s=0.0, lineage=lineage,
+                             auth=rng.bytes(32).hex())
     elif kind == "heartbeat_forged":
         msg = M.Heartbeat(actor_id=actor, pid=1, policy_version=int(rng.integers(0, 10**6)))
     elif kind == "stats_forged":

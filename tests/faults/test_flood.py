@@ -14,9 +14,9 @@ import time
 
 import pytest
 from test_buffer import make_traj
-from test_buffer_service import RUN, running, service_cfg, stats
+from test_buffer_service import RUN, learner_request, running, service_cfg, stats
 
-from async_vla.messages import BatchRequest
+from async_vla.messages import GrantRequest
 from async_vla.transport import ControlClient, TrajectorySender
 
 
@@ -27,7 +27,8 @@ def test_flood_back_pressure(tmp_path):
     template = make_traj("t", 0, True, run_id=RUN, calls=4, image=32, tokens=56)
     size = template.nbytes
     cfg = service_cfg(hwm=4, groups_per_batch=2, max_groups=8, max_bytes=40 * size, pacing=False,
-                      max_staleness=10**6, max_staleness_limit=10**6, group_timeout_s=10**6)
+                      max_staleness=10**6, max_staleness_limit=10**6, group_timeout_s=10**6,
+                      max_groups_per_actor=10**6, reclaim_after_s=10**6)
     flood_s, consumer_pause_s, G = 12.0, 0.2, 4
     stop_producers = threading.Event()
     sent = [0, 0]
@@ -37,14 +38,14 @@ def test_flood_back_pressure(tmp_path):
 
     senders = []
 
-    def producer(p: int, endpoint: str) -> None:
+    def producer(p: int, endpoint: str, gids: list[str]) -> None:
         sender = TrajectorySender(endpoint, hwm=4)
         senders.append(sender)  # closed only after the drain: ZeroMQ drops a closed socket's queue after linger
         k, t_begin = 0, time.monotonic()
         while not stop_producers.is_set():
             for i in range(G):
-                traj = dataclasses.replace(template, group_id=f"p{p}-g{k}", traj_id=f"p{p}-g{k}-t{i}",
-                                           success=i % 2 == 0)
+                traj = dataclasses.replace(template, group_id=gids[k], traj_id=f"{gids[k]}-t{i}",
+                                           success=i % 2 == 0, actor_id=p)
                 while not stop_producers.is_set():
                     t0 = time.monotonic()
                     ok = sender.send(traj, timeout_s=0.05)
@@ -64,7 +65,13 @@ def test_flood_back_pressure(tmp_path):
 
         sampling = threading.Event()
         sampling.set()
-        threads = [threading.Thread(target=producer, args=(p, svc.trajectory_endpoint)) for p in range(2)]
+        grants = ControlClient(svc.control_endpoint)   # ids for far more groups than the run takes (unpaced)
+        pools = [[gid for _ in range(3) for gid in grants.call(GrantRequest(actor_id=p, want=1024), 10).group_ids]
+                 for p in range(2)]
+        grants.close()
+        assert all(len(pool) == 3 * 1024 for pool in pools)
+        threads = [threading.Thread(target=producer, args=(p, svc.trajectory_endpoint, pools[p]))
+                   for p in range(2)]
         threads.append(threading.Thread(target=sampler))
         for th in threads:
             th.start()
@@ -72,7 +79,7 @@ def test_flood_back_pressure(tmp_path):
         try:
             version, t_start = 0, time.monotonic()
             while time.monotonic() - t_start < flood_s:
-                learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=2))
+                learner.send(learner_request(tmp_path, rank=0, world=1, version=version, timeout_s=2))
                 header, members = learner.recv_bundle(10)
                 if header.ready:
                     version += 1
@@ -85,7 +92,7 @@ def test_flood_back_pressure(tmp_path):
             total_sent = sum(sent)
             drain_deadline = time.monotonic() + 30
             while stats(control)["received"] < total_sent and time.monotonic() < drain_deadline:
-                learner.send(BatchRequest(rank=0, world=1, version=version, timeout_s=0.5))  # drain the queues
+                learner.send(learner_request(tmp_path, rank=0, world=1, version=version, timeout_s=0.5))  # drain the queues
                 if learner.recv_bundle(10)[0].ready:
                     version += 1
             s = stats(control)

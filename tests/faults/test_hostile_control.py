@@ -14,11 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 from test_buffer import FakeClock, make_traj
-from test_buffer_service import RUN, running, service_cfg, stats, wait_stats
+from test_buffer_service import RUN, learner_request, running, service_cfg, stats, wait_stats
 
 from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import load_config, write_resolved
-from async_vla.messages import BatchRequest, ControlCommand, GrantRequest, Heartbeat
+from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
+from async_vla.messages import ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender, endpoints
 from runner.commands import component_argv
 from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
@@ -78,7 +79,7 @@ def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path)
         learners = [ControlClient(svc.batch_endpoint) for _ in range(MAX_PARKED + 3)]
         control = ControlClient(svc.control_endpoint)
         for c in learners:
-            c.send(BatchRequest(rank=0, world=1, version=0, timeout_s=600))     # nothing to serve: parked
+            c.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=600))     # nothing to serve: parked
         s = wait_stats(control, lambda s: s["service"].get("parked_refused_full") == 3)
         assert s["metrics"]["buffer/parked_requests"] == MAX_PARKED
         answered: dict[int, object] = {}                  # the ones past the bound were answered at once
@@ -90,10 +91,10 @@ def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path)
                     answered[i] = got
         assert len(answered) == 3 and not any(h.ready for h, _ in answered.values())
         again = learners[next(i for i in range(len(learners)) if i not in answered)]
-        again.send(BatchRequest(rank=0, world=1, version=0, timeout_s=600))      # replaces its own parked one
+        again.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=600))      # replaces its own parked one
         assert not again.recv_bundle(10)[0].ready
         bad = next(c for c in learners if c is not again)
-        bad.send(BatchRequest(rank=3, world=2, version=0))                        # a bundle, not a bare reply
+        bad.send(learner_request(tmp_path, rank=3, world=2, version=0))                        # a bundle, not a bare reply
         header, members = bad.recv_bundle(10)
         assert header.batch_id == -1 and not header.ready and members == []
         assert stats(control)["service"]["bad_batch_requests"] == 1
@@ -104,7 +105,10 @@ def test_parked_requests_are_bounded_and_bad_ones_get_a_readable_reply(tmp_path)
 def test_control_file_and_socket_cannot_raise_eta_past_its_limit(tmp_path):
     with running(tmp_path, service_cfg(max_staleness=1, max_staleness_limit=4, control_poll_s=0.05)) as svc:
         client = ControlClient(svc.control_endpoint)
-        assert client.call(ControlCommand("set_max_staleness", 10**9), 10).command == "error"
+        secret = learner_secret(tmp_path / SECRET_FILE)
+        assert client.call(sign(secret, ControlCommand("set_max_staleness", 10**9)), 10).command == "error"
+        assert stats(client)["service"]["control_errors"] == 1 and "control_refused_no_credential" not in stats(
+            client)["service"]                   # signed: refused for its value
         (tmp_path / "control" / "max_staleness").write_text("9" * 10_000)   # huge (and not a small int)
         wait_stats(client, lambda s: s["service"].get("control_file_refused") == 1)
         (tmp_path / "control" / "max_staleness").write_text("5\n")
@@ -143,13 +147,18 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
         assert set(forged) == set(CONTROL_KINDS)
-        refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "unknown_command"))
+        refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "unknown_command"))
         s1 = wait_stats(client, lambda s: s["ledger"]["malformed"] >= 3000 and s["service"].get(
             "control_errors") == refused, timeout=120)   # every forged command read
         peak.append(psutil.Process(proc.pid).memory_info().rss)
         assert proc.poll() is None, "the buffer died"
         assert s1["max_staleness"] == 1 and s1["ledger"]["malformed"] == sum(sent.values())
-        assert s1["learner_version"] == 0       # no batch request came: nothing moved the learner's version
+        # Forged batch requests (none carries the learner's credential): refused, counted, nothing moved
+        forged_batches = sum(n for k, n in forged.items() if k.startswith("batch_"))
+        s1 = wait_stats(client, lambda s: s["service"].get("learner_refused_no_credential", 0) + s["service"].get(
+            "learner_refused_bad_credential", 0) == forged_batches, timeout=60)
+        assert s1["service"]["learner_refused_bad_credential"] == forged["batch_forged_learner"]
+        assert s1["learner_version"] == 0 and s1["learner_lineage"] is None and not s1["rollbacks"]
         # (eta + v + 1) * B groups in flight at most, and no actor holds more than its cap
         assert s1["groups_in_flight"] <= (1 + 0 + 1) * 2 and s1["most_groups_held_by_one_actor"] <= 2
         assert s1["service"]["grant_requests_out_of_bounds"] > 0
@@ -166,9 +175,9 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         sender = TrajectorySender(eps["trajectory"])
         for gid in grant.group_ids:
             for i in range(2):
-                assert sender.send(make_traj(gid, i, i == 0, G=2, run_id="hostile"), timeout_s=10)
+                assert sender.send(make_traj(gid, i, i == 0, G=2, run_id="hostile", actor_id=77), timeout_s=10)
         learner = ControlClient(eps["batch"])
-        learner.send(BatchRequest(rank=0, world=1, version=0, timeout_s=30))
+        learner.send(learner_request(run_dir, rank=0, world=1, version=0, timeout_s=30))
         header, members = learner.recv_bundle(40)
         assert header.ready and {t.group_id for t in members} == set(grant.group_ids)
         s3 = stats(client)

@@ -53,6 +53,18 @@ def test_flood_memory_bounded_actors_paced_nothing_lost(live):
     assert r["versions_during"] > 0
 
 
+def test_hostile_peers_are_counted_and_the_honest_system_keeps_training(live):
+    r = chaos.hostile_peers(live, seconds=8)
+    before, during, after = r["trained_per_s"]
+    print(f"hostile peers: honest trained/s before {before:.1f}, during {during:.1f}, after {after:.1f}; "
+          f"sent {r['sent']}; counted {r['counted']}")
+    assert r["crashes"] == 0 and r["rollbacks"] == 0 and r["counted"]["groups_reclaimed"] == 0
+    assert r["sent"]["forged_batch_requests"] > 0
+    assert r["counted"]["learner_refused_bad_credential"] == r["sent"]["forged_batch_requests"]
+    assert r["counted"]["ungranted_group"] >= r["sent"]["ungranted_trajectories"] > 0
+    assert r["learner_versions"][2] > r["learner_versions"][0] and after > 0   # the learner moved by itself
+
+
 def test_actor_kill9_every_8s(live):
     r = chaos.actor_kills(live, every_s=8, duration_s=40)
     assert r["kills"] == 5 and r["learner_alive"]

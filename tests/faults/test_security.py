@@ -18,6 +18,7 @@ import psutil
 import pytest
 import zmq
 from test_buffer import make_traj
+from test_buffer_service import learner_request
 
 from async_vla import messages as M
 from async_vla.buffer.service import BufferService
@@ -164,7 +165,7 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
         assert ok.call(M.ControlCommand("stats"), timeout_s=10).command == "stats"
         rank = ControlClient(svc.batch_endpoint, keys=client_keys)   # the batch socket has its own context
         closing.callback(rank.close)
-        rank.request(M.BatchRequest(rank=0, world=1, version=0, timeout_s=0.0), timeout_s=10)
+        rank.request(learner_request(tmp_path / "run", rank=0, world=1, version=0, timeout_s=0.0), timeout_s=10)
         assert not rank.recv_bundle(10)[0].ready
         for who in (None, stranger):   # a plain-text peer, and a CURVE peer whose key is not in authorized/
             c = ControlClient(svc.control_endpoint, keys=who)
@@ -184,7 +185,8 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
             assert time.monotonic() - t0 < slack(3.0)
         good = TrajectorySender(svc.trajectory_endpoint, keys=client_keys)
         closing.callback(good.close)
-        assert good.send(make_traj("g", 0, True, run_id=RUN), timeout_s=5)
+        (gid,) = ok.call(M.GrantRequest(actor_id=0, want=1), timeout_s=10).group_ids
+        assert good.send(make_traj(gid, 0, True, run_id=RUN), timeout_s=5)
         deadline = time.monotonic() + 10
         while svc.buffer.received < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
