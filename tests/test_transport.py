@@ -88,6 +88,9 @@ def test_a_connection_storm_does_not_stall_intake_when_nobody_asks_for_metrics()
 
     rx = TrajectoryReceiver("tcp://127.0.0.1:0")
     ctx = zmq.Context()
+    # closed sockets keep their slot until libzmq's reaper thread destroys them, which can lag the loop by more than
+    # the default 1,023 slots (then socket() fails with EMFILE): room for all of them
+    ctx.set(zmq.MAX_SOCKETS, 4096)
     try:
         for i in range(3000):                      # 6,000 accept / disconnect events
             s = ctx.socket(zmq.PUSH)
