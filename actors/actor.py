@@ -330,7 +330,8 @@ class Actor:
         got = mirror_latest(f"tcp://{t.connect_host}:{t.weights_fetch_port}", self._subscriber.weights_dir,
                             newer_than, keys=keys, timeout_s=self.cfg.actor.grant_timeout_s)
         if got is not None:
-            log.info("actor %d: fetched export %s from the weights file server", self.actor_id, got)
+            log.info("actor %d: fetched export v%d (lineage %s) from the weights file server", self.actor_id,
+                     got.version, got.lineage[:8] or "root")
 
     # ---- control channel ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> None:
