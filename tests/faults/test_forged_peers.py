@@ -5,57 +5,20 @@ learner is a real ``BatchClient``, signing with the run's secret)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
+from buffer_process import live_buffer
 from test_buffer import make_traj
 from test_buffer_service import stats, wait_stats
 
 from async_vla.buffer.client import BatchClient
-from async_vla.config import load_config
 from async_vla.learner_secret import sign
 from async_vla.messages import ROOT, BatchRequest, GrantRequest, Lineage, PolicyTag
-from async_vla.transport import ControlClient, TrajectorySender, endpoints
-from runner.commands import component_argv
+from async_vla.transport import ControlClient, TrajectorySender
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = "forged"
 OVERRIDES = ["transport.use_ipc=true", "buffer.groups_per_batch=1", "buffer.max_staleness=1",
              "env.task_ids=[0]", "learner.batch_timeout_s=5"]
 HONEST = Lineage("honest", (PolicyTag(ROOT, 0),))
-
-
-@contextlib.contextmanager
-def live_buffer(tmp_path):
-    """``bin/buffer`` in its own process on ipc sockets in ``<tmp>/run``: (cfg, run_dir, endpoints, control client,
-    process); on exit it is stopped with SIGTERM and must exit 0."""
-    run_dir = tmp_path / "run"
-    yaml = tmp_path / "forged.yaml"
-    yaml.write_text(f"run: {{name: {RUN}}}\nlogging: {{tensorboard: false}}\n")
-    cfg = load_config(str(yaml), OVERRIDES)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    log = open(tmp_path / "buffer.log", "wb")
-    proc = subprocess.Popen(component_argv("buffer", str(yaml), str(run_dir), overrides=OVERRIDES), env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    eps = endpoints(cfg.transport, run_dir, side="connect")
-    client = ControlClient(eps["control"])
-    try:
-        deadline = time.monotonic() + 120     # the process imports and binds first
-        while not (run_dir / "ledger.json").exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        stats(client)
-        yield cfg, run_dir, eps, client, proc
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
-        print((tmp_path / "buffer.log").read_text(errors="replace")[-3000:])
-    assert proc.returncode == 0
 
 
 def honest_group_is_trained(cfg, run_dir, eps, client, actor_id: int = 5, version: int = 0) -> dict:
@@ -86,7 +49,7 @@ def honest_group_is_trained(cfg, run_dir, eps, client, actor_id: int = 5, versio
 
 @pytest.mark.slow
 def test_forged_learner_requests_are_refused_and_counted_and_the_learner_still_trains(tmp_path):
-    with live_buffer(tmp_path) as (cfg, run_dir, eps, client, proc):
+    with live_buffer(tmp_path, RUN, OVERRIDES) as (cfg, run_dir, eps, client, proc):
         honest_group_is_trained(cfg, run_dir, eps, client)                 # the learner at v0: followed
         forger = ControlClient(eps["batch"])
         other_secret = b"0" * 64                                          # a credential, not this run's
@@ -129,7 +92,7 @@ def test_the_learner_secret_is_private_and_one_per_run(tmp_path):
 
 @pytest.mark.slow
 def test_trajectories_for_groups_nobody_granted_them_are_refused_and_the_honest_actor_still_trains(tmp_path):
-    with live_buffer(tmp_path) as (cfg, run_dir, eps, client, proc):
+    with live_buffer(tmp_path, RUN, OVERRIDES) as (cfg, run_dir, eps, client, proc):
         victim = client.call(GrantRequest(actor_id=5, want=1), 10)          # an honest actor's open group
         (open_gid,) = victim.group_ids
         forger = TrajectorySender(eps["trajectory"])
@@ -164,7 +127,7 @@ def test_made_up_actor_ids_cannot_churn_out_an_actor_holding_a_grant(tmp_path):
     from async_vla.buffer.service import MAX_ACTORS_TRACKED
     from async_vla.messages import Heartbeat
 
-    with live_buffer(tmp_path) as (cfg, run_dir, eps, client, proc):
+    with live_buffer(tmp_path, RUN, OVERRIDES) as (cfg, run_dir, eps, client, proc):
         (gid,) = client.call(GrantRequest(actor_id=5, want=1), 10).group_ids
         sender = TrajectorySender(eps["trajectory"])
         assert sender.send(make_traj(gid, 0, True, G=2, run_id=RUN, actor_id=5), timeout_s=10)   # half-finished

@@ -6,25 +6,20 @@ eta and the groups in flight within their limits, and an honest actor and learne
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from buffer_process import live_buffer
 from test_buffer import FakeClock, make_traj
 from test_buffer_service import RUN, learner_request, running, service_cfg, stats, wait_stats
 
 from async_vla.buffer.service import MAX_PARKED, BufferService
-from async_vla.config import load_config, write_resolved
+from async_vla.config import write_resolved
 from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
 from async_vla.messages import ControlCommand, GrantRequest, Heartbeat
-from async_vla.transport import ControlClient, TrajectorySender, endpoints
-from runner.commands import component_argv
+from async_vla.transport import ControlClient, TrajectorySender
 from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
@@ -121,25 +116,11 @@ def test_control_file_and_socket_cannot_raise_eta_past_its_limit(tmp_path):
 
 @pytest.mark.slow
 def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(tmp_path):
-    run_dir = tmp_path / "run"
-    yaml = tmp_path / "hostile.yaml"
-    yaml.write_text("run: {name: hostile}\nlogging: {tensorboard: false}\n")
     overrides = ["transport.use_ipc=true", "buffer.groups_per_batch=2", "buffer.max_staleness=1",
                  "buffer.max_staleness_limit=4", "buffer.max_groups_per_actor=2", "buffer.reclaim_after_s=3",
                  "actor.hung_after_s=3",
                  "buffer.max_bytes=8000000", "env.task_ids=[0]", "transport.max_message_mb=1"]
-    cfg = load_config(str(yaml), overrides)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    log = open(tmp_path / "buffer.log", "wb")
-    proc = subprocess.Popen(component_argv("buffer", str(yaml), str(run_dir), overrides=overrides), env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    eps = endpoints(cfg.transport, run_dir, side="connect")
-    try:
-        client = ControlClient(eps["control"])
-        deadline = time.monotonic() + 120     # the process imports and binds first
-        while not (run_dir / "ledger.json").exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        stats(client)
+    with live_buffer(tmp_path, "hostile", overrides) as (cfg, run_dir, eps, client, proc):
         rss0 = psutil.Process(proc.pid).memory_info().rss
         peak = [rss0]
         sent = fuzz(eps["trajectory"], 3000, "hostile", seed=5,
@@ -183,11 +164,4 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         s3 = stats(client)
         assert s3["ledger"]["trained"] == 4 and s3["received"] == sum(s3["ledger"].values())
         sender.close()
-        client.close()
         learner.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
-        print((tmp_path / "buffer.log").read_text(errors="replace")[-5000:])
-    assert proc.returncode == 0
