@@ -1,10 +1,6 @@
-"""One actor process: ``python -m actors --actor-id I [--config FILE] [overrides] [--connect EP] [--run-dir DIR]``.
-
-Started by the fleet (``bin/actors``), one per actor. The config is parsed (and errors reported) before
-torch is imported, the thread count is pinned before torch starts its pools, and SIGTERM/SIGINT only set
-a stop flag: the loop ends after the current policy call, abandons the group (the buffer expires it),
-flushes and closes its sockets, and exits 0. Any other exit code tells the fleet to restart it.
-"""
+"""One actor process: ``python -m actors --actor-id I [--config FILE] [overrides] [--connect EP] [--run-dir DIR]``,
+started by the fleet (``bin/actors``). The config is parsed before torch is imported; SIGTERM/SIGINT end the loop
+after the current policy call (the group is abandoned) and exit 0; any other exit code makes the fleet restart it."""
 
 from __future__ import annotations
 

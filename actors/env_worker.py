@@ -1,24 +1,7 @@
-"""Env-worker isolation: run any ``Env`` in a child process so a simulator crash or hang costs one env.
-
-``SubprocessEnv`` implements the ``Env`` interface by forwarding every call over a ``multiprocessing`` Pipe to a
-child started with the "spawn" context (no fork of a process that holds torch threads, ZeroMQ sockets or a GL
-context). The child builds its env with ``make_env(cfg, seed)`` (or a given picklable factory).
-
-Failure handling (counted in the attributes ``crashes``, ``timeouts``, ``errors``, ``start_failures`` and
-``restarts``):
-- the child dies (segfault, ``os._exit``, OOM kill): ``crashes += 1``;
-- a ``step`` takes longer than ``env.step_timeout_s`` (a ``reset``, which may build a new simulator, longer than
-  ``env.worker_start_timeout_s``): ``timeouts += 1``;
-- ``reset``/``step`` raise inside the child (e.g. a MuJoCo instability): ``errors += 1``.
-In each case the child is killed, a fresh one is started at once (it builds its simulator in the background)
-and ``EnvCrashed`` is raised. The episode in flight is lost: the caller counts the crash, drops the partial
-trajectory and calls ``reset`` again, which waits for the new child. Exceptions of the query methods
-(``instruction``, ``init_state_ids``, ``max_steps``) are programming errors, not simulator faults: they are
-re-raised as ``RemoteEnvError`` and the child is kept.
-
-It lives in ``actors/``, not the ``async_vla`` library (which never starts processes): only an actor process
-isolates its simulators this way (a C extension that can segfault, see docs/CONTRACTS.md).
-"""
+"""Env-worker isolation: ``SubprocessEnv`` runs any ``Env`` in a "spawn" child over a Pipe, so a simulator crash or
+hang costs one env. A dead child, a step past ``env.step_timeout_s`` (a reset past ``env.worker_start_timeout_s``)
+or an error inside ``reset`` / ``step`` kills the child, starts a fresh one at once and raises ``EnvCrashed`` (each
+counted); query-method errors are ``RemoteEnvError`` and keep the child. Details: docs/CONTRACTS.md."""
 
 from __future__ import annotations
 

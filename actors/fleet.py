@@ -1,20 +1,7 @@
-"""The actor fleet: N actor processes on this host, supervised, restarted, stopped cleanly.
-
-Each actor is ``python -m actors --actor-id i ...`` (its own process: a segfaulting simulator takes down
-that actor only) with ``OMP_NUM_THREADS`` pinned to ``actor.torch_threads``, stdout/stderr appended to
-``<run>/logs/actor_<i>.log``, in its own session (a terminal Ctrl-C reaches the fleet, which then stops
-the actors in order) and with a parent-death signal (a kill -9'd fleet leaves no orphans behind).
-
-Supervision, every ``POLL_S``:
-- exit code 0 without a stop request = the buffer told the actor to shut down: not restarted;
-- any other exit, or a heartbeat (``<run>/actors/actor_<i>.json``) older than ``actor.hung_after_s``
-  (``actor.startup_timeout_s`` before the first one), = crash: the actor is killed if needed and restarted
-  after a back-off that starts at ``actor.restart_backoff_s`` and doubles per consecutive fast crash (an exit
-  within ``actor.fast_crash_s`` of starting), up to 30 s; after ``actor.max_fast_crashes`` fast crashes in a
-  row the fleet gives up on that actor with the tail of its log. When every actor is done the fleet exits.
-Stop (SIGINT/SIGTERM, or ``request_stop``): SIGTERM to every actor, wait ``actor.stop_timeout_s``, then
-SIGKILL the rest; every child is reaped (no zombies).
-"""
+"""The actor fleet: N actor processes on this host (``python -m actors``, each in its own session with a
+parent-death signal, logs in ``<run>/logs/actor_<i>.log``), supervised every ``POLL_S``: exit 0 = told to shut
+down; any other exit or a stale heartbeat = crash, restarted after a back-off doubling per fast crash up to 30 s,
+given up after ``actor.max_fast_crashes`` in a row. Stop: SIGTERM, ``actor.stop_timeout_s``, SIGKILL; all reaped."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Group rollouts: G environments stepped in lock-step with one batched policy call per action chunk.
-
-``GroupRollout.run(spec)`` resets every env of a wave to the group's init state, then repeats
-``policy.act`` (one forward pass for all live envs) -> ``policy.decode_actions`` -> execute the chunk
-step by step in every live env. An env that finishes mid-chunk stops at once; the action tokens of the
-steps it never executed keep ``token_mask`` False so the learner never trains on them. Each finished
-trajectory is yielded the moment its episode ends (the caller streams it to the buffer while the other
-envs keep going), with the policy version of every call it consumed; its behaviour version (what the
-staleness bound uses) is the oldest of those.
-
-Weight swaps happen only through the ``maybe_swap`` callback, which the rollout calls between policy
-calls (``between_chunks``) or only before a wave of episodes starts (``between_episodes``); never while
-a forward pass is running.
-
-Every member carries the group id and the group size G, so the buffer assembles the group as its members
-arrive. With fewer envs than members, members run in waves.
-"""
+"""Group rollouts: G environments stepped in lock-step with one batched policy call per action chunk. An env that
+finishes mid-chunk stops at once (its unexecuted steps' tokens keep ``token_mask`` False); each trajectory is
+yielded when its episode ends, with the version of every call it consumed (its behaviour version: the oldest).
+Weights are swapped only through ``maybe_swap``, between policy calls or between waves of episodes."""
 
 from __future__ import annotations
 

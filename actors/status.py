@@ -1,10 +1,6 @@
-"""Small helpers shared by an actor process and the fleet that supervises it (no torch imports here).
-
-An actor writes ``<run>/actors/actor_<i>.json`` (atomically) on every heartbeat: its pid, wall time,
-state, policy version and cumulative counters. The fleet reads these files to detect hung actors
-(stale ``t``) and to print its live status line; files are the channel because they work with no
-extra socket and survive the fleet being restarted.
-"""
+"""Helpers shared by an actor process and the fleet (no torch): an actor writes ``<run>/actors/actor_<i>.json``
+atomically on every heartbeat (pid, time, state, version, counters); the fleet reads these to find hung actors
+and for its status line."""
 
 from __future__ import annotations
 
@@ -60,12 +56,8 @@ def read_status(path: Path) -> Optional[dict]:
 
 
 def parse_connect(connect: str) -> dict[str, str]:
-    """``--connect`` value -> {"trajectory": ep, "control": ep}.
-
-    Forms: ``tcp://HOST:PORT`` (PORT is the buffer's trajectory port and PORT+1 its control port, the
-    pairing of the defaults 5555/5556), ``TRAJ_EP,CONTROL_EP`` (both explicit), or ``ipc://DIR``
-    (the socket files ``DIR/trajectory`` and ``DIR/control``, as ``transport.endpoints`` lays them out).
-    """
+    """``--connect`` value -> {"trajectory": ep, "control": ep}: ``tcp://HOST:PORT`` (control on PORT+1),
+    ``TRAJ_EP,CONTROL_EP``, or ``ipc://DIR`` (``DIR/trajectory`` and ``DIR/control``)."""
     parts = [p.strip() for p in connect.split(",") if p.strip()]
     if len(parts) == 2:
         return {"trajectory": parts[0], "control": parts[1]}

@@ -1,16 +1,7 @@
-"""What the vLLM backend needs that does not need vLLM: name mapping, the version guard, the update set.
-
-Kept free of vLLM imports so every rule here is tested on CPU (tests/test_vllm_backend.py); the worker
-extension (actors/vllm_worker_ext.py) and the engine wrapper (actors/vllm_backend.py) only call into it.
-
-Names. The learner publishes the policy's own parameter names (``OpenVLAPolicy``: ``model.<Prismatic name>``).
-The vLLM engine holds only the language model and its ``load_weights`` takes Hugging Face Llama names
-(``model.layers.0.self_attn.q_proj.weight``; vLLM fuses q/k/v and gate/up itself). A ``NameMap`` holds explicit
-prefix rules (ours -> engine) and the engine's expected names and shapes, so a renamed, missing or reshaped
-tensor fails loudly before anything is copied instead of leaving stale weights under a new version label.
-Names no rule matches stay on the torch side (vision backbone, projector); ``shared`` names go to both (the
-token embeddings: torch builds the prompt embeddings with them, vLLM embeds the generated action tokens).
-"""
+"""What the vLLM backend needs that does not need vLLM (tested on CPU): name mapping (``NameMap``: explicit prefix
+rules from our names to the engine's Hugging Face Llama names, checked against its names and shapes before
+anything is copied; unmatched names stay on the torch side, ``shared`` ones go to both), the version guard and
+the update set."""
 
 from __future__ import annotations
 

@@ -13,13 +13,9 @@ from async_vla.messages import PolicyTag
 
 
 def load_weights(policy: torch.nn.Module, state: dict, tag: Optional[PolicyTag] = None) -> None:
-    """Copy a full set of named tensors into the policy in place (between forward passes only).
-
-    Every parameter must be present and no unknown name may appear: a name mismatch would otherwise keep
-    old weights under a new version label. Buffers and tied aliases (e.g. lm_head = embed_tokens, which
-    ``named_parameters`` lists once) may be absent. A policy that holds weights outside the module (the vLLM
-    backend) installs them itself, with their ``tag``; it raises ``StaleWeights`` for an old one.
-    """
+    """Copy a full set of named tensors into the policy in place (between forward passes only). Every parameter must be
+    present and no unknown name may appear (buffers and tied aliases may be absent). A policy holding weights outside
+    the module (the vLLM backend) installs them itself with their ``tag`` and raises ``StaleWeights`` for an old one."""
     install = getattr(policy, "install_weights", None)
     if install is not None:
         install(state, tag)

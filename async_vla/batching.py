@@ -1,26 +1,7 @@
-"""Groups of trajectories -> one ``TrainBatch`` of tensors, and micro-batches of it (tensor layout only).
-
-Layout
-------
-Rows are trajectories (B of them); trajectory b made ``n_b`` policy calls of ``T`` action tokens each.
-
-* Per-call tensors (what the policy's ``token_logprobs`` consumes, C = sum_b n_b calls in all):
-  ``images [C,H,W,3] uint8`` (the policy converts to float), ``proprio [C,P]``, ``instructions`` (C strings),
-  ``action_tokens [C,T]``; ``call_row[c]`` / ``call_slot[c]`` say which trajectory and which of its calls.
-* Per-token tensors, ``[B, L*T]`` with ``L = max_b n_b``: call ``j`` of row ``b`` occupies columns
-  ``j*T .. (j+1)*T-1``. ``batch.layout(per_call)`` scatters any ``[C,T]`` tensor (the policy's log-probs) into
-  this layout, zero-padded and differentiable. ``mask`` = the trajectory's ``token_mask`` on real calls, False
-  on padding calls; ``behav_logprobs`` is laid out the same way (0 on padding).
-* Per-trajectory: ``advantages`` (from ``grpo.group_advantages`` over each group's rewards), rewards,
-  success, ``behaviour_version`` (= min of its chunk versions), group index, task id, env steps.
-
-Micro-batches
--------------
-``micro_batches(batch, k)`` splits the rows into consecutive micro-batches of at most ``k`` whole
-trajectories. How their losses are weighted so that the accumulated gradient is the full-batch gradient
-follows the loss's own counting rules, so it lives next to the loss (``grpo.loss_token_mask``,
-``grpo.aggregation_units``, ``grpo.micro_batch_weight``).
-"""
+"""Groups of trajectories -> one ``TrainBatch`` of tensors, and micro-batches of whole trajectories (tensor layout
+only; the loss weighting of micro-batches is ``grpo``'s). Per-call tensors ``[C, ...]``, per-token tensors
+``[B, L*T]`` (``batch.layout`` scatters ``[C, T]`` into them), per-trajectory advantages and metadata; the layout
+in full: docs/LEARNER.md "Batch layout"."""
 
 from __future__ import annotations
 
@@ -156,14 +137,9 @@ class TrainBatch:
 # ------------------------------------------------------------------------------------------- collate
 def compute_advantages(groups: Sequence[Sequence[Trajectory]], loss_cfg: LossConfig,
                        stats: Optional[grpo.RewardStats] = None) -> Tensor:
-    """Per-trajectory advantages [B] (groups concatenated in order) from ``grpo.group_advantages``.
-
-    Groups of one size G go through one ``[num_groups, G]`` call. Unequal sizes (not produced by the buffer,
-    but legal) are handled without padding: ``group`` normalisation per group (``[1, g]`` each), ``batch``
-    normalisation over all rewards at once (``[1, B]``; the same statistics as the whole ``[num_groups, G]``
-    tensor), ``none`` elementwise. ``stats``: for ``batch`` normalisation, the statistics of the whole batch
-    when these groups are one learner rank's share of it (``grpo.batch_reward_stats``).
-    """
+    """Per-trajectory advantages [B] (groups concatenated in order) from ``grpo.group_advantages``: one
+    ``[num_groups, G]`` call when groups have one size, else per group (``group``), over all rewards (``batch``) or
+    elementwise (``none``). ``stats``: the whole batch's statistics when these groups are one rank's share of it."""
     sizes = [len(g) for g in groups]
     rewards = [float(t.reward) for g in groups for t in g]
     if len(set(sizes)) == 1:

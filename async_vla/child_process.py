@@ -1,11 +1,6 @@
-"""Helpers for the processes bin/ scripts start (this module starts none itself).
-
-Why: a launcher killed outright (kill -9, the OOM killer, a job scheduler's hard stop) cannot stop its children,
-and a child in a session of its own does not get the terminal's hang-up either: buffer, learner ranks and actors
-would run on as orphans, holding ports, cores and GPU memory. Linux can deliver a signal to a child when its parent
-dies (``prctl(PR_SET_PDEATHSIG)``); with SIGTERM each child stops as it does on Ctrl-C (the learner saves its
-final checkpoint). Elsewhere the children's own parent-pid checks are all there is.
-"""
+"""Helpers for the processes bin/ scripts start (this module starts none itself): on Linux a child gets SIGTERM when
+its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a launcher killed outright leaves no orphans holding ports, cores
+and GPU memory; elsewhere the children's own parent-pid checks are all there is."""
 
 from __future__ import annotations
 

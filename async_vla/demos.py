@@ -1,14 +1,7 @@
-"""Expert demos in the project's trajectory format (LIBERO), their action statistics, and SFT samples.
-
-A demo is stored as a ``Trajectory`` message exactly as an actor would send one from a chunk-``C`` policy:
-one row per decision point (the observation before steps 0, C, 2C, ...), the expert's next C actions as
-OpenVLA action tokens, ``token_mask`` False for the steps after the episode ended, success = 1. The tokens go
-through the OpenVLA action tokenizer with statistics computed from the demos themselves (1st / 99th
-percentile per dimension over every demo action, the gripper passed through), as OpenVLA's ``norm_stats``
-are computed from its datasets. On disk (``save_demos``): the buffer's recording format
-(``recording/rec-*.bin``, one ``encode()``d trajectory per record, readable by ``async_vla.buffer.recording``) plus
-``demos.json`` (statistics, the (task, init state) of every demo, the expert's success counts).
-"""
+"""Expert demos in the trajectory format (LIBERO), their action statistics, and SFT samples. A demo is a
+``Trajectory`` as a chunk-``C`` actor would send it (one row per decision point, the expert's next C actions as
+OpenVLA tokens under statistics from the demos themselves); on disk the buffer's recording format plus
+``demos.json`` (statistics, the (task, init state) of every demo, the expert's success counts)."""
 
 from __future__ import annotations
 

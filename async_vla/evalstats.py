@@ -59,12 +59,8 @@ def paired_changes(before: dict, after: dict) -> tuple[int, int, int]:
 
 
 def mcnemar_one_sided_p(gained: int, lost: int) -> float:
-    """One-sided exact McNemar test p-value of "after succeeds more often than before" on paired episodes.
-
-    Only the discordant pairs count: under the null each is equally likely to be a gain or a loss, so the number
-    of gains among ``gained + lost`` is Binomial(n, 1/2) and the p-value is P(X >= gained). Pairing on the same
-    scenes removes the between-episode spread that an unpaired test (``fisher_one_sided_p``) has to carry.
-    """
+    """One-sided exact McNemar p-value of "after succeeds more often than before" on paired episodes: the gains among
+    the ``gained + lost`` discordant pairs are Binomial(n, 1/2) under the null; p = P(X >= gained)."""
     if gained < 0 or lost < 0:
         raise ValueError(f"counts must be >= 0, got gained={gained}, lost={lost}")
     n = gained + lost

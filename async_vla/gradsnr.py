@@ -1,24 +1,7 @@
-"""How much of a GRPO update is signal: the gradient's signal-to-noise by batch size, from recorded groups.
-
-At the weights that sampled the groups (lag 0, ratio 1, no clip active) the clipped GRPO loss's gradient is the
-advantage-weighted sum of per-trajectory score vectors, ``g = -sum_t w_t A_t s_t`` with ``s_t`` the gradient of
-trajectory t's summed token log-probs and ``w_t`` the aggregation's weight (``token_mean``: 1/#tokens of the
-batch, the same for every t; ``seq_mean_token_mean``: 1/(#trajectories * #tokens of t)). One group's gradient
-``g_i`` is that sum over its members. Write ``g_i = m + e_i``: ``m`` is the expected group gradient (the
-signal, what a large batch would follow), ``e_i`` the group's own noise. Then for two distinct groups drawn
-independently, ``E[g_i . g_j] = |m|^2``, and ``E[g_i . g_i] = |m|^2 + E|e|^2``; the **signal share of one
-group** is ``rho = |m|^2 / E|g|^2``. A batch of k groups has signal share ``k rho / (1 + (k - 1) rho)``, which is
-also the expected cosine between the gradients of two disjoint batches of k groups, and is one half at
-``k = (1 - rho) / rho`` groups.
-
-Everything here works on Gram matrices: ``K[t, u] = s_t . s_u`` over the recorded trajectories (computed once),
-from which any group gradient, any batch and any permutation of advantages is a quadratic form. The baseline
-that separates signal from chance: the same statistics with the advantages permuted within each group, which
-keeps every group's reward set and destroys the link between a trajectory's actions and its outcome.
-
-Pure numpy (the score vectors come from ``trajectory_scores``, which needs torch); tested against explicit
-vectors in tests/test_gradsnr.py. Used by bin/grad-snr (docs/LIBERO.md).
-"""
+"""How much of a GRPO update is signal: one group's signal share ``rho = |m|^2 / E|g|^2`` (m the expected group
+gradient) and what it gives a batch of k groups, estimated from recorded groups on the Gram matrix of
+per-trajectory score vectors, against a within-group permutation of the advantages. Pure numpy except
+``trajectory_scores``. The derivation: docs/LEARNER.md "Gradient signal-to-noise"; used by bin/grad-snr."""
 
 from __future__ import annotations
 
@@ -53,13 +36,9 @@ def shuffle_outcomes(group: Sequence, rng: np.random.Generator) -> list:
 
 
 def signal_share(G: np.ndarray, cells: Sequence, weights: Optional[dict] = None) -> dict:
-    """One group's signal share ``rho`` for a problem that draws its groups from ``cells`` (e.g. (task, init
-    state) pairs) with probabilities ``weights`` (default: each cell's share of the groups given, i.e. the
-    recorded mix). ``G``: the groups' Gram matrix, ``cells[i]``: group i's cell.
-
-    signal = sum_{c, c'} p_c p_c' mean_{i in c, j in c', i != j} G_ij over the cell pairs that have such a pair
-    (a cell with one group has no same-cell pair: its term is left out and the weights renormalised);
-    total = sum_c p_c mean_{i in c} G_ii. Returns {"signal", "total", "rho", "groups", "cells"}."""
+    """One group's signal share ``rho`` for groups drawn from ``cells`` (e.g. (task, init state)) with probabilities
+    ``weights`` (default: the recorded mix); ``G`` is the groups' Gram matrix. A cell with one group has no same-cell
+    pair and is left out of the signal. Returns {"signal", "total", "rho", "groups", "cells"}."""
     cells = list(cells)
     if len(cells) != G.shape[0]:
         raise ValueError(f"{len(cells)} cell labels for {G.shape[0]} groups")
@@ -151,12 +130,9 @@ def batch_cosines(G: np.ndarray, k: int, rng: np.random.Generator, draws: int = 
 def measure(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray], cells: Sequence,
             batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), permutations: int = 200, draws: int = 200,
             seed: int = 0) -> dict:
-    """The report for one problem (the given groups, drawn as recorded): rho with its permutation null, the
-    groups per batch for a half-signal update, and batch cosines real / permuted by batch size.
-
-    ``p_value``: the share of ``permutations`` within-group permutations of the advantages whose rho is at
-    least the real one (+1 smoothing). ``rho_null_95``: their 95th percentile: a rho below it is not told
-    apart from chance with these groups."""
+    """The report for one problem: rho with its permutation null (``p_value``: share of permutations with rho at least
+    the real one, +1 smoothing; ``rho_null_95``), the groups per batch for a half-signal update, and batch cosines real
+    / permuted by batch size."""
     rng = np.random.default_rng(seed)
     G = group_gram(K, adv, groups)
     real = signal_share(G, cells)
@@ -181,12 +157,9 @@ def measure(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray], cells:
 
 def trajectory_scores(policy, trajectories: Sequence, temperature: float, dims: Optional[Sequence[int]] = None,
                       action_dim: Optional[int] = None):
-    """Per-trajectory score vectors ``s_t``: the gradient of trajectory t's token log-probs (at ``temperature``,
-    the learner's: the rollout temperature) summed over its ``token_mask``, as float32 [N, #trainable
-    parameters], with each trajectory's token count [N]. ``s_t / count_t`` is its direction under
-    ``seq_mean_token_mean``. ``dims``: only the tokens of these action dimensions (a call's tokens are
-    step-major: token k is dimension ``k % action_dim``), e.g. what a loss restricted to them would follow.
-    One backward per trajectory; the policy's weights are not changed."""
+    """Per-trajectory score vectors: the gradient of each trajectory's masked token log-probs at ``temperature``, float32
+    [N, #trainable parameters], with each one's token count [N]. ``dims``: only tokens of these action dimensions.
+    One backward per trajectory; the weights are not changed."""
     import torch
 
     if dims is not None and not action_dim:

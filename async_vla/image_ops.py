@@ -1,21 +1,7 @@
-"""The image steps OpenVLA-OFT / SimpleVLA-RL apply to a LIBERO frame before the checkpoint's own processor.
-
-Upstream order (docs/FIDELITY.md): render 256 px -> rotate 180 deg -> JPEG round-trip -> Lanczos3 antialiased
-resize to 224 (SimpleVLA-RL ``verl/utils/libero_utils.py`` ``get_libero_image`` / ``resize_image``, written by
-OpenVLA-OFT to match the RLDS builder's JPEG storage) -> centre crop of 0.9 of the area, resized back to 224
-(``verl/workers/rollout/rob_rollout.py`` ``center_crop_image`` / ``crop_and_resize``, only for checkpoints
-trained with image augmentation: ``center_crop=True`` in ``examples/run_openvla_oft_rl_libero.sh``).
-
-Upstream runs these in TensorFlow; here they are numpy/PIL:
-- JPEG: PIL at quality 95 with 4:2:0 chroma subsampling, the defaults of ``tf.image.encode_jpeg``; both sides
-  use libjpeg(-turbo), so decoded pixels agree up to the decoder's IDCT rounding.
-- Lanczos: PIL's ``LANCZOS`` is the a = 3 kernel, widened when downscaling (antialiased), as
-  ``tf.image.resize(method="lanczos3", antialias=True)``; the kernels' edge handling differs, so pixels agree to
-  a few levels, not bit for bit.
-- Centre crop: ``center_crop_resize`` follows ``tf.image.crop_and_resize``'s documented sampling exactly
-  (bilinear, sample ``i`` at ``y1 (H - 1) + i (y2 - y1) (H - 1) / (h_out - 1)``) and ``convert_image_dtype``'s
-  float -> uint8 conversion (``x * 255.5`` truncated), tested against a per-pixel reference.
-"""
+"""The image steps OpenVLA-OFT / SimpleVLA-RL apply to a LIBERO frame before the checkpoint's processor, in numpy /
+PIL where upstream uses TensorFlow: JPEG round-trip (quality 95, 4:2:0), Lanczos-3 antialiased resize, and
+``center_crop_resize`` following ``tf.image.crop_and_resize``'s sampling and uint8 conversion exactly. Upstream
+order and how close each step agrees: docs/FIDELITY.md."""
 
 from __future__ import annotations
 

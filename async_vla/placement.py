@@ -1,17 +1,7 @@
-"""Device placement on a GPU host (the ``placement`` config section): what each child of bin/train sees.
-
-A child process is placed by its ``CUDA_VISIBLE_DEVICES``: the learner sees its ranks' GPUs in rank order (rank r
-then uses ``cuda:r``, its LOCAL_RANK), each actor sees one GPU (``cuda:0`` inside it), and the evaluator, which
-runs in the launcher process, is given a ``cuda:<index>`` device. Indices are as the launcher sees the GPUs: when
-the launcher itself runs under ``CUDA_VISIBLE_DEVICES=2,3,...`` index 0 is GPU 2, and the children get the
-physical ids, so a placement means the same whatever the launcher was restricted to.
-
-A learner rank claims its GPU (``claim_learner_device``) before it builds anything, so every tensor it creates
-lands there and never on another rank's GPU 0.
-
-No process is started here; bin/train (runner/launch.py), the actor fleet (actors/fleet.py) and the learner
-(learner/__main__.py) apply these.
-"""
+"""Device placement on a GPU host (the ``placement`` section): each child of bin/train is placed by its
+``CUDA_VISIBLE_DEVICES`` (the learner: its ranks' GPUs in rank order; each actor: one GPU), the evaluator gets a
+``cuda:<index>`` device, indices as the launcher sees the GPUs (docs/GPU.md "Placement"). A learner rank claims
+its GPU (``claim_learner_device``) before it builds anything. Starts no process."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Progress of a long step (SFT epochs, demo collection, evaluation episodes): ``what: k/n unit, elapsed, ETA``.
-
-How it shows is chosen by the environment variable ``ASYNC_VLA_PROGRESS`` (read when a ``Progress`` starts):
-
-- ``auto`` (default): a live one-line bar when the stream is a terminal, redrawn at most every
-  ``BAR_INTERVAL_S`` and erased when the step ends (the step's result lines follow it); nothing when the stream
-  is not a terminal, so a log file of a background run holds no carriage returns and no progress chatter;
-- ``lines``: plain lines, at most one per ``LINE_INTERVAL_S`` seconds plus the last (``k == n``) one, on a
-  terminal or not; ``lines:S`` sets the interval to S seconds (``lines:0``: a line at every update);
-- ``bar``: the live bar even where the stream is not a terminal;
-- ``off``: nothing.
-
-The stream is stderr by default: a command's results on stdout (``bin/eval --json``) stay as they are. Progress
-never replaces a result line; a caller prints its results as before. Output of its own while a bar is live goes
-after ``clear()``, which erases the bar; the next ``update`` draws it again.
-"""
+"""Progress of a long step (SFT epochs, demo collection, evaluation episodes): ``what: k/n unit, elapsed, ETA``, on
+stderr. ``ASYNC_VLA_PROGRESS`` (README): ``auto`` (default: a live bar on a terminal, nothing otherwise),
+``lines`` / ``lines:S`` (a plain line at most every ``LINE_INTERVAL_S`` / S seconds, plus the last), ``bar``,
+``off``. Output of its own while a bar is live goes after ``clear()``."""
 
 from __future__ import annotations
 

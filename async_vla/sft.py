@@ -1,13 +1,6 @@
-"""SFT bootstrap (expert demos -> cross-entropy on action tokens) and greedy evaluation.
-
-Library code: no processes, no argument parsing (``bin/sft`` wraps it). Works with any ``Env`` for
-evaluation; demo collection needs the built-in env's scripted expert.
-
-A demo of L steps becomes training samples (observation, next ``chunk_size`` expert actions): one per
-policy call (steps 0, 8, 16, ...) and, with ``all_offsets``, one per step -- still one demo, but the policy
-also sees the states between its own calls, which makes it less brittle off the demo path. Chunks that run
-past the end of an episode are padded with "stay still, keep the gripper as it is" actions.
-"""
+"""SFT bootstrap (expert demos -> cross-entropy on action tokens) and greedy evaluation; no processes, no argument
+parsing (``bin/sft`` wraps it). A demo gives one sample per policy call, or with ``all_offsets`` one per step;
+chunks past the episode end are padded with "stay still, keep the gripper" actions."""
 
 from __future__ import annotations
 
@@ -94,24 +87,10 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
               after_epoch: Optional[Callable[[int], bool]] = None, progress: Optional[str] = None) -> dict:
     """Cross-entropy on the expert's action tokens at T = 1.
 
-    ``progress``: a label to report each epoch (its mean loss, an ETA) under (``async_vla.progress``); None
-    reports nothing.
-
-    ``after_epoch(k)`` runs after the k-th epoch (1-based); returning True ends training there, with the
-    schedule as it stood (the learning rate is not re-planned): ``bin/sft --stop-at-val-success`` evaluates
-    the validation split there. It must leave the policy's parameters alone; training resumes in train mode.
-
-    ``lr_schedule``: ``constant`` or ``cosine`` (decay to 0 over all steps). With a constant rate of 1e-3 at
-    batch 8, the greedy policy's held-out success still swings by tens of points from one epoch to the next;
-    the decay makes where SFT ends a property of the recipe, not of the last few batches.
-
-    ``bin_sigma = 0``: plain CE on the expert token (through ``token_logprobs``, as OpenVLA trains).
-    ``bin_sigma > 0``: CE against a Gaussian over neighbouring bins (sigma in bins). One-hot CE on a handful of
-    demo samples makes the tiny model so sharp that temperature-1.6 rollouts almost never leave the demo's
-    action, every GRPO group is all-fail or all-success, and RL has no signal; the smoothed target keeps the
-    greedy action (the mode) and gives rollouts a controlled local spread. Only dims the demos vary are
-    smoothed.
-    """
+    ``progress``: a label to report each epoch under (None: nothing). ``after_epoch(k)`` runs after epoch k (1-based)
+    and may end training by returning True; it must leave the parameters alone. ``lr_schedule``: ``constant`` or
+    ``cosine`` (to 0 over all steps). ``bin_sigma > 0``: CE against a Gaussian over neighbouring bins (sigma in bins)
+    on the dims the demos vary, so rollouts keep a local spread around the mode (why: docs/LIBERO.md)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if demos.tokens is not None:
@@ -260,17 +239,11 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
                     split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
                     videos: int = 0, temperature: float = 0.0, repeats: int = 1,
                     generator: Optional[torch.Generator] = None, progress: Optional[str] = None) -> dict:
-    """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``).
-    ``temperature`` > 0 samples instead (the rollout-temperature readout, with ``generator``), ``repeats``
-    episodes per init state (outcomes then hold each init state ``repeats`` times). ``progress``: a label to
-    report each batch of episodes (success so far, an ETA) under (``async_vla.progress``); None reports nothing.
-
-    ``env`` may be one env or a list of envs of the same family (episodes then run batched, one per env).
-    Returns ``{"success_rate", "successes", "by_task": {task_id: rate}, "episodes", "split", "env_steps",
-    "wall_s", "outcomes": [[task_id, init_state_id, success], ...]}`` (per episode, for paired comparisons of
-    two evaluations: ``evalstats.paired_changes``), plus with ``videos`` > 0 ``"videos"``: that many episodes (``video_episodes``) as dicts with
-    task_id, init_state_id, success and frames (uint8 [chunks + 1, H, W, 3]).
-    """
+    """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``);
+    ``temperature`` > 0 samples instead, ``repeats`` episodes per init state. ``env``: one env or a list of one
+    family (episodes run batched). Returns success_rate, successes, by_task, episodes, split, env_steps, wall_s,
+    outcomes ([task_id, init_state_id, success] per episode) and, with ``videos`` > 0, "videos" (task_id,
+    init_state_id, success, frames uint8 [chunks + 1, H, W, 3])."""
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)
     if repeats < 1:

@@ -1,15 +1,6 @@
-"""TensorBoard event files without torch: what ``async_vla.metrics.Monitor`` writes through.
-
-``torch.utils.tensorboard.SummaryWriter`` pulls all of torch into a process that logs; the buffer process must not
-import torch (it holds no tensors), so the few records we write are encoded here with the ``tensorboard`` package's
-own protobufs (``Event``, ``Summary``; they import neither torch nor TensorFlow).
-
-The file format (TFRecord): per record ``uint64 length``, ``uint32 masked_crc32c(length bytes)``, ``data``,
-``uint32 masked_crc32c(data)``, little-endian; the first record is an ``Event`` with
-``file_version="brain.Event:2"``. Files are named as SummaryWriter names them
-(``events.out.tfevents.<seconds>.<host>.<pid>.<counter>``), so several writers share one directory and
-TensorBoard merges them.
-"""
+"""TensorBoard event files without torch (the buffer process never imports it): the records ``Monitor`` writes,
+encoded with the ``tensorboard`` package's own protobufs into TFRecord files named as ``SummaryWriter`` names them,
+so several writers share one directory."""
 
 from __future__ import annotations
 

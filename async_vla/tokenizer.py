@@ -1,15 +1,5 @@
-"""OpenVLA-compatible action tokenizer (discretisation + BOUNDS_Q99 normalisation).
-
-Layout (same numbers as openvla prismatic/vla/action_tokenizer.py, written from the description):
-- ``bins = linspace(-1, 1, num_bins)``; ``centres`` are the ``num_bins - 1`` midpoints.
-- encode: ``token = vocab_size - digitize(clip(a, -1, 1), bins)``, i.e. ids ``vocab-num_bins .. vocab-1``
-  (31744..31999 for a 32000-token Llama-2 vocabulary).
-- decode: ``idx = clip(vocab_size - token - 1, 0, num_bins - 2)``, ``a = centres[idx]``.
-- normalisation (BOUNDS_Q99) on masked dims: ``a_n = clip(2 (a - q01) / (q99 - q01 + 1e-8) - 1, -1, 1)``;
-  unmasked dims (the gripper) pass through. Statistics are kept per dataset key ("unnorm_key").
-
-The policy's restricted logits have ``num_bins`` columns; column ``j`` is token ``vocab_size - num_bins + j``.
-"""
+"""OpenVLA-compatible action tokenizer: ``num_bins`` bins over [-1, 1], token ids ``vocab_size - num_bins ..
+vocab_size - 1``, BOUNDS_Q99 normalisation on masked dims (the formulas: docs/FIDELITY.md "Action tokenizer")."""
 
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
-"""What an OpenVLA / OpenVLA-OFT checkpoint directory is, read from its files without importing torch or its
-remote code, and whether async_vla can run and train it on this host. bin/train's preflight refuses, before any
-process starts, what the loader (async_vla/policy/openvla_loader.py) would refuse: both call ``checkpoint_problems``.
-
-The flavours a user may bring (moojink/openvla-oft @213c5ff, PRIME-RL/SimpleVLA-RL @7c51662; docs/FIDELITY.md
-"Checkpoint flavours"):
-
-- The remote code's ``forward`` contract, read from the modeling file ``config.json``'s ``auto_map`` names:
-  ``oft_logits``: SimpleVLA-RL's ``modeling_prismatic.py`` (its fine-tuning copies it into every checkpoint): the
-  forward takes no labels, appends the action placeholders itself and returns the chunk x dim action logits.
-  ``oft_labels``: openvla-oft's own ``modeling_prismatic.py`` (an OFT checkpoint as openvla-oft publishes it, or an
-  SFT directory never overwritten): the forward marks the placeholders from ``labels`` and fails without them;
-  the loader builds them with the model's own ``_prepare_input/labels_for_action_prediction``, as its
-  ``predict_action`` does. It imports openvla-oft's ``prismatic`` package, which must then be installed.
-  ``autoregressive``: OpenVLA's: one token per position with a KV cache (``policy.arch=openvla``).
-- The action output: discrete action tokens from the LM head (what GRPO trains: token log-probs), or openvla-oft's
-  continuous heads saved beside the weights by its ``vla-scripts/finetune.py``: ``action_head--*checkpoint.pt``
-  (L1 regression; with ``noisy_action_projector--*`` diffusion). A continuous head has no token distribution to
-  sample or score: refused.
-- Inputs beyond one image and the prompt: ``proprio_projector--*checkpoint.pt`` (or ``use_proprio`` in config.json,
-  SimpleVLA-RL) and FiLM (``vision_backbone--*checkpoint.pt``): async_vla feeds neither (SimpleVLA-RL's LIBERO recipe
-  runs ``use_proprio=False`` and its forward refuses FiLM): refused. The number of images
-  (``num_images_in_input``) is a run-time setting of openvla-oft, not in the directory; the two-image published
-  checkpoints are the L1-regression ones, refused above.
-- A LoRA adapter (``lora_adapter/``) without merged weights: refused until merged.
-"""
+"""What an OpenVLA / OpenVLA-OFT checkpoint directory is, read from its files without importing torch or its remote
+code, and whether async_vla can run and train it here: the remote code's forward contract (``oft_logits``,
+``oft_labels``, ``autoregressive``), continuous action heads, proprio, FiLM, unmerged LoRA adapters. bin/train's
+preflight and the loader both call ``checkpoint_problems``; the flavours and fixes: docs/FIDELITY.md "Checkpoint
+flavours"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""What the learner changes in the policy it trains: LoRA adapters (``learner.lora_rank``, peft) and activation
-checkpointing (``learner.gradient_checkpointing``). Both leave the policy's own parameter names and outputs alone
-everywhere but inside the learner:
-
-- LoRA. peft adapters go on the language model's linear layers (q/k/v/o, gate/up/down projections: the layers
-  SimpleVLA-RL's and OpenVLA's LoRA runs adapt), ``init_lora_weights="gaussian"`` as SimpleVLA-RL
-  (``verl/workers/fsdp_workers.py``): B = 0, so the adapted policy starts as the checkpoint. Only the adapters
-  train. **Actors receive merged weights**: ``merge_lora_items`` turns the learner's parameter stream into the
-  policy's own names with ``W + (alpha / r) B A`` in place of each adapted ``W``, and ``merged_view`` makes the
-  exported checkpoint the plain architecture. Why merged rather than adapters: actors, the vLLM engine, the
-  evaluator, ``bin/eval`` and every saved policy then take one format with no peft and no per-call adapter
-  matmuls; the cost is publishing the full model each version (the broadcast path is built for that) instead of
-  ~1% of it.
-- Checkpointing. Each decoder layer's forward is recomputed in the backward pass (``torch.utils.checkpoint``,
-  non-reentrant) whenever gradients are being recorded; no-grad passes (pi_prox, the reference) run as before.
-  Done per instance, not through transformers' ``gradient_checkpointing_enable``, because that only acts in
-  ``train()`` mode and the learner runs the policy in ``eval()`` (no dropout: learner and actor log-probs agree).
-
-Learner checkpoints hold the adapters as trained (names with ``lora_``); ``--resume`` rebuilds the same adapters
-from the same config before loading them.
-"""
+"""What the learner changes in the policy it trains: LoRA adapters (``learner.lora_rank``, peft, on the language
+model's linear layers; actors receive merged weights) and activation checkpointing
+(``learner.gradient_checkpointing``, per decoder layer, only while gradients are recorded). The policy's names and
+outputs stay as they are outside the learner. Why and how: docs/LEARNER.md "LoRA and activation checkpointing"."""
 
 from __future__ import annotations
 

@@ -1,49 +1,7 @@
-"""``DeepSpeedLearner``: the learner step of ``learner.core`` on a DeepSpeed engine (ZeRO stage 0-3).
-
-Engine
-- ``deepspeed.initialize`` on a thin wrapper whose ``forward`` is ``policy.token_logprobs``: every log-prob
-  pass goes through the engine, so ZeRO-3 gathers each layer's shards for its forward/backward and discovers
-  parameters used outside their module's own forward (tied LM head rows, learned queries) by itself.
-- Optimizer: a torch ``AdamW`` client optimizer (lr, betas, weight decay from ``learner.*``): no FusedAdam /
-  CPUAdam extension build. ``gradient_clipping`` = ``learner.grad_clip``. bf16 on GPU, fp32 on CPU
-  (``learner.precision=auto``). DeepSpeed's shared-memory comm op (a long compile, used only for CPU
-  inference all-reduce) is switched off before ``init_distributed``. Backend: nccl on GPU, gloo on CPU.
-- The DeepSpeed JSON is ``make_ds_config(cfg, world)`` unless ``learner.deepspeed_config`` names a file; a
-  user file replaces it, except the three batch-size keys, which we always set: the learner drives gradient
-  accumulation itself (``set_gradient_accumulation_boundary`` per micro-batch, loss weights from
-  ``async_vla.batching``) and DeepSpeed only checks them against the world size.
-
-Non-finite steps. Every rank always runs every forward and backward (ZeRO collectives must match), so a skip
-must be decided identically everywhere and before any weight moves:
-- ZeRO 1-3 and DeepSpeed's bf16 optimizer compute the global gradient norm (all-reduced) in ``step()``
-  and, when it is inf/NaN, skip the inner optimizer step, clear the gradients and count
-  ``engine.skipped_steps`` (for ZeRO 1/2 in bf16 we set ``bf16.check_grad_overflow``). A rank whose loss is
-  non-finite back-propagates ``loss * NaN`` so that the global norm is NaN on every rank even if its own
-  gradient happened to be finite. We read the skip from ``engine.skipped_steps``.
-- ZeRO-0 in fp32 hands our AdamW to the engine unwrapped, which checks nothing: there we compute the
-  (already all-reduced) gradient norm ourselves, all-reduce a non-finite flag, and on a skip clear the
-  gradients without calling ``engine.step()``.
-
-Full weights and checkpoints
-- ``full_state_items()`` gathers ZeRO-3 shards module by module with
-  ``GatheredParameters(params, modifier_rank=None)`` (every rank must call it and exhaust the iterator); rank 0
-  clones each full tensor (shape ``ds_shape``) inside the context and yields after leaving it, so a slow
-  consumer never holds a gather open.
-- ``save_checkpoint`` = ``engine.save_checkpoint(dir, tag="v<version>", client_state={...})`` (model, ZeRO
-  optimizer partitions, learner version, counters and ``extra``, e.g. the buffer ledger) plus one
-  ``rng_rank<r>.pt`` per rank (python/numpy/torch RNG and the NSR generator), written before ``latest`` so
-  a kill mid-save leaves the previous checkpoint as the latest. ``load_checkpoint`` restores all of it; the
-  world size must match the one that saved (ZeRO partitions are per rank).
-- ``export_policy(dir)`` gathers all parameters and rank 0 writes the policy's own safetensors format.
-
-Placement. A rank claims its GPU before it builds the policy (``async_vla.placement.claim_learner_device``, in
-learner/__main__.py). Under ZeRO-3 it builds the policy on the CPU in the engine's dtype (``policy_load_kwargs``)
-and ``DeepSpeedLearner`` partitions it onto the rank's GPU with ``deepspeed.zero.Init(module=...)`` before
-``initialize``, one parameter at a time: no GPU ever holds the whole model (``initialize`` alone would first move
-the whole model to the GPU). The host holds each rank's full copy while it loads. Under ZeRO 0-2 the rank builds
-the policy on its GPU, which holds it whole anyway. ``placement`` records where the rank is and the parameter bytes
-it holds there.
-"""
+"""``DeepSpeedLearner``: the learner step of ``learner.core`` on a DeepSpeed engine (ZeRO stage 0-3): a wrapper whose
+``forward`` is ``policy.token_logprobs``, torch AdamW, non-finite steps skipped identically on every rank,
+ZeRO-3 gathers for the full weights, checkpoints with per-rank RNG, and ZeRO-3 partitioning at build time so no GPU
+holds the whole model. In full: docs/LEARNER.md "DeepSpeed engine in full"."""
 
 from __future__ import annotations
 
@@ -182,12 +140,9 @@ def load_ds_config(cfg: Config, world: int) -> dict:
 
 
 def _loopback_store(cfg: Config) -> Optional[Any]:
-    """Rank 0's rendezvous store bound to MASTER_ADDR itself when that is a loopback address.
-
-    ``env://`` makes rank 0 host a TCPStore that listens on every interface even with MASTER_ADDR=127.0.0.1;
-    bound here it stays on loopback. Other ranks still join through ``env://`` (same store, same "default_pg"
-    prefix). None (plain ``env://``) for other ranks, non-loopback masters and torchelastic's agent store.
-    """
+    """Rank 0's rendezvous store bound to MASTER_ADDR itself when that is loopback (``env://`` alone listens on every
+    interface); other ranks still join through ``env://``. None for other ranks, non-loopback masters and
+    torchelastic's agent store."""
     import ipaddress
 
     from torch.distributed import PrefixStore, TCPStore

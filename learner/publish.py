@@ -21,12 +21,9 @@ def make_publisher(cfg: Any, run_dir: Path, lineage: str) -> Any:
 
 
 def publish_weights(learner: Any, publisher: Optional[Any], verify_ranks: bool = False) -> dict:
-    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers.
-
-    ``verify_ranks``: then every rank gathers the full weights again and the ranks agree (all-reduce of
-    min / max) that their checksums equal the one rank 0's publisher computed from the buckets it sent, which
-    is also what each receiver checks before it acknowledges (``confirmed``): rank r == broadcast == actor.
-    """
+    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers. With
+    ``verify_ranks`` every rank gathers again and the ranks agree (all-reduce) that their checksums equal the one
+    rank 0 published, which each receiver checks too."""
     import torch
 
     # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather (so never

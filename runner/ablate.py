@@ -1,21 +1,8 @@
-"""The seeds' ablations on the built-in task (``bin/ablate``): variants, and the table from the runs' summaries.
-
-Every variant is the same config (seeds, budget, task set) plus a few dotted overrides; each run is a normal
-``bin/train`` run directory, so its TensorBoard logs, ledger and plot are there to inspect afterwards. A cell of
-the table is a variant over its seeds: the *final* held-out greedy success of each seed (the last evaluation, at
-the fixed budget: never the best one), their mean with a 95% Student-t interval over seeds (what a skeptic
-compares: it carries the seed-to-seed spread, and is wide with 3 seeds), and the pooled Wilson interval of all
-seeds' final episodes (the evaluation noise alone). Nothing here starts processes; ``bin/ablate`` does.
-
-Variants are config overrides only, so one that this config cannot take (an override the schema or a cross-field
-check refuses) is *unavailable*: left out of a default selection with a note, an error when asked for by name.
-
-In serial mode (``run.mode=serial``) every run trains at a fixed lag equal to its η (``run.serial_lag =
-buffer.max_staleness``, ``serial_lag_overrides``): the most staleness async mode would admit, made deterministic,
-so the correction × η variants compare what they claim to instead of all training on fresh data. Two variants
-whose resolved configs are equal (k1 and the default, or eta2_none and the default when they coincide) are run
-once and reported as the same runs (``same_config``).
-"""
+"""The seeds' ablations on the built-in task (``bin/ablate``): variants (dotted overrides of one config; one the
+config cannot take is *unavailable*) and the table from the runs' summaries: per variant the final held-out
+success of each seed, their mean with a 95% Student-t interval over seeds, and the pooled Wilson interval. In
+serial mode every run trains at a fixed lag equal to its eta (``serial_lag_overrides``); variants with equal
+resolved configs run once (``same_config``). Starts no processes."""
 
 from __future__ import annotations
 

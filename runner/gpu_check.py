@@ -1,18 +1,7 @@
-"""``bin/gpu-check``: the first command on a GPU host (docs/GPU.md). Each check gives one row of a table:
-
-- ``gpu`` tests: ``pytest -m gpu`` (NCCL broadcast to an actor process, the vLLM backend against torch);
-- torch vs vLLM log-probs: the vLLM backend's ``gpu`` tests alone (skipped when vLLM is not installed);
-- NCCL broadcast: ~1 GB of bf16 tensors shaped like transformer layers from GPU 0 to GPU 1, per tensor vs
-  packed into 64 MiB buckets, in GB/s and as a fraction of the device's own copy bandwidth (needs 2 GPUs);
-- with ``policy.path=...``: one greedy LIBERO episode of that checkpoint (bin/eval on task 0, one init state).
-
-``--scale`` instead builds an OpenVLA-OFT-shaped 7.5 B model with random weights and measures the actor's forward,
-a ZeRO-3 learner step (LoRA and full fine-tuning) and the weight hand-off on one GPU (runner/gpu_scale.py), writing
-its table into docs/GPU.md; ``--scale --size tiny`` runs the same on a tiny model, on the CPU too.
-
-Without CUDA it prints that nothing was checked and returns 1. The no-GPU path, the table format and the choice of
-test files are tested in tests/test_gpu_check.py; which checks have run on which GPU: docs/GPU.md.
-"""
+"""``bin/gpu-check``: the first command on a GPU host (docs/GPU.md "bin/gpu-check"): ``gpu`` tests, torch vs vLLM
+log-probs, an NCCL broadcast per tensor vs bucketed (2 GPUs), and with ``policy.path`` one LIBERO episode, a row
+each; ``--scale`` measures the 7.5 B shape (runner/gpu_scale.py). Without CUDA it says nothing was checked and
+returns 1."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""``bin/gpu-check --scale``: an OpenVLA-OFT-shaped model at its real sizes, with random weights from a config
-(nothing downloaded), measured on one GPU through the project's own actor and learner code:
-
-- the model: a Llama-2-7B language model (hidden 4096, 32 layers, the 32064-row head), the fused SigLIP
-  (so400m/14) + DINOv2 (ViT-L/14) vision backbone at 224 px (256 patches each, features concatenated), Prismatic's
-  fused 3-layer MLP projector, and SimpleVLA-RL's OFT forward (8 x 7 = 56 action placeholders and a stop token,
-  bidirectional attention); the vision towers are transformers' SigLIP / DINOv2 classes at those configs, so the
-  parameter count and the shapes are OpenVLA-OFT's (7.5 B) without timm or Prismatic's remote code;
-- the actor: ``OpenVLAPolicy.act`` on one group of 8 envs (one call = one parallel pass), ms per call;
-- the learner: one ``DeepSpeedLearner`` step, ZeRO-3 bf16, gradient checkpointing, SimpleVLA-RL's micro-batch (one
-  trajectory per micro-batch; a trajectory at LIBERO's 512-step limit is 64 calls), over one group of two
-  trajectories (GRPO needs two rewards): with LoRA (rank 32) and with full fine-tuning when it fits (its 16 bytes
-  per parameter with AdamW exceed an 80 GB GPU; optimizer offload to the CPU is tried when the host has the RAM),
-  seconds and peak GB;
-- the weight hand-off: the learner's full weights (ZeRO-3 gather, LoRA merged) copied into an actor's model.
-
-``--size tiny`` runs the same code on a model of a few million parameters, on the CPU too (CI:
-tests/test_gpu_check.py). The table goes to stdout and, with ``doc``, between the markers of docs/GPU.md's
-"Measured at the 7B shape" section.
-"""
+"""``bin/gpu-check --scale``: an OpenVLA-OFT-shaped 7.5 B model with random weights (nothing downloaded), measured
+on one GPU through the project's actor and learner code: the actor's forward, a ZeRO-3 learner step (LoRA, and
+full fine-tuning when it fits) and the weight hand-off. ``--size tiny`` runs it on a small model, CPU too. What is
+built: docs/GPU.md "What bin/gpu-check --scale builds"."""
 
 from __future__ import annotations
 
@@ -256,11 +240,8 @@ def learner_rows(cfg: Any, policy: Any, shape: Shape, meter: Meter, actor: Optio
 
 def full_ft_plan(n_params: int, gpu_bytes: Optional[int], host_bytes: int) -> tuple[Optional[dict], str]:
     """(DeepSpeed zero_optimization additions, note) for full fine-tuning of ``n_params`` on one device with
-    ``gpu_bytes`` (None: the CPU), or (None, why it is skipped). AdamW under ZeRO-3 bf16 holds 16 bytes per parameter
-    (bf16 weights and gradients, fp32 master, two fp32 moments), plus activations and buffers (~15% here); with the
-    optimizer offloaded the GPU keeps the 4 bytes of bf16 weights and gradients and the host the fp32 master,
-    moments and gradients (16), plus its transfer buffers: 20 asked for, so that a host short of it is skipped
-    rather than killed by the kernel's out-of-memory killer mid-table."""
+    ``gpu_bytes`` (None: the CPU), or (None, why it is skipped): 16 bytes per parameter on the GPU under ZeRO-3 bf16
+    AdamW plus ~15%, or with optimizer offload 4 on the GPU and 20 asked of the host."""
     if gpu_bytes is None:
         return {}, "no offload (CPU)"
     need, host_need = 16 * n_params * 1.15, 20 * n_params

@@ -1,13 +1,7 @@
-"""One-host launcher for ``run.mode=async`` and ``sync``: buffer + learner ranks + actor fleet (+ TensorBoard).
-
-Every child is started from the resolved ``<run>/config.yaml`` (one source of truth) with the command line of
-runner/commands.py, its own log file in ``<run>/logs/`` and that command line appended to ``<run>/commands.txt``.
-The launcher itself watches the children, evaluates the policy greedily on held-out init states every
-``run.eval_every`` versions (runner/evaluator.py; exactly those versions: the learner keeps their exports in
-``<run>/weights/milestones/`` until evaluated), prints a live status line, and on completion or Ctrl-C stops
-everything: actors first (so nothing new is produced), then the learner (final checkpoint), then the buffer (final
-ledger). No zombies: each child is signalled, waited for a bounded time, then killed.
-"""
+"""One-host launcher for ``run.mode=async`` and ``sync``: buffer + learner ranks + actor fleet (+ TensorBoard), each
+started from ``<run>/config.yaml`` with runner/commands.py's command line (logged to ``<run>/commands.txt``). It
+watches the children, evaluates milestones (runner/evaluator.py), prints a status line, and stops actors, then
+learner, then buffer: each signalled, waited for, then killed."""
 
 from __future__ import annotations
 
@@ -216,13 +210,8 @@ def main_launch(cfg: Config, run_dir: Path, resume: bool = False) -> Optional[di
 
 
 def stop_on_signals() -> tuple[dict, Callable[[], None]]:
-    """A flag that SIGINT, SIGTERM and SIGHUP set (a closed terminal or dropped ssh session stops the run cleanly
-    instead of orphaning it), and the function that puts the previous handlers back.
-
-    The clean stop still runs a final evaluation and checkpoint, which can take a minute; so after the first
-    signal a second Ctrl-C raises ``KeyboardInterrupt`` (Python's own SIGINT handler), for someone who wants out
-    now: the run then ends without that evaluation or a summary, and ``--resume`` continues it from its last
-    checkpoint."""
+    """A flag that SIGINT, SIGTERM and SIGHUP set, and the function that puts the previous handlers back. After the first
+    signal a second Ctrl-C raises ``KeyboardInterrupt``: out at once, without the final evaluation and summary."""
     stop = {"flag": False}
 
     def on_signal(signum, _frame) -> None:

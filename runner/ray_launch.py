@@ -1,30 +1,7 @@
-"""Ray launcher (``run.launcher=ray``): the async / sync run of runner/launch.py placed on an existing Ray cluster.
-
-Each component is a Ray actor (``ProcessHost``) that runs the same command as the local launcher (bin/buffer,
-bin/learner, bin/actors: runner/commands.py) as its child process, with the resources of the ``ray`` config section:
-
-- buffer and learner (its rank 0 with ``per_rank``, below): pinned to the driver's node (bin/train's), so the run
-  directory, TensorBoard, evaluation, ``summary.json`` and the buffer's ports are where they are with the local
-  launcher. The learner's ranks are torchrun-style DeepSpeed programs (``bin/learner`` reading RANK / WORLD_SIZE
-  / MASTER_ADDR ...), not run under Ray Train: a rank already is a torchrun/DeepSpeed program (process group, ZeRO,
-  checkpoints, its own batch fetching from the buffer), and Ray Train's TorchTrainer would own the process group,
-  the loop and checkpointing instead; it would also pull in ``ray[train]``. ``ray.learner_placement`` says how
-  they are placed:
-  ``one_actor`` (default): one Ray actor on the driver's node starts all ranks itself (``bin/learner --ranks N``);
-  ``per_rank``: one Ray actor per rank, rank 0 on the driver's node and the others wherever their resources are
-  (other GPU nodes), reserved together as a placement group (runner/ray_ranks.py).
-- actor fleets: anywhere their resources are (SPREAD by default), each with a node-local directory (config, CURVE
-  client keys, logs): nothing is read from a shared filesystem. Weights come over the learner's broadcast group, and
-  at start or after missed broadcasts as the newest export from the buffer's weights file server (weights.fetch).
-
-Failures: a buffer or fleet whose process exits with an error, or whose node is lost, is restarted by Ray
-(``ray.max_restarts``; a fleet on another node if its own is gone). A ``one_actor`` learner is not restarted: its
-exit ends the run, as with the local launcher. With ``per_rank`` a rank that exits with an error or whose node is
-lost stops all other ranks, with a message naming the rank and its node; then the whole group is started again
-from the latest checkpoint while ``ray.learner_restarts`` allows (``RayRun.restart_ranks``; runner/ray_ranks.py),
-else the run ends. Where each component runs (and ran) is in ``<run>/ray.json``, the restarts in summary.json.
-The cluster is joined by address (``ray.address``), never started here.
-"""
+"""Ray launcher (``run.launcher=ray``): the async / sync run of runner/launch.py on an existing Ray cluster, each
+component a Ray actor (``ProcessHost``) running the same command (runner/commands.py). Buffer and learner rank 0
+on the driver's node, fleets wherever their resources are; Ray restarts a failed buffer or fleet, a per-rank
+learner group restarts from its checkpoint. Placement and failures: docs/ARCHITECTURE.md "Ray launcher"."""
 
 from __future__ import annotations
 

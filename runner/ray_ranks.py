@@ -1,44 +1,8 @@
-"""The learner's ranks as Ray actors, one per rank (``ray.learner_placement=per_rank``; runner/ray_launch.py).
-
-Each rank is a ``ProcessHost`` running ``bin/learner`` as one rank of a torchrun-style world: the variables it
-already reads under torchrun or ``bin/learner --ranks N`` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT; ``rank_env``), so DeepSpeed, ZeRO and checkpoints work as with any other launch.
-
-- Placement: all N ranks are reserved together as one placement group (PACK, one bundle per rank with
-  ``ray.learner_cpus / learner_gpus / learner_memory_gb / learner_resources``), bundle 0 pinned to the driver's node:
-  no rank starts until every rank has its place (a half-placed world would wait in the rendezvous), and one that
-  cannot be reserved is an error naming what was asked for. ``check_rank_placement`` rejects, before anything
-  starts, a request that the cluster's nodes could not hold even when idle.
-- Rank 0 runs on the driver's node (bin/train's) with the run directory: TensorBoard, the weight publisher, the
-  exported policy, checkpoints' ``latest`` and summary.json are written there as with the local launcher.
-  MASTER_ADDR is the driver node's address (what Ray knows it by), MASTER_PORT ``ray.learner_master_port``
-  (0: a free one, picked and checked on this node at start like the transport's ports). Its rendezvous store is
-  torch's TCPStore, without authentication, as under torchrun: that port should be reachable from the cluster's
-  network only.
-- Ranks 1.. get their config (the buffer's address as seen from elsewhere, ``transport.connect_host``), the client
-  side of the CURVE keys and any ``learner.deepspeed_config`` file shipped into a node-local directory, as actor
-  fleets do. They write their outputs (their ZeRO partition of each checkpoint, ``rng_rank<k>.pt``,
-  ``learner_lags_rank<k>.jsonl``) under the run directory's path on their own node, created there if absent. As
-  with torchrun on several nodes, a ``--resume`` needs the whole checkpoint (rank 0's model states and ``latest``
-  included) in every rank's run directory: a shared filesystem for it, or the files copied there; bin/learner
-  stops all ranks, saying so, when they find different checkpoints. The checkout and ``policy.path`` must exist
-  at the same paths on every node (README "Multi-host").
-- LOCAL_RANK is 0 and LOCAL_WORLD_SIZE 1 for every rank: Ray gives each rank actor its own GPU
-  (CUDA_VISIBLE_DEVICES), which the rank sees as device 0, even when two ranks share a node.
-
-Failures: Ray restarts no single rank (``max_restarts=0``): a world of torchrun-style ranks cannot take one new
-member mid-collective. A rank that exits with an error, or whose node is lost, fails the whole group: the other
-ranks are stopped (SIGTERM; SIGKILL after the timeout, since a rank blocked in a collective with the lost one never
-reaches its stop check), the placement group is released, and a line names the rank and its node. Then, while
-``ray.learner_restarts`` allows (``restart_decision``; runner/ray_launch.py ``RayRun.restart_ranks``), the whole
-group starts again as torchrun's elastic agent would: a new placement group (Ray places the ranks on the nodes
-alive, rank 0 again on the driver's node), every rank with ``--resume`` from the run's latest checkpoint (version 0
-when there is none yet), while the buffer and fleets keep running and follow the learner back to it. That needs
-every rank to find the same checkpoint under the run directory's path on its node: a shared filesystem for the
-run directory (bin/learner stops all ranks, saying so, when they find different ones). With no restarts left the
-run ends, naming the rank and its node. Ranks exiting 0 (the end of the run, reached in lock-step) end it
-normally once all have.
-"""
+"""The learner's ranks as Ray actors, one per rank (``ray.learner_placement=per_rank``): each a ``ProcessHost``
+running ``bin/learner`` with torchrun's variables (``rank_env``), all reserved as one placement group with rank 0
+on the driver's node. A failed or lost rank stops the group; it starts again from the latest checkpoint while
+``ray.learner_restarts`` allows (``restart_decision``). Placement, outputs and failures: docs/ARCHITECTURE.md
+"Learner ranks as Ray actors"."""
 
 from __future__ import annotations
 
@@ -121,11 +85,8 @@ class RankFailure:
 
 def restart_decision(failure: RankFailure, done: int, allowed: int,
                      checkpoint: Optional[int]) -> tuple[bool, str]:
-    """Whether a failed rank group starts again, after ``done`` of ``allowed`` restarts (``ray.learner_restarts``),
-    from the run's latest checkpoint ``checkpoint`` (its version; None: none written yet), and the line that says
-    so. Without a checkpoint it starts from version 0: the run (buffer, fleets, evaluation) goes on, and what is
-    lost - fewer than run.checkpoint_every versions, or with checkpoint_every=0 the learner's whole progress - is
-    what a resume of the run would lose too; ending the run instead would throw all of it away."""
+    """Whether a failed rank group starts again after ``done`` of ``allowed`` restarts, from checkpoint version
+    ``checkpoint`` (None: from version 0, as a resume of the run would), and the line that says so."""
     if done >= allowed:
         why = f"ray.learner_restarts={allowed} used up" if allowed else \
             "ray.learner_restarts=0: Ray restarts no learner rank"

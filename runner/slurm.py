@@ -1,18 +1,7 @@
-"""A Slurm heterogeneous-job script for a config: component 0 runs the buffer and the learner ranks on one node,
-component 1 one actor fleet per node. The same commands as by hand (README "Multi-host"; each built by
-runner/commands.py, as every launcher's); nothing in it needs a shared filesystem:
-
-- the resolved config is written into the script (a quoted here-document), so what runs is what was rendered;
-- CURVE keys are made at job start on the learner node and streamed, with the config, to every actor node over
-  ``srun``'s stdin (only the actor side of the keys: ``server.key_secret`` never leaves the learner node);
-- actors keep their run directory on node-local scratch and take weights from the learner's broadcast group,
-  or - starting, or after missed broadcasts - the newest export from the buffer's weights file server
-  (``weights.fetch``, ``transport.weights_fetch_port``);
-  the checkout (``REPO``, with its ``.venv``) and ``policy.path`` must exist at the same paths on every node
-  (a shared install, a container image or a copy made beforehand).
-
-``render_sbatch`` is pure (config in, text out); ``bin/slurm`` writes it to a file.
-"""
+"""A Slurm heterogeneous-job script for a config (component 0: buffer and learner ranks; component 1: one actor fleet
+per node), the commands of runner/commands.py, no shared filesystem needed (config and actor-side CURVE keys
+streamed over ``srun``'s stdin). ``render_sbatch`` is pure; ``bin/slurm`` writes it. Details: docs/ARCHITECTURE.md
+"Slurm script"."""
 
 from __future__ import annotations
 

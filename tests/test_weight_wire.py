@@ -50,8 +50,7 @@ def test_a_receive_waits_in_slices_and_reports_what_the_op_itself_did():
 def test_the_drop_check_answers_no_when_the_store_is_slow_and_raises_when_it_is_gone():
     import torch.distributed as dist
 
-    from async_vla.weights.transport import POP_TIMEOUT_S
-    from async_vla.weights.transport_wire import epoch_dropped
+    from async_vla.weights.transport import POP_TIMEOUT_S, epoch_dropped
 
     class Store:
         def __init__(self, outcome):

@@ -1,38 +1,8 @@
-"""Built-in tabletop task family (v2): a top-down 2-D table rendered with numpy, no assets, fast.
-
-World: the table is the square [-1, 1]^2 (x right, y up), seen from above (image row 0 = far edge, y = +1).
-Every scene holds the same four things at continuous positions: a red and a blue block (anywhere in the block
-region, ``BLOCK_REGION``) and a green and a yellow pad (anywhere in the pad region, ``PAD_REGION``); the gripper
-starts at ``START``. Action (the LIBERO / OpenVLA 7-DoF layout): ``[dx, dy, dz, droll, dpitch, dyaw, gripper]``
-in [-1, 1]. A step first applies the gripper command where the gripper is (> 0.5 closes, < -0.5 opens, in
-between keeps the state: a stray sampled token rarely drops a block), then moves it by ``MAX_DELTA * (dx, dy)``
-(one step can cross the table); dz and the rotations are accepted and ignored. Closing within ``GRASP_R`` of a
-block grasps the nearest one, which then follows the gripper until it opens.
-Proprio (8, LIBERO-like): ``[x, y, 0, 0, 0, 0, closed (+1 / -1), holding (1 / 0)]``.
-
-Tasks (8; the instruction names the colours, so the other block and pad are distractors that matter: grasping
-the wrong block or releasing on the wrong pad fails):
-
-- 0-3 place: "put the {red|blue} block on the {green|yellow} pad". Success: the named block released with its
-  centre within ``PAD_R`` of the named pad's centre. The expert needs 3 steps (reach with the gripper open;
-  close and carry; open), so with the quickstart's 2-step chunks it takes two policy calls, the second one seeing
-  the block in the gripper.
-- 4-5 pick: "pick up the {red|blue} block" (2 steps: reach, close). Success: holding the named block.
-- 6-7 touch: "touch the {green|yellow} pad" (2 steps): closing the empty gripper within ``PAD_R`` of the pad.
-
-Splits (the generalisation contract; tests/test_builtin_env.py checks it). Layouts are continuous; which split a
-layout belongs to is decided by where its two blocks lie. The block region is cut into square cells of side
-``CELL``; cell (i, j) has class ``(i + 2 j) mod 5``: class 0 cells are held out (``eval`` and ``confirm``),
-class 1 cells are validation (``val``), classes 2-4 are train. A layout of a split has *both* blocks in cells of
-that split's class, each at least ``MARGIN`` inside its cell. So no block of a held-out layout is ever within
-``2 * MARGIN`` of any position a train (or val) layout puts any block at, the neighbours of every held-out cell are
-train or val cells (mostly interpolation, not extrapolation), and a policy can only succeed on held-out layouts by
-reading positions from the image. Pads are uniform in their region in every split. Layout ``i`` of a split is a
-pure function of (task, split, i) (rejection sampling from a fixed seed), never of the run seed: the held-out
-set is the same in every run and does not move when another split grows. Init state ids encode the split:
-train ``i``, val ``VAL_ID_OFFSET + i``, eval ``EVAL_ID_OFFSET + i``, confirm ``CONFIRM_ID_OFFSET + i`` (a second,
-disjoint held-out set, for confirming a stop on a target with an independent evaluation).
-"""
+"""Built-in tabletop task family (v2): a top-down 2-D table rendered with numpy, no assets, fast. Two blocks and two
+pads at continuous positions, 7-DoF LIBERO-layout actions (only dx, dy and the gripper act), 8 tasks (place, pick,
+touch) whose instructions name the colours. Layouts are split by the cells their blocks lie in (held-out cells
+``eval`` / ``confirm``, ``val``, train), a pure function of (task, split, i); init state ids encode the split.
+World, tasks and splits in full: docs/ARCHITECTURE.md "The built-in task family"."""
 
 from __future__ import annotations
 

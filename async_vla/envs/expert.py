@@ -1,9 +1,6 @@
-"""Scripted expert for the built-in tabletop tasks (reads the simulator state, not the image).
-
-One step per phase: reach the named block (or pad) with the gripper open; then close (and, for place, carry the
-block to the named pad in the same step: the gripper command acts before the move); then, for place, open.
-dz and the rotations are always 0. Used for SFT demos and as a solvability check.
-"""
+"""Scripted expert for the built-in tasks (reads the simulator state, not the image): reach the named block or pad
+with the gripper open; close (for place, carry in the same step); for place, open. Used for SFT demos and as a
+solvability check."""
 
 from __future__ import annotations
 

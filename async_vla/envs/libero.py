@@ -1,31 +1,6 @@
-"""Real LIBERO simulator (MuJoCo + robosuite) behind the ``Env`` interface (env.kind=libero).
-
-Install: ``bin/install-libero`` (see docs/LIBERO.md for the route, the pins and measured speeds).
-
-Conventions (the same as OpenVLA / OpenVLA-OFT / SimpleVLA-RL LIBERO evaluations):
-- Suites: spatial, object, goal, 10, 90 (``libero_<suite>``). Task ids are the benchmark's task indices.
-- Init states: each task ships 50 fixed init states (``benchmark.get_task_init_states``). The train split is
-  the FIRST ``num_train_init_states`` (ids ``0 .. n_train-1``); the held-out eval split is the LAST
-  ``num_eval_init_states`` (ids ``50-n_eval .. 49``). They never overlap (checked); RL never sees eval states.
-  Published LIBERO numbers use all 50 states (SimpleVLA-RL also trained on them), so our eval success is over
-  10 held-out states and is not the same number as a published 50-state score.
-- Episode: ``reset`` = env.reset(), set_init_state(state), then ``settle_steps`` no-op steps (action
-  ``[0]*6 + [-1]``, gripper open) that do not count towards ``max_steps``. Max steps per suite: spatial 220,
-  object 280, goal 300, 10 520, 90 400.
-- Image: the agentview camera (and the wrist camera when ``env.wrist_camera``), rendered at ``render_size``
-  and rotated 180 deg (``img[::-1, ::-1]``) exactly as OpenVLA's ``get_libero_image`` does: MuJoCo returns rows
-  bottom-up, and OpenVLA's LIBERO training data was rotated by 180 deg, so checkpoints expect this view (floor
-  down, robot at the top, left/right mirrored relative to the raw camera). ``image_orientation=vflip`` gives
-  the true camera view instead. With ``env.jpeg_roundtrip`` JPEG-encoded and decoded (OpenVLA-OFT's pipeline), then
-  resized to ``image_size`` with PIL Lanczos when the two differ (async_vla/image_ops.py).
-- Proprio (8, float32): eef position (3), eef orientation as axis-angle (3), gripper finger qpos (2).
-- Action (7, float): ``[dx, dy, dz, droll, dpitch, dyaw, gripper]`` delta end-effector (OSC_POSE, clipped to
-  [-1, 1]). Gripper with ``gripper_convention=openvla`` (OpenVLA's action statistics): ``g`` in [0, 1], 1 = open;
-  it becomes ``-sign(2g - 1)``, i.e. LIBERO's -1 = open, +1 = close (OpenVLA's ``normalize_gripper_action
-  (binarize=True)`` then ``invert_gripper_action``; g = 0.5 maps to 0 = no gripper command). With
-  ``gripper_convention=libero`` the value is already LIBERO's (+1 close, -1 open) and is only clipped.
-- Success: LIBERO's ``done`` flag, which is ``env._check_success()`` (the BDDL goal predicates).
-"""
+"""Real LIBERO simulator (MuJoCo + robosuite) behind the ``Env`` interface (env.kind=libero). Install:
+``bin/install-libero``. Conventions - splits of the 50 fixed init states, settle steps, camera orientation,
+proprio, the gripper conversion, success - are OpenVLA's / SimpleVLA-RL's: docs/LIBERO.md "Conventions"."""
 
 from __future__ import annotations
 
@@ -411,13 +386,9 @@ class LiberoEnv(Env):
         self._render_ctx_id = id(ctx)
 
     def _gate_cameras(self) -> None:
-        """Wrap robosuite's camera sensors so a step renders only while ``self._render_enabled``.
-
-        robosuite samples every observable inside ``env.step`` (at the first physics substep of a control
-        step); the wrapper keeps that timing and only replaces the render with a blank frame when the image
-        will not be read, so a rendered image is the one robosuite would have made at that state. A hard
-        reset builds new observables, hence the check on every reset.
-        """
+        """Wrap robosuite's camera sensors so a step renders only while ``self._render_enabled``: the sampling timing stays
+        robosuite's, an image nobody reads is a blank frame. A hard reset builds new observables, hence the check on every
+        reset."""
         observables = self._env.env._observables
         blank = np.zeros((self.render_size, self.render_size, 3), dtype=np.uint8)
         for cam in self.camera_names:
@@ -453,13 +424,9 @@ SINGLE_FORWARD_ROBOSUITE = "1.4.0"
 
 
 class _SameStateSim:
-    """The arm controller's handle on the simulator. robosuite's ``MujocoEnv.step`` runs ``sim.forward()`` at the
-    top of every physics substep, and the controller's ``update()`` (from ``set_goal`` / ``run_controller``, inside
-    ``_pre_action``) runs it again at the same qpos/qvel/ctrl. While ``same_state`` is set (only during
-    ``_pre_action``), this handle's ``forward`` recomputes only what can differ the second time: the acceleration
-    stage (actuation, the constraint solver, which starts from the warm start the first pass left, and the
-    acceleration sensors), skipping the position and velocity stages (kinematics, collision detection, the mass
-    matrix), whose results are still in ``data`` unchanged. Everything else goes to the real sim."""
+    """The arm controller's handle on the simulator. While ``same_state`` is set (only during ``_pre_action``, whose
+    controller update runs ``sim.forward()`` again at the state the env's substep just forwarded), ``forward``
+    recomputes only the acceleration stage; everything else goes to the real sim (env.single_forward)."""
 
     def __init__(self, sim):
         self._sim = sim

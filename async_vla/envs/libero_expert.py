@@ -1,14 +1,7 @@
-"""Scripted expert for libero_spatial's "pick up the black bowl ... and place it on the plate" tasks.
-
-It reads privileged simulator state (the target bowl's and the plate's body poses, the gripper site) and
-drives LIBERO's delta-EEF controller (OSC_POSE, 0.05 m per unit action per step): it pinches the bowl's rim on
-the side facing the robot's y (the Panda's fingers close along world y when the hand points down), lifts,
-carries the bowl over the plate keeping the grasp offset, lowers and opens. The orientation is held at the
-reset orientation by a proportional term. The target bowl is read from the task's BDDL goal
-``(On <bowl> plate_1)``, so one script serves all ten spatial tasks.
-
-Actions use the env's gripper convention: with ``gripper_convention=openvla`` 1 = open, 0 = close.
-"""
+"""Scripted expert for libero_spatial's "pick up the black bowl ... and place it on the plate" tasks: from privileged
+state (bowl, plate, gripper site) it drives the OSC_POSE controller to pinch the bowl's rim, lift, carry it over
+the plate, lower and open, holding the reset orientation. The target bowl comes from the task's BDDL goal, so one
+script serves all ten spatial tasks. Actions use the env's gripper convention."""
 
 from __future__ import annotations
 
@@ -160,13 +153,9 @@ class BowlOnPlateExpert:
 
 def expert_episode(env, task_id: int, init_state_id: int, observe_every: Optional[int] = 8
                    ) -> tuple[list[Observation], list[np.ndarray], bool]:
-    """Roll the expert out from ``(task_id, init_state_id)`` of a ``LiberoEnv``.
-
-    Returns (observations, actions, success). The cameras render only at the reset and before every
-    ``observe_every``-th step (a chunk-8 policy's decision points: steps 0, 8, 16, ...); ``observations[k]``
-    is the one before step ``k * observe_every``. ``observe_every=None``: physics only after the reset (for
-    measuring the expert cheaply).
-    """
+    """Roll the expert out from ``(task_id, init_state_id)``: (observations, actions, success). The cameras render at the
+    reset and before every ``observe_every``-th step (``observations[k]`` is the one before step
+    ``k * observe_every``); ``observe_every=None``: physics only."""
     expert = BowlOnPlateExpert(env.cfg.gripper_convention)
     obs = env.reset(task_id, init_state_id)
     expert.reset(env)

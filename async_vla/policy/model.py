@@ -1,35 +1,6 @@
-"""Tiny OpenVLA-shaped policy: conv vision encoder -> MLP projector -> transformers Llama decoder (~1 M params).
-
-Sequence fed to ``LlamaModel`` as ``inputs_embeds`` (lengths for 32x32 images, patch 8, 16 keypoints, 2 language
-keypoints, 12 instruction tokens; 103 in all):
-
-    [16 patch tokens][16 keypoint tokens][2 language-keypoint tokens][1 proprio token]
-    [12 instruction tokens: BOS, words, pads][56 action positions]
-
-Vision: a 3x3 conv stem; a strided conv gives one token per patch; a spatial softmax over K learned feature
-maps gives K keypoints (expected x, y of each map: object positions as numbers); "language keypoints" are the
-same spatial softmax over instruction-weighted mixes of those maps (where the thing the instruction names is).
-A context vector (proprio + mean instruction embedding + all keypoints) is also added to every action
-position: through attention alone a from-scratch model sees its conditioning diluted over ~50 prefix tokens and
-needs hundreds of steps to route it, which made GRPO on the built-in tasks far too slow (measured).
-
-Action positions:
-- ``parallel`` (OFT): a learned query per position; one forward pass gives all 56 logits.
-- ``autoregressive`` (OpenVLA): position i gets its query plus the embedding of action token i-1 (a learned
-  start vector at i = 0), so position i predicts token i; sampling runs token by token with a KV cache and
-  the learner recomputes with one teacher-forced pass.
-
-Action tokens. Outside the model they are the OpenVLA ids ``vocab_size - num_bins .. vocab_size - 1``
-(31744..31999 of 32000). Inside, logits are computed for those 256 bins only, against action embeddings that
-are (``action_head=fourier``, default) a learned map of a fixed Fourier basis of the bin index, so logits are
-smooth across neighbouring bins and RL credit on one bin moves its neighbours too, or (``free``) 256 free rows of
-the tied Llama embedding. No 32000-row table: it would be ~85% of the parameters, all but 256 rows unused, and
-make every optimizer step and weight broadcast several times bigger.
-
-Instructions are tokenised word by word: lower-cased words (letters/digits) are hashed with two CRC32
-variants into a ``word_buckets``-row table and the two rows are summed, so distinct words practically never
-share an embedding; no vocabulary file or download is needed and ids are identical in every process.
-"""
+"""Tiny OpenVLA-shaped policy: conv vision encoder (patch and keypoint tokens) -> MLP projector -> transformers Llama
+decoder (~1 M params), parallel (OFT) or autoregressive (OpenVLA) action positions, logits over the ``num_bins``
+action tokens only, hashed word-level instructions. Design and its reasons: docs/ARCHITECTURE.md "The tiny policy"."""
 
 from __future__ import annotations
 
@@ -142,11 +113,8 @@ class TinyVLA(VLAPolicy):
 
     def prefix_embeds(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str]
                       ) -> tuple[Tensor, Tensor]:
-        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]``.
-
-        The context (proprio + mean instruction embedding + all keypoints) is also added to every action
-        position: through attention alone a from-scratch model first sees them diluted over ~50 prefix tokens
-        and takes hundreds of steps to route them; the direct path makes the conditioning learnable at once."""
+        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]`` (proprio
+        + mean instruction embedding + all keypoints) that is also added to every action position."""
         feats = self.stem(self._images(images))  # [B, 32, H, W]
         x = self.patch(feats).flatten(2).transpose(1, 2)  # [B, patches, h]
         if x.shape[1] > self.max_patches:

@@ -1,38 +1,8 @@
-"""Real OpenVLA / OpenVLA-OFT checkpoints (local HF directories) behind the ``VLAPolicy`` interface.
-
-Loaded with ``AutoModelForVision2Seq.from_pretrained(path, trust_remote_code=True)`` (the Prismatic remote
-code shipped with the checkpoint; transformers >= 5 renamed the auto class to
-``AutoModelForImageTextToText``, which is used when the old name is gone) and its ``AutoProcessor``.
-
-- Prompt: ``"In: What action should the robot take to {instruction}?\\nOut:"`` plus the empty token 29871
-  that OpenVLA's ``predict_action`` appends, for OFT as well (SimpleVLA-RL ``rob_rollout.py`` appends it to every
-  prompt); images go through the checkpoint's own image processor, after a centre crop of 0.9 of the area with
-  ``policy.center_crop`` (async_vla/image_ops.py).
-- Action logits are the LM head's logits at ids ``vocab_size - num_bins .. vocab_size - 1`` (31744..31999;
-  the head itself is padded to 32064 rows, the padding is ignored), divided by the temperature for both
-  sampling and ``token_logprobs``, exactly like the tiny model.
-- ``openvla`` (autoregressive): tokens are sampled one by one with the KV cache; the learner recomputes them
-  with one teacher-forced pass (logits at the last T positions of prompt + tokens[:-1]). Plain OpenVLA
-  predicts one step, so it needs ``policy.chunk_size=1`` (7 tokens per call).
-- ``openvla_oft`` (parallel): one forward pass over the prompt giving the logits of exactly ``chunk_size *
-  action_dim`` action positions (any other count is an error), its language model run bidirectionally
-  (async_vla/policy/prismatic.py: the platform trap, the attention, the statistics). Two remote codes are run
-  (async_vla/vla_checkpoint.py reads which one the directory carries): SimpleVLA-RL's, whose forward returns
-  ``[B, 56, vocab]`` under ``ROBOT_PLATFORM=LIBERO`` (which the loader sets), and openvla-oft's own, whose forward
-  needs labels marking the placeholders (built with the model's own helpers, as its ``predict_action`` does).
-  Checkpoints GRPO cannot train (continuous action heads, proprio, FiLM, an unmerged LoRA adapter, remote code
-  that cannot run here) are refused before loading, naming the fix; bin/train's preflight refuses them first.
-- Un-normalisation uses ``dataset_statistics.json`` of the checkpoint directory when present, else the model's
-  ``norm_stats``: ``[unnorm_key]["action"]`` (q01, q99, mask; no mask = every dimension, as upstream), with
-  SimpleVLA-RL's ``libero_X`` -> ``libero_X_no_noops`` fallback.
-- Proprio is not fed (OpenVLA has no proprio input; a checkpoint trained with OFT's proprio projector is refused).
-
-Tests: on a tiny stand-in for Prismatic's forward contract, written to disk as a checkpoint directory with its
-own remote code and processor (tests/openvla_standin.py), CI loads it through ``load_openvla_policy``, samples,
-recomputes, trains it in serial mode and evaluates the exported checkpoint (tests/test_openvla_policy.py). A real
-OpenVLA / OpenVLA-OFT checkpoint (Prismatic's own remote code) is tested only when ASYNC_VLA_OPENVLA_PATH points
-at one (tests/test_policy.py).
-"""
+"""Real OpenVLA / OpenVLA-OFT checkpoints (local HF directories, their Prismatic remote code) behind the ``VLAPolicy``
+interface: OpenVLA's prompt, the checkpoint's image processor, logits at the action-token ids divided by the
+temperature, ``openvla`` autoregressive with the KV cache, ``openvla_oft`` one bidirectional pass of exactly
+``chunk_size * action_dim`` positions. Checkpoints GRPO cannot train are refused before loading, naming the fix.
+Details: docs/FIDELITY.md "Loading OpenVLA / OpenVLA-OFT checkpoints"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
-"""What a SimpleVLA-RL / OpenVLA-OFT checkpoint needs around its Prismatic remote code to run as upstream runs it.
-
-Every rule names the upstream file it follows (paths in PRIME-RL/SimpleVLA-RL unless marked OFT =
-moojink/openvla-oft; the full table with line numbers is docs/FIDELITY.md):
-
-- Platform constants. The remote code's ``constants.py`` fixes ``NUM_ACTIONS_CHUNK`` x ``ACTION_DIM`` when it is
-  imported: from the env var ``ROBOT_PLATFORM``, else from words in ``sys.argv``, else ALOHA (25 x 14). Its forward
-  then appends that many placeholder tokens and returns that many logit positions, so a LIBERO checkpoint loaded
-  without ``ROBOT_PLATFORM=LIBERO`` (``examples/run_openvla_oft_rl_libero.sh`` exports it) returns 350 positions.
-  ``ensure_robot_platform`` sets it from the policy config before the remote code is imported and refuses a
-  conflicting value; ``check_action_positions`` refuses any forward whose position count is not chunk x dim.
-- Attention. OpenVLA-OFT trains and runs its Llama bidirectionally (its pinned transformers fork runs the LM with
-  ``is_causal=False``; the placeholder positions must see each other and the stop token after them). Stock
-  transformers builds a causal mask, so ``make_bidirectional`` hands the language model a 4D padding-only mask
-  (every position sees every non-padding position) in place of the 2D one the remote code passes.
-- Action statistics. ``dataset_statistics.json`` in the checkpoint directory replaces the config's
-  ``norm_stats`` (``verl/workers/fsdp_workers.py``; OFT ``experiments/robot/openvla_utils.py`` does the same), and
-  a LIBERO key ``libero_X`` absent from them falls back to ``libero_X_no_noops``
-  (``verl/workers/rollout/rob_rollout.py`` ``vla_preprocess``).
-"""
+"""What a SimpleVLA-RL / OpenVLA-OFT checkpoint needs around its Prismatic remote code to run as upstream runs it
+(each rule and the upstream file it follows: docs/FIDELITY.md): ``ensure_robot_platform`` sets ``ROBOT_PLATFORM``
+before the remote code is imported (else it fixes ALOHA's 25 x 14 action positions); ``check_action_positions``
+refuses a forward whose position count is not chunk x dim; ``make_bidirectional`` gives the language model a
+padding-only 4D mask (OFT runs its Llama bidirectionally); the action statistics come from
+``dataset_statistics.json`` with the ``libero_X`` -> ``libero_X_no_noops`` fallback."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Learner -> actor weights: the publisher (learner rank 0), the subscriber (each actor), the exported safetensors
-files a restarted actor starts from, and the sources an actor takes new weights from. Design: docs/WEIGHTS.md.
-
-Inside: ``publisher`` / ``subscriber`` / ``members`` (control plane: store, epochs, membership), ``transport``
-(the interface of a path) with ``transport_wire`` (a gloo or NCCL group), ``wire`` (one version over a
-torch.distributed group), ``buckets`` / ``packer`` / ``pool`` (bucket layout, packing, buffer reuse), ``export``
-(files), ``files`` (the newest export served from the learner's node, torch-free), ``sources`` (an actor's chain:
-broadcast, then catch-up) and ``native`` (the packing kernel).
-
-The names below are imported on first use, so ``async_vla.weights.files`` loads without torch (the buffer process
-serves the exports and never imports it)."""
+"""Learner -> actor weights: ``publisher`` (learner rank 0) / ``subscriber`` (each actor) / ``members`` (control
+plane), ``transport`` (an epoch's gloo or NCCL group) over ``wire``, ``buckets`` / ``packer`` / ``pool`` (layout,
+packing, buffer reuse), ``export`` (safetensors files), ``files`` (the newest export served from the learner's node,
+torch-free), ``sources`` (an actor's chain: broadcast, then catch-up), ``native`` (the packing kernel). Design:
+docs/WEIGHTS.md. The names below are imported on first use, so ``async_vla.weights.files`` loads without torch."""
 import importlib
 
 _HOME = {"WeightPublisher": "publisher", "WeightSubscriber": "subscriber", "checksum": "buckets",

@@ -1,27 +1,14 @@
-"""Data plane of the weight broadcast: bucket layout, packing and checksums (the wire format of one version
-is ``async_vla.weights.wire``; exported files ``async_vla.weights.export``; the control plane - membership,
-epochs, publisher and subscriber - is ``async_vla.weights``).
+"""Data plane of the weight broadcast: bucket layout, packing and checksums (the rule and its reasons:
+docs/WEIGHTS.md "Buckets"). Both sides derive the same layout from the manifest - the ordered (name, dtype, shape)
+list - and a size cap, so only the manifest crosses the wire, never offsets:
 
-A *manifest* is the ordered list of (name, dtype, shape) of the tensors a learner publishes. From the
-manifest and a size cap both sides derive the same *layout* with one deterministic greedy rule, so only
-the manifest (a few KB of JSON) ever crosses the wire, never offsets:
+- tensors are grouped by dtype into flat typed buckets, in manifest order, at 64-byte aligned offsets, until the
+  next one would exceed the cap, which closes the bucket; a tensor larger than the cap gets a bucket of its own;
+- bucket order is dtype by first appearance, then creation order.
 
-- tensors are grouped by dtype (buckets are flat typed tensors, sent as raw bytes);
-- within a dtype, tensors go in manifest order into the open bucket at 64-byte aligned offsets (aligned so
-  receivers can take word views for the checksum and copies stay vectorised) until the next one would
-  exceed the cap, which closes the bucket;
-- a tensor larger than the cap gets a bucket of its own (the open bucket stays open);
-- bucket order is dtype by first appearance, then creation order within the dtype.
-
-The packer (``async_vla.weights.packer``) applies the same rule while tensors stream in, so a ZeRO-3 learner can
-gather layer by layer and copy each full tensor into its bucket before the next layer is gathered.
-
-Checksum: for each tensor the wrap-around int64 sum of its bytes taken as 8-byte words (plus the trailing
-bytes), folded over tensors in name order into a value below 2**52 so it is exact as a float. Integer sums are
-order-independent, hence identical across processes, thread counts and devices, and run at memory bandwidth (a float64 sum of floats is ~100x slower on CPU and
-its rounding depends on the reduction order). It catches stale versions, missing or zeroed buckets and
-layout mix-ups; it does not catch a permutation of 8-byte words inside one tensor.
-"""
+Checksum: per tensor the wrap-around int64 sum of its 8-byte words (plus trailing bytes), folded in name order into
+a value below 2**52 (exact as a float): order-independent, so identical across processes and devices. It does not
+catch a permutation of words inside one tensor."""
 
 from __future__ import annotations
 

@@ -52,12 +52,9 @@ def write_safetensors(path: Union[str, Path], named: NamedTensors, metadata: Opt
 
 def export_weights(weights_dir: Union[str, Path], version: int, named: NamedTensors, checksum_value: float,
                    keep: int = 2, lineage: str = ROOT, milestone: bool = False) -> Path:
-    """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune
-    older exports down to ``keep``. A reader never sees a partial file under either name. ``lineage``: the
-    publishing learner's (metadata: a version number alone cannot tell a resumed learner's exports from the dead
-    learner's). ``milestone``: also keep this version in
-    ``milestones/`` (a hard link: no second copy) until its reader deletes it - pruning does not touch it - if
-    that directory exists (an evaluator made it: nobody else would ever delete them)."""
+    """Write ``v<version>.safetensors`` then point ``latest`` at it, both by atomic rename, and prune older exports
+    down to ``keep``. ``lineage``: the publishing learner's (in the metadata). ``milestone``: also hard-link this
+    version into ``milestones/`` (outside pruning) if that directory exists (an evaluator made it and deletes them)."""
     d = Path(weights_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"v{version}.safetensors"
@@ -123,13 +120,9 @@ def newest_milestone(weights_dir: Union[str, Path], after: int) -> Optional[Path
 
 
 class Exporter:
-    """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked
-    to wait; the buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns.
-
-    ``milestone_every`` (``run.eval_every``): the first export at or past each multiple of it is also kept in
-    ``milestones/`` when that directory exists (``bin/train``'s evaluator makes it), so the evaluator scores
-    exactly those versions however far the latest export has moved on by the time it looks (with
-    ``weights.publish_every`` > 1 a multiple that is never published is stood in for by the next export past it)."""
+    """Writes published versions to ``<run>/weights`` one at a time, in a background thread unless asked to wait; the
+    buckets it reads must stay unchanged until the next ``start`` or ``wait`` returns. ``milestone_every``
+    (``run.eval_every``): the first export at or past each multiple is also kept in ``milestones/`` when it exists."""
 
     def __init__(self, weights_dir: Union[str, Path], keep: int, lineage: str = ROOT, milestone_every: int = 0):
         self.weights_dir, self.keep, self.lineage = Path(weights_dir), keep, lineage
@@ -180,11 +173,9 @@ class Exporter:
 def read_latest(weights_dir: Union[str, Path], device: Union[str, torch.device] = "cpu",
                 newer_than: Optional[PolicyTag] = None, lineage: Optional[str] = None
                 ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor], float]]:
-    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (its tag, tensors, checksum).
-    None when there is none, when it is not newer than ``newer_than`` (the same lineage, a version not above it),
-    or - with ``lineage`` - when another learner lineage wrote it; decided from the safetensors header alone, so
-    polling for a newer export costs a few hundred bytes, not a model's worth of reads. Retries when the file is
-    pruned between reading the pointer and opening it."""
+    """Load the export ``latest`` points at (or the newest ``v*.safetensors``): (tag, tensors, checksum). None when there
+    is none, when it is not newer than ``newer_than``, or - with ``lineage`` - when another lineage wrote it; decided
+    from the safetensors header alone. Retries when the file is pruned between reading the pointer and opening it."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 

@@ -1,11 +1,7 @@
-"""Weights for actors without the learner's run directory (another host, no shared filesystem).
-
-The buffer process runs on the learner's node with the same run directory, so it serves the learner's newest
-export (``<run>/weights/latest``) in chunks on ``transport.weights_fetch_port`` (``WeightsFileServer``, a thread
-with a ZeroMQ context of its own: a model's worth of bytes never queues behind grants or trajectories). An actor
-with ``weights.fetch`` mirrors that export into its own ``<run>/weights`` (``mirror_latest``) at start and whenever
-it has missed broadcasts, then reads it as it reads a local export. Torch-free: bytes only.
-"""
+"""Weights for actors without the learner's run directory (another host, no shared filesystem): the buffer process,
+on the learner's node, serves the newest export in chunks on ``transport.weights_fetch_port``
+(``WeightsFileServer``, a thread with its own ZeroMQ context); an actor with ``weights.fetch`` mirrors it into its
+own ``<run>/weights`` (``mirror_latest``). Torch-free."""
 
 from __future__ import annotations
 
@@ -104,10 +100,8 @@ def _lineage_of(f) -> str:
 
 def mirror_latest(endpoint: str, weights_dir: Path, newer_than: Optional[PolicyTag] = None,
                   keys: Optional[CurveKeys] = None, timeout_s: float = 30.0) -> Optional[PolicyTag]:
-    """Copy the server's newest export into ``weights_dir`` (written under a temporary name, then renamed, then
-    ``latest`` switched, as export.py does) unless it is not newer than ``newer_than`` (the same lineage, a
-    version not above it); its tag, else None (none newer, or the server did not answer: the caller tries again
-    later)."""
+    """Copy the server's newest export into ``weights_dir`` (temporary name, rename, then ``latest`` switched) unless it
+    is not newer than ``newer_than``; its tag, else None (none newer, or no answer: the caller tries again later)."""
     from async_vla.transport import ControlTimeout
 
     weights_dir = Path(weights_dir)

@@ -1,8 +1,6 @@
-"""Who the weight publisher's actors are (``async_vla.weights``): registrations, heartbeats and leaves, read from
-the learner's store. An actor registers a token (``w/tokens`` counter, its info under ``w/member/<token>``) after
-creating its heartbeat key ``w/hb/<token>``, which a side thread bumps; leaving sets ``w/leave/<token>`` and bumps
-``w/leaves``. Liveness is "the heartbeat moved within the stale window" as seen on the publisher's own clock, so no
-clocks are compared across hosts."""
+"""Who the weight publisher's actors are: registrations (``w/tokens``, ``w/member/<token>``), heartbeats
+(``w/hb/<token>``) and leaves (``w/leave/<token>``, ``w/leaves``), read from the learner's store. Liveness is "the
+heartbeat moved within the stale window" on the publisher's own clock (no clocks compared across hosts)."""
 
 from __future__ import annotations
 

@@ -17,11 +17,9 @@ def storage_free(t: torch.Tensor) -> bool:
 
 
 class BufferPool:
-    """Reuses bucket buffers between versions. Fresh large allocations are mmapped and page-faulted on
-    first touch, which cost as much as the copy itself (a 40 MB receive ran ~3x slower). A buffer is
-    reused only once every view handed out of it (to the export thread, to an actor's ``poll()`` caller)
-    is gone, checked with the storage use count, so reuse never overwrites weights someone still reads.
-    ``get`` returns an alias, so a buffer counts as busy while its caller holds it."""
+    """Reuses bucket buffers between versions (fresh large allocations page-fault on first touch). A buffer is reused
+    only once every view handed out of it is gone (storage use count); ``get`` returns an alias, so a buffer counts as
+    busy while its caller holds it."""
 
     def __init__(self):
         self._bufs: list[torch.Tensor] = []

@@ -1,28 +1,10 @@
-"""Weight broadcast from learner rank 0 to actor processes (the full design: docs/WEIGHTS.md).
+"""Weight broadcast from learner rank 0 to actor processes; the design (why a separate process group, epochs,
+failures): docs/WEIGHTS.md.
 
-Why a separate process group: DeepSpeed's world is the learner ranks and must stay fixed for ZeRO-3
-collectives; actors come and go. Rank 0 hosts its own ``TCPStore`` and builds a stand-alone
-``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU, same code) over ``PrefixStore(f"w/e{n}/pg")`` with
-itself as rank 0 and the actors alive now, never registered with ``torch.distributed`` (``new_group`` would
-drag actors into the training world), so we call ``pg.broadcast([t], opts).wait()`` directly.
-
-Membership epochs go through the store (no clocks compared across hosts): an actor registers a token and a
-side thread bumps its heartbeat; at ``publish()`` the publisher re-forms the group (invite -> ack within
-``join_timeout_s`` -> roster) when the live set changed or the group broke; an actor that misses the ack is
-suspended with back-off. Each broadcast is announced in the members' mailboxes (store queues), so an idle
-actor sleeps in a queue pop, never in a collective. How a version travels is the epoch's path
-(``async_vla.weights.transport``; ``transport_wire``: the group itself); ``publish`` is the outline: pack,
-(re-)form if needed, deliver, export.
-
-Failure: every collective on the publisher has a per-op timeout of what is left of ``timeout_s``. A killed
-actor makes the next op raise at once; a stopped one makes it time out. The publisher then drops its group -
-it sets ``w/e<n>/drop`` in the store, which members blocked in one of that epoch's receives check every
-``DROP_POLL_S`` (its sockets alone may stay open until the failed ops are collected; gloo's ``abort()`` does
-not close them) - and retries once with a new epoch if time is left. A gloo group is destroyed on a thread of
-its own: its destructor waits for in-flight ops, up to their timeout. A late or restarted actor loads
-``<run>/weights/latest`` (``fetch_latest``) and joins at the next publish. NCCL groups are built with
-TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) and aborted before they are dropped.
-"""
+Rank 0 hosts a ``TCPStore``; actors register and heartbeat there. At ``publish()`` the publisher packs, re-forms
+the group (invite -> ack within ``join_timeout_s`` -> roster) when the live set changed or the group broke,
+delivers over the epoch's group (``transport``) and exports. A failed delivery drops the group and retries once with
+a new epoch; an actor that misses an invite is suspended with back-off and catches up from the export."""
 
 from __future__ import annotations
 
@@ -49,8 +31,7 @@ from async_vla.weights.packer import BucketPacker
 from async_vla.weights.pool import BufferPool
 from async_vla.hosts import is_loopback
 from async_vla.weights.store_guard import StoreGuard
-from async_vla.weights.transport import Early, Packed, SendContext, SendTransport
-from async_vla.weights.transport_wire import WireTransport
+from async_vla.weights.transport import Early, Packed, SendContext, WireTransport
 from async_vla.weights.wire import WIRE_VERSION, gloo_bind, resolve_backend, td
 
 log = logging.getLogger(__name__)
@@ -99,7 +80,7 @@ class WeightPublisher:
         self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")
         if self.device.type == "cpu":
             log.info("weights: packing with %s", native.status())
-        self._ctx = SendContext(self._store, self.cfg, self.backend, self.timeout_s,
+        self._ctx = SendContext(self._store, self.cfg, self.backend,
                                 # gloo's pair sockets: loopback in a one-host run (docs/RELIABILITY.md "Security")
                                 gloo_bind(cfg.transport.host))
         self._endpoint = self.weights_dir / "endpoint.json"
@@ -110,7 +91,7 @@ class WeightPublisher:
         self._registry = MemberRegistry()
         self._members = self._registry.members      # token -> Member
         self._epoch = 0
-        self._group: Optional[SendTransport] = None    # this epoch's path (transport_wire)
+        self._group: Optional[WireTransport] = None    # this epoch's group
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
         self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.lineage,
                                   milestone_every=cfg.run.eval_every)
@@ -175,14 +156,9 @@ class WeightPublisher:
     # ------------------------------------------------------------------ publishing
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
                 zero_copy: bool = False) -> dict[str, Any]:
-        """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors.
-
-        Returns stats: version, sync_s (pack + broadcast), pack_s, bytes, num_buckets, receivers (in the
-        group), confirmed (receivers whose checksum matched), transport (gloo or nccl), epoch, formed, failures,
-        error, checksum (None when nobody verifies), export_path, announced_early (members were told before
-        packing). ``zero_copy`` lets tensors above the bucket cap be sent without a copy (they must stay unchanged
-        until this returns; export then runs synchronously).
-        """
+        """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors. Returns stats
+        (docs/WEIGHTS.md lists them). ``zero_copy``: tensors above the bucket cap are sent without a copy (they must stay
+        unchanged until this returns; export then runs synchronously)."""
         t0 = time.monotonic()
         p, early = self._pack(version, named_tensors, zero_copy)
         self._last_pack_s = p.packed_at - t0
@@ -206,7 +182,7 @@ class WeightPublisher:
     def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
               zero_copy: bool) -> tuple[Packed, Early]:
         """Pack the tensors into buckets, telling a standing group of the version first where its path lets
-        members start early (``SendTransport.start_early``)."""
+        members start early (``WireTransport.start_early``)."""
         g, early = self._group, Early()
         # Not when packing took long last time (a ZeRO-3 gather of a large model): members would wait that out.
         quick = self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s))
@@ -248,8 +224,7 @@ class WeightPublisher:
                 g = self._group
                 if g is None:
                     break
-                sent = g.deliver(version, p, early, deadline)
-                stats["confirmed"], stats["transport"] = sent.confirmed, sent.transport
+                stats["confirmed"], stats["transport"] = g.deliver(version, p, early, deadline), self.backend
                 stats["receivers"], stats["error"] = len(g.members), ""
                 break
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
@@ -261,7 +236,7 @@ class WeightPublisher:
                 early = Early()
         return stats
 
-    def _standing(self, g: SendTransport) -> bool:
+    def _standing(self, g: WireTransport) -> bool:
         """The group still matches the live set (so a version may be announced to it before packing), by the
         live set read from the store now."""
         try:

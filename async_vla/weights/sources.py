@@ -1,16 +1,10 @@
 """Where an actor's new weights come from: one chain, tried in order at every swap point (``WeightSources``).
 
 1. ``Broadcast``: the newest version the learner broadcast to this actor (its ``WeightSubscriber``).
-2. ``CatchUp``: the learner's newest export, once the buffer has refused this actor's weights for
-   ``CATCH_UP_GRACE_S`` (``AdmissionGrant.refused`` "behind" or "dead": it missed broadcasts - joined after a
-   version went out, or a broadcast to it failed - or holds a dead learner's). Read from ``<run>/weights``; with
-   ``weights.fetch`` (no shared run directory) first mirrored there from the file server on the learner's node
-   (``async_vla.weights.files``). Without it an actor that missed the broadcast of version v could wait forever
-   when nothing newer comes (sync mode: the learner waits for data this actor would only produce with v).
+2. ``CatchUp``: the learner's newest export, once the buffer has refused this actor's weights ("behind" or "dead")
+   for ``CATCH_UP_GRACE_S``; with ``weights.fetch`` first mirrored from the learner's node (``files``).
 
-Each source hands over ``(tag, tensors)`` or None and counts what it handed over (``WeightSources.taken``), so
-"the actor never got v37" is answered by which source was asked and what it said.
-"""
+Each source counts what it handed over (``WeightSources.taken``)."""
 
 from __future__ import annotations
 

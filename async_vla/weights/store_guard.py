@@ -1,13 +1,7 @@
-"""The weight-rendezvous store's door when it must be reachable beyond loopback.
-
-torch's TCPStore has no authentication: whoever connects can read the group's keys (ports, session, shared-memory
-probe) and write them (join a broadcast group, post acknowledgements). So the learner's store always listens on
-127.0.0.1; with ``transport.host`` beyond loopback a ``StoreGuard`` listens there instead, closes at once every
-connection from an address outside ``transport.weights_allowed_peers`` (counted by address, logged once each) and
-relays the others byte for byte to the store. Loopback peers are always allowed (the learner's own ranks, actors
-on the learner's machine). One thread, a selector; the store's traffic is small (keys and acknowledgements; the
-weights themselves travel over gloo or shared memory).
-"""
+"""The weight store's door beyond loopback. TCPStore has no authentication, so the learner's store listens on
+127.0.0.1; with ``transport.host`` beyond loopback a ``StoreGuard`` listens there, closes every connection from an
+address outside ``transport.weights_allowed_peers`` (loopback always allowed; logged once per address) and relays
+the others byte for byte. One thread, a selector."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Actor side of the weight broadcast (the publisher and the design: ``async_vla.weights``, docs/WEIGHTS.md).
-
-A background thread registers with the learner's store, sleeps in its mailbox (a store queue), joins each
-membership epoch on the path its roster names (``async_vla.weights.transport``; ``transport_wire``: a process
-group) and receives every version; ``poll()`` hands the newest one to the actor between chunks. Every version is
-handed out with
-its ``PolicyTag``: the lineage the learner's store names (``w/lineage``) and the version. A new learner (after a
-crash and ``--resume``) is followed whatever its versions, and what the old one sent but nobody took is dropped.
-"""
+"""Actor side of the weight broadcast (design: docs/WEIGHTS.md). A background thread registers with the learner's
+store, sleeps in its mailbox, joins each membership epoch and receives every version; ``poll()`` hands the newest
+one, with its ``PolicyTag``, to the actor between chunks. A new learner (a ``--resume``) is followed whatever its
+versions; what the old one sent but nobody took is dropped."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from async_vla.weights.export import read_latest
 from async_vla.weights.pool import BufferPool
-from async_vla.weights.transport import POP_TIMEOUT_S, ReceiveTransport, Stopped
-from async_vla.weights.transport_wire import WireReceiver
+from async_vla.weights.transport import POP_TIMEOUT_S, Stopped, WireReceiver
 from async_vla.hosts import is_loopback
 from async_vla.messages import PolicyTag
 from async_vla.weights.wire import WIRE_VERSION, port_open, td
@@ -64,7 +58,7 @@ class WeightSubscriber:
         self._delivered = -1            # newest version of the followed lineage handed out
         self._live: Optional[str] = None   # the lineage of the learner we follow (None: none reached yet)
         self._hb: Optional[tuple[Any, str, str]] = None     # (heartbeat store client, hb key, mailbox key)
-        self._epoch: Optional[ReceiveTransport] = None   # this epoch's path (transport_wire)
+        self._epoch: Optional[WireReceiver] = None   # this epoch's group
         self.pool = BufferPool()          # buckets of versions received over the wire
         self._stop = threading.Event()
         self.stats = {"received": 0, "failures": 0, "epochs": 0, "checksum_errors": 0, "connects": 0,
@@ -262,12 +256,12 @@ class WeightSubscriber:
                 if not self._epoch.take():
                     self._leave_group()
 
-    def _join(self, store, msg: dict, epoch: int) -> Optional[ReceiveTransport]:
-        """This member's end of the epoch on the path its roster names; None (counted) when it cannot join."""
-        path = WireReceiver
+    def _join(self, store, msg: dict, epoch: int) -> Optional[WireReceiver]:
+        """This member's end of the epoch's group; None (counted) when it cannot join (e.g. nccl without CUDA
+        here: it stays on the file path)."""
         try:
-            joined = path(self, store, msg, epoch)
-        except path.JOIN_ERRORS as exc:
+            joined = WireReceiver(self, store, msg, epoch)
+        except Exception as exc:  # noqa: BLE001
             self.stats["failures"] += 1
             log.warning("weights: actor %d could not join epoch %d: %s", self.actor_id, epoch, exc)
             return None
@@ -280,10 +274,7 @@ class WeightSubscriber:
         store.set(f"w/leave/{token}", "1")
         store.add("w/leaves", 1)
 
-    # ------------------------------------------------------------------ for the receiving paths (transport.Receiver)
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
+    # ------------------------------------------------------------------ for WireReceiver
     def notify(self) -> None:
         """A version was handed over: wake a waiting ``poll()``."""
         with self._lock:

@@ -1,24 +1,26 @@
-"""How one membership epoch's versions travel: the interface of a path, both sides, free of any one path's types.
-
-The control plane (store, invites, rosters, membership, retries: ``publisher`` / ``subscriber``) is the same for
-every path; what differs is how a version crosses, and a path is one file with both sides and its own state
-(``transport_wire``: a gloo or NCCL process group carries header, manifest and buckets; members learn of each
-version in their mailbox).
-
-Publisher side (``SendTransport``): the publisher makes the path for the members that acknowledged an invite, pushes
-each member its roster with ``roster()``'s fields, ``join``s it, and then, per version: when the group stands,
-``start_early`` (before packing), then ``deliver``; ``close`` drops the epoch. Subscriber side
-(``ReceiveTransport``): made from the roster, it ``take``s each version announced in the mailbox; ``close`` leaves
-it. A path lends nothing of its own to the other side: what the subscriber offers every path is ``Receiver``.
-"""
+"""How one membership epoch's versions travel: the epoch's gloo or NCCL process group carries every version - header,
+manifest (when the layout changed), buckets, acknowledgements (``wire.send_version`` / ``recv_version``). Each version
+is announced in the members' mailboxes first, so an idle member sleeps in a queue pop, never in a collective. The
+control plane (store, invites, rosters, retries) is ``publisher`` / ``subscriber``."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
 
 from async_vla.weights.buckets import Layout
 from async_vla.weights.packer import BucketPacker
+from async_vla.weights.wire import BroadcastGroup, recv_version, send_version, td
+
+log = logging.getLogger("async_vla.weights.publisher")
+sub_log = logging.getLogger("async_vla.weights.subscriber")
 
 POP_TIMEOUT_S = 60.0    # a subscriber's mailbox wait wakes this often with nothing to do (close() wakes it at once)
 DROP_CHECK_S = 1.0      # how long a check for "the publisher dropped this epoch" may wait for the store
@@ -30,7 +32,7 @@ class Stopped(Exception):
 
 @dataclass(eq=False)
 class Packed:
-    """One version packed by the publisher, whichever path it goes by."""
+    """One version packed by the publisher."""
 
     packer: BucketPacker
     layout: Layout
@@ -43,65 +45,121 @@ class Packed:
 
 @dataclass(eq=False)
 class Early:
-    """What a standing group was told before packing (``SendTransport.start_early``); ``Early()``: nothing."""
+    """What a standing group was told before packing (``WireTransport.start_early``); ``Early()``: nothing."""
 
     standing: bool = False             # deliver to the group as it is (newcomers join at the next publish)
     announced: bool = False            # members were told of the version and wait for it (a failed pack drops them)
 
 
 @dataclass(eq=False)
-class Sent:
-    """What ``SendTransport.deliver`` reports."""
-
-    confirmed: int                     # receivers whose checksum matched
-    transport: str                     # how the bytes went ("gloo", "nccl")
-
-
-@dataclass(eq=False)
 class SendContext:
-    """What every path on the publisher shares across epochs."""
+    """What the publisher's epochs share."""
 
     store: Any                         # the publisher's TCPStore
     cfg: Any                           # cfg.weights
     backend: str                       # "gloo" or "nccl"
-    timeout_s: float                   # the publisher's per-publish limit
     gloo_bind: Optional[str] = None    # where gloo's pair sockets listen (wire.gloo_bind); None: gloo's choice
 
 
-class SendTransport(Protocol):
-    """Publisher side of one epoch on one path."""
+class WireTransport:
+    """Publisher side: the epoch's process group (formed in ``join``), the buckets over it."""
 
-    epoch: int
-    members: tuple[int, ...]           # member tokens, by rank 1, 2, ...
+    def __init__(self, ctx: SendContext, epoch: int, members: tuple[int, ...]):
+        self.ctx, self.epoch, self.members = ctx, epoch, tuple(members)
+        self.group: Optional[BroadcastGroup] = None
 
-    def roster(self) -> dict: ...
-    def join(self, deadline: float) -> None: ...
-    def may_start_early(self, quick: bool) -> bool: ...
-    def start_early(self, version: int) -> Early: ...
-    def deliver(self, version: int, p: Packed, early: Early, deadline: float) -> Sent: ...
-    def close(self) -> None: ...
+    def roster(self) -> dict:
+        return {"backend": self.ctx.backend}
+
+    def join(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left to form the group")
+        self.group = BroadcastGroup(self.ctx.backend, PrefixStore(f"w/e{self.epoch}/pg", self.ctx.store), 0,
+                                    len(self.members) + 1, left, self.epoch, self.members,
+                                    bind=self.ctx.gloo_bind)
+
+    def may_start_early(self, quick: bool) -> bool:
+        """Announce before packing, so members wait in the header broadcast while we pack. Not when packing took long
+        last time (a member's timeout could run out), nor on NCCL (a waiting collective would hold the CUDA stream)."""
+        return self.group is not None and self.ctx.backend == "gloo" and quick
+
+    def start_early(self, version: int) -> Early:
+        try:
+            self._announce(version)
+        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
+            log.debug("weights: early announcement of v%d failed: %s", version, exc)
+            return Early()
+        return Early(standing=True, announced=True)
+
+    def _announce(self, version: int) -> None:
+        for tok in self.members:
+            self.ctx.store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": self.epoch, "v": version}))
+
+    def deliver(self, version: int, p: Packed, early: Early, deadline: float) -> int:
+        """Send the version; returns how many receivers confirmed its checksum."""
+        def left() -> float:
+            r = deadline - time.monotonic()
+            if r <= 0:
+                raise TimeoutError("weight broadcast ran out of time")
+            return r
+
+        if p.csum is None and p.summing:
+            p.csum = p.packer.checksum()
+        if not early.announced:
+            self._announce(version)
+        return send_version(self.group, version, p.layout, p.buckets, p.csum, left, self.ctx.cfg.overlap)
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        # Tell members still blocked in this epoch's receive to give up now. Closing our side is not enough: the
+        # failed ops can keep gloo's context (and its sockets) open until our garbage collector runs, and a member
+        # would wait out its own timeout and miss the re-forming invite.
+        with contextlib.suppress(RuntimeError, ValueError):
+            self.ctx.store.set(f"w/e{self.epoch}/drop", "1")
+        self.group.close()
+        self.group = None
 
 
-class Receiver(Protocol):
-    """What a subscriber lends the receiving side of any path (``WeightSubscriber`` implements it)."""
-
-    cfg: Any                           # cfg.weights
-    timeout_s: float
-    actor_id: int
-    stats: dict
-    pool: Any                          # pool.BufferPool for the versions received
-    gloo_bind: Optional[str]           # where this member's gloo pair sockets listen (None: gloo's choice)
-
-    def hand_over(self, version: int, tensors: dict, ok: bool, t0: float) -> None: ...
-    def notify(self) -> None: ...
+def epoch_dropped(store, epoch: int) -> bool:
+    """Has the publisher given up on ``epoch``? Asked between wait slices, with a short store timeout: a stalled
+    learner must not hold the receiving thread longer than the op it waits on (a lost connection raises)."""
+    store.set_timeout(td(DROP_CHECK_S))
+    try:
+        return store.check([f"w/e{epoch}/drop"])
+    except dist.DistStoreError:      # no answer in time: keep waiting on the op (it has its own timeout)
+        return False
+    finally:
+        store.set_timeout(td(POP_TIMEOUT_S))
 
 
-class ReceiveTransport(Protocol):
-    """Subscriber side of one epoch on one path."""
+class WireReceiver:
+    """Subscriber side: this member's end of the epoch's group (``sub``: its ``WeightSubscriber``); each version
+    announced in the mailbox is taken."""
 
-    epoch: int
-    JOIN_ERRORS: tuple
+    def __init__(self, sub, store, msg: dict, epoch: int):
+        self.sub, self.store, self.epoch = sub, store, epoch
+        self.group = BroadcastGroup(msg["backend"], PrefixStore(f"w/e{epoch}/pg", store), int(msg["rank"]),
+                                    int(msg["world"]), sub.timeout_s, epoch, bind=sub.gloo_bind)
+        self.group.dropped = lambda e=epoch: epoch_dropped(store, e)
 
-    def take(self) -> bool: ...        # one version announced in the mailbox; False: the epoch is lost
-    def close(self) -> None: ...
+    def take(self) -> bool:
+        """Receive one announced version; False when that lost the epoch (leave it)."""
+        sub, g, t0 = self.sub, self.group, time.monotonic()
+        try:
+            recv_version(g, sub.timeout_s, sub.pool, sub.cfg.verify,
+                         lambda h, tensors, ok: sub.hand_over(h["version"], tensors, ok, t0))
+        except (RuntimeError, ValueError) as exc:
+            sub.stats["failures"] += 1
+            sub_log.info("weights: actor %d lost epoch %d: %s", sub.actor_id, self.epoch,
+                         str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
+            return False
+        sub_log.debug("weights: actor %d received in %.3f s", sub.actor_id, time.monotonic() - t0)
+        sub.notify()   # wake a waiting poll() only now: its copy would hold up our acknowledgement (GIL)
+        return True
 
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -1,9 +1,6 @@
-"""Wire side of the weight broadcast: the process group of one epoch (gloo or NCCL, same code) and how one
-version crosses it - an int64 header (magic, version, bucket count, manifest bytes, data bytes, checksum,
-manifest digest, sequence), the manifest when the layout changed, the buckets, then one (received, checksum ok)
-acknowledgement per receiver sent point-to-point to rank 0. Layout, packing and checksums are
-``async_vla.weights.buckets``; membership and epochs are ``async_vla.weights``.
-"""
+"""The process group of one epoch (gloo or NCCL, same code) and how one version crosses it: an int64 header, the
+manifest when the layout changed, the buckets, then one (received, checksum ok) acknowledgement per receiver to
+rank 0 (docs/WEIGHTS.md)."""
 
 from __future__ import annotations
 
@@ -63,11 +60,8 @@ def port_open(host: str, port: int) -> bool:
 
 
 def gloo_bind(host: str) -> Optional[str]:
-    """Where the publisher's gloo pair sockets listen, given ``transport.host``: 127.0.0.1 when
-    ``host`` is loopback (a one-host run: nothing beyond the machine can reach them, whatever the host name
-    resolves to or GLOO_SOCKET_IFNAME says), ``host`` itself when it is one specific address, None (gloo's own
-    choice: GLOO_SOCKET_IFNAME, else the host name's address) for a wildcard or a name. They are not behind
-    the StoreGuard (docs/RELIABILITY.md "Security")."""
+    """Where the publisher's gloo pair sockets listen, given ``transport.host``: 127.0.0.1 when it is loopback, the
+    address itself when it is one, None (gloo's choice) for a wildcard or a name (docs/RELIABILITY.md "Security")."""
     if is_loopback(host):
         return "127.0.0.1"
     try:

@@ -1,12 +1,6 @@
-"""Per-trajectory audit of a run from the buffer's recordings (``buffer.record=true``).
-
-A recording replays into a fresh GroupBuffer with the same ledger (``async_vla.buffer.recording.replay``); replaying
-it with ``Tracer`` as the buffer's ledger, which notes each trajectory's fate as it happens, answers what the
-aggregate ledger cannot:
-which trajectories were in flight at a moment (say, when the learner was killed) and what became of each one,
-and whether any trajectory was admitted by two buffer incarnations (a restarted buffer has its own recording
-directory: ``recording-<n>/`` is the n-th previous one, ``recording/`` the current one).
-"""
+"""Per-trajectory audit of a run from the buffer's recordings (``buffer.record=true``): replayed with ``Tracer`` as the
+ledger, they tell which trajectories were in flight at a moment and what became of each, and whether two buffer
+incarnations (``recording-<n>/``, ``recording/``) admitted one trajectory."""
 
 from __future__ import annotations
 
@@ -98,13 +92,9 @@ def _cfg(run_dir: Path, cfg):
 
 
 def fates_of_in_flight(run_dir: Path, records_at: int, checkpoint_version: int, cfg=None) -> dict:
-    """What became of the trajectories in flight when the current recording held ``records_at`` records.
-
-    Returns counts: where they were (assembling / ready / in the learner's batch) and how each ended (trained by
-    version v, stale, expired_partial, still pending). The batch the dead learner was training goes back to the
-    queue and is trained again if it was for a version beyond the checkpoint, or is served again if it was for the
-    checkpoint's own version (``retrained_after_resume``); ``taken_by_dead_learner`` counts what was not.
-    """
+    """Counts of what became of the trajectories in flight when the current recording held ``records_at`` records:
+    where they were (assembling / ready / in the learner's batch) and how each ended (trained, stale, expired, pending;
+    ``retrained_after_resume``, ``taken_by_dead_learner``)."""
     cfg = _cfg(run_dir, cfg)
     buf, snap = replay(recordings(run_dir)[-1], cfg, snapshot_at=records_at)
     if snap is None:
@@ -157,13 +147,9 @@ def learner_lags(run_dir: Path) -> collections.Counter:
 
 
 def sent_vs_received(run_dir: Path, cfg=None, extra_sent: Optional[dict[str, list[str]]] = None) -> dict:
-    """What actors sent against what each buffer incarnation received, and how each sent trajectory ended.
-
-    ``sent``: the actors' own logs (``<run>/actors/sent_<id>.log``: buffer incarnation -> trajectory ids), plus
-    ``extra_sent`` (synthetic actors). ``received``: every incarnation's recording (flushed every busy step), replayed
-    with its ledger. A sent trajectory is then: in a terminal state of the incarnation that received it, "pending"
-    there (held in memory when that incarnation ended: lost with it if it was killed), or never received ("lost in
-    transit": queued in a socket that died). Nothing here trusts a counter the buffer keeps for itself."""
+    """What actors sent (``<run>/actors/sent_<id>.log`` plus ``extra_sent``) against what each buffer incarnation's
+    recording received, and how each sent trajectory ended: a terminal state, "pending" where it was received, or
+    lost in transit. Trusts no counter the buffer keeps for itself."""
     from actors.status import read_sent_logs
 
     cfg = _cfg(run_dir, cfg)

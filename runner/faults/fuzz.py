@@ -1,14 +1,6 @@
-"""Hostile input for the buffer's sockets (fault injection): every frame here must be counted as malformed.
-
-``hostile_frames(rng, run_id)`` returns one multipart message and the kind of damage done to it. The template is
-a well-formed trajectory of *another* run, so even a bit flip that still decodes ends up malformed ("wrong_run")
-in the ledger: each frame sent adds exactly one malformed entry, whatever its reason. Kinds (the issue's list):
-random bytes, truncated frames, bit flips, missing / extra frames, oversize headers, wrong schema version,
-unknown kind, wrong dtype, shape lies, huge shapes, NaN / inf / positive log-probs, negative versions, wrong
-scalar types, unknown / missing fields, unknown task ids, wrong run ids, valid non-trajectory messages, and
-msgpack bombs (a header that declares 2**31 elements in a few bytes). Messages larger than
-``transport.max_message_mb`` are not made here: ZeroMQ drops those before allocating (``send_oversize``).
-"""
+"""Hostile input for the buffer's sockets: ``hostile_frames(rng, run_id)`` gives one multipart message and the
+kind of damage done to it (``KINDS``), from a template trajectory of *another* run, so every frame sent adds exactly
+one malformed entry to the ledger. Messages above ``transport.max_message_mb``: ``send_oversize``."""
 
 from __future__ import annotations
 
@@ -113,13 +105,9 @@ def _sender(ctx, socket_type: int, endpoint: str, curve_keys, hwm: int):
 
 def fuzz(endpoint: str, n: int, run_id: str, seed: int = 0, curve_keys=None, hwm: int = 1000,
          until: Optional[Callable[[], bool]] = None, hold_s: float = 120.0) -> dict[str, int]:
-    """Send ``n`` hostile messages to a trajectory endpoint; returns how many of each kind were sent.
-
-    ``until``: a check (e.g. "the buffer counted all n") polled before the socket closes, for at most ``hold_s``.
-    Closing right after the last send can lose the last few messages on a loaded machine: the receiver's ZeroMQ
-    engine stops reading while its queue is at the high-water mark, and when the sender's disconnect reaches it
-    first, what it had read from the kernel but not yet queued is dropped (seen: the last 3 of 3,000 frames, one
-    run in three with both cores busy). Linger does not help: the frames had left the sender."""
+    """Send ``n`` hostile messages to a trajectory endpoint; returns how many of each kind were sent. ``until``: a check
+    polled before the socket closes, for at most ``hold_s`` (closing at once can lose the last frames the receiver had
+    read but not queued)."""
     rng = np.random.default_rng(seed)
     base = template(run_id="not-" + run_id)
     ctx = zmq.Context()

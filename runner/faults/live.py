@@ -1,12 +1,6 @@
-"""A live async system on this host whose parts can be killed and restarted one by one (fault injection).
-
-``LiveSystem`` starts the same three processes as ``bin/train``'s async mode (``bin/buffer``, ``bin/learner``,
-``bin/actors``, with the command lines of runner/commands.py) from one resolved ``<run>/config.yaml``, but without
-the launcher's supervision: a test or ``bin/chaos`` decides when a part dies (``kill``: SIGKILL, no clean-up) and
-when it comes back (``start_*``; the learner with ``--resume``). Everything it reads back comes from the system
-itself: the buffer's ledger over the control socket (``stats``) and in ``<run>/ledger*.json``, actors' status files
-(pids, versions), the learner's checkpoints and ``<run>/learner_resume.json``.
-"""
+"""A live async system on this host whose parts can be killed and restarted one by one: ``LiveSystem`` starts
+``bin/buffer``, ``bin/learner`` and ``bin/actors`` (runner/commands.py) from one ``<run>/config.yaml`` without the
+launcher's supervision; ``kill`` is SIGKILL, ``start_*`` brings a part back (the learner with ``--resume``)."""
 
 from __future__ import annotations
 
