@@ -31,35 +31,29 @@ class RunConfig(Section):
     max_versions: int = Field(50, ge=1)
     """Stop after the learner has produced this many policy versions (optimizer steps)."""
     max_wall_s: float = Field(600.0, gt=0)
-    """Stop training after this many seconds of wall time, whichever comes first (counted by the learner from
-    its start). The final checkpoint, policy export, final evaluation and shutdown come after it: leave a job
-    scheduler's limit some room beyond this (seconds on the built-in task, minutes for a LIBERO evaluation)."""
+    """Stop training after this many seconds of wall time (counted by the learner), whichever comes first. Final
+    checkpoint, export, evaluation and shutdown come after it: leave a job scheduler's limit room beyond this."""
     eval_envs: Optional[int] = Field(None, ge=1)
     """Simulators bin/train's evaluator (and bin/eval) runs held-out episodes on, in parallel (None = the group
     size, at most 8). LIBERO envs run in their own worker processes (env.worker; their memory: docs/LIBERO.md)."""
     eval_every: int = Field(5, ge=0)
-    """Greedy evaluation on held-out init states every this many versions (0 = only at the start and end).
-    async/sync: the learner keeps the export of each multiple in ``<run>/weights/milestones/`` until bin/train's
-    evaluator has scored it, so evals land on exactly these versions; an evaluator that falls behind scores the
-    newest one waiting and skips the older ones."""
+    """Greedy evaluation on held-out init states every this many versions (0 = only at start and end). async/sync: the
+    learner keeps each multiple's export in <run>/weights/milestones/ until the evaluator scored it (late: the
+    newest)."""
     eval_at_start: bool = True
-    """Evaluate the initial policy before training starts. False: training starts at once, and the initial
-    weights are scored afterwards from their export (async/sync keep ``weights/v0.safetensors`` while
-    weights.export_keep allows: ``bin/eval RUN --versions 0 --record``); for a simulator-bound run whose
-    evaluation would hold up the start. Serial mode keeps no exports, so there the initial figure is lost."""
+    """Evaluate the initial policy before training starts. False: it is scored afterwards from weights/v0.safetensors
+    (async/sync, while weights.export_keep allows: bin/eval RUN --versions 0 --record; serial mode loses it)."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every this many versions (0 = only at the end)."""
     pin_cores: bool = False
     """Pin the learner ranks and the buffer to CPU core 0 and the actor fleet to the other cores (bin/train;
     used by the async-vs-sync benchmark so each side gets exactly one core on a 2-core host)."""
     serial_lag: int = Field(0, ge=0)
-    """run.mode=serial only: the actor samples with the weights of this many versions ago (a copy of the policy,
-    refreshed from snapshots), so the learner trains on data exactly this stale, deterministically: isolates
-    what staleness does to learning from everything else the multi-process modes add. 0 = on-policy."""
+    """run.mode=serial only: the actor samples with the weights of this many versions ago, so the learner trains on data
+    exactly this stale, deterministically (isolates what staleness does). 0 = on-policy."""
     target_success: Optional[float] = Field(None, gt=0, le=1)
-    """Stop early once greedy eval success reaches this value *and* an independent evaluation of the same version
-    on a second, disjoint held-out set (the built-in env's ``confirm`` split) reaches it too (None = never stop
-    early: the run uses its whole budget). Needs env.kind=builtin and run.eval_split=eval."""
+    """Stop early once greedy eval success reaches this *and* an independent evaluation of that version on the built-in
+    env's disjoint ``confirm`` split does too (None = never). Needs env.kind=builtin and run.eval_split=eval."""
     eval_split: Literal["eval", "val"] = "eval"
     """Which init states the run's greedy evaluations use: eval = the held-out set (what is reported); val = the
     built-in env's validation set (for tuning, so nothing is tuned on the held-out set)."""
@@ -99,34 +93,23 @@ class EnvConfig(Section):
     wrist_camera: bool = False
     """Also record the wrist camera image (LIBERO)."""
     render_mode: Literal["full", "cheap"] = "full"
-    """LIBERO render fidelity. cheap: no shadows, reflections, skybox or multisampling (faster software
-    rendering; images differ from what published checkpoints saw, so use it for CPU/smoke runs, not to
-    evaluate or fine-tune pretrained OpenVLA models). See docs/LIBERO.md for measured speeds."""
+    """LIBERO render fidelity. cheap: no shadows, reflections, skybox or multisampling (faster; images differ from what
+    published checkpoints saw: for CPU/smoke runs only). Speeds: docs/LIBERO.md."""
     render_at: Literal["every_step", "decision"] = "every_step"
-    """LIBERO camera rendering. every_step: every env step renders its images (robosuite's behaviour).
-    decision: ``step_chunk`` (what actors, SFT and eval call) renders only the step whose observation the
-    policy reads (the last of a chunk; reset always renders); the steps in between run physics alone. The
-    images at those points are pixel-equal to every_step's (tests/test_libero.py), so fidelity is the same;
-    it only skips frames nobody reads (the speed-up: docs/LIBERO.md, docs/BENCHMARKS.md)."""
+    """LIBERO camera rendering. every_step: robosuite's behaviour. decision: ``step_chunk`` renders only the step whose
+    observation the policy reads (pixel-equal images, tests/test_libero.py; the speed-up: docs/LIBERO.md)."""
     mujoco_gl: Literal["auto", "egl", "osmesa"] = "auto"
     """Offscreen GL backend for MuJoCo (auto: egl if it works, else osmesa)."""
     hard_reset: bool = False
-    """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default; much slower resets: docs/LIBERO.md).
-    The init state sets qpos/qvel fully, so a soft reset gives the same physical state (checked in
-    tests/test_libero.py). Either way LIBERO re-places its static fixtures (a cabinet, a stove: model body poses, not part of an init
-    state) at every reset, so one init state's scene differs by up to about a centimetre between episodes;
-    greedy evaluations of the same weights vary with it (docs/LIBERO.md), unless pin_fixtures."""
+    """LIBERO: rebuild the MuJoCo model on every reset (robosuite's default; much slower; a soft reset gives the same
+    physical state, tests/test_libero.py). Fixture placement varies per reset either way unless pin_fixtures."""
     pin_fixtures: bool = False
-    """LIBERO: draw the static fixtures' placement from a seed of (suite, task, init state) at every reset, so an
-    init state always shows the same scene: evaluations of the same weights reproduce whatever the number of
-    eval envs, two versions are compared on the same scenes, and a group's rollouts differ only by the policy's
-    samples. False = LIBERO's own behaviour (what published evaluations include): a fresh placement at every
-    reset from numpy's global stream, which depends on the worker's history."""
+    """LIBERO: draw the static fixtures' placement (a cabinet, a stove) from a seed of (suite, task, init state), so an
+    init state always shows the same scene. False = LIBERO's own behaviour: a fresh placement at every reset."""
     single_forward: bool = True
-    """LIBERO: robosuite runs mj_forward twice per physics substep at the same state (the env's loop, then the arm
-    controller); the controller's pass then recomputes only the acceleration stage. States, images and success
-    are bit-identical to robosuite's loop (tests/test_libero.py); speed in docs/LIBERO.md. Needs robosuite 1.4.0
-    (the pinned release); false = robosuite's own loop."""
+    """LIBERO: skip robosuite's second mj_forward per physics substep at the same state (the controller's pass
+    recomputes only the acceleration stage); bit-identical (tests/test_libero.py). Needs robosuite 1.4.0; false =
+    robosuite's loop."""
     gripper_convention: Literal["openvla", "libero"] = "openvla"
     """LIBERO action[6]: openvla = [0, 1] with 1 open (converted to LIBERO's -1 open / +1 close);
     libero = already in LIBERO's [-1, 1], +1 close."""
@@ -169,15 +152,14 @@ class PolicyConfig(Section):
     action_dim: int = Field(7, ge=1)
     """Degrees of freedom per action step (xyz, rpy, gripper)."""
     unnorm_key: Optional[str] = None
-    """Dataset key of the action normalisation statistics (None = the task family's own). OpenVLA checkpoints: a
-    key of their ``dataset_statistics.json`` / ``norm_stats``; ``libero_X`` falls back to ``libero_X_no_noops``
-    when only that exists (as SimpleVLA-RL does)."""
+    """Dataset key of the action normalisation statistics (None = the task family's own). OpenVLA checkpoints: a key of
+    their statistics; ``libero_X`` falls back to ``libero_X_no_noops`` (as SimpleVLA-RL does)."""
     center_crop: bool = False
-    """OpenVLA(-OFT) checkpoints trained with image augmentation (random crops): centre-crop 0.9 of each frame's
-    area and resize it back before the processor, as SimpleVLA-RL's rollout does with center_crop=True
-    (async_vla/image_ops.py; docs/FIDELITY.md)."""
+    """OpenVLA(-OFT) checkpoints trained with random crops: centre-crop 0.9 of each frame's area and resize it back
+    before the processor, as SimpleVLA-RL's rollout does (docs/FIDELITY.md)."""
     proprio_dim: int = Field(8, ge=1)
-    """Proprioception vector length fed to the tiny arch (builtin env and LIBERO: 8 = eef xyz, axis-angle, 2 gripper)."""
+    """Proprioception vector length fed to the tiny arch (builtin env and LIBERO: 8 = eef xyz, axis-angle, 2
+    gripper)."""
     max_instruction_tokens: int = Field(16, ge=2)
     """Tiny arch: instruction words (hashed, word-level) kept per prompt, padded to this length (incl. BOS)."""
     word_buckets: int = Field(2048, ge=16)
@@ -189,9 +171,8 @@ class PolicyConfig(Section):
     """Tiny arch: instruction-conditioned keypoints: the instruction picks a mix of the K keypoint feature maps whose
     spatial softmax gives "where the thing the instruction names is" (needs keypoints > 0); 0 = off."""
     action_head: Literal["fourier", "free"] = "fourier"
-    """Tiny arch: action-token embeddings (tied input/output) as a learned map of a fixed Fourier basis of the bin
-    index, so logits are smooth across neighbouring bins and RL credit on one bin also moves its neighbours;
-    free = one independent embedding row per bin, like an LM head (no sharing between bins)."""
+    """Tiny arch: fourier = action-token embeddings as a learned map of a Fourier basis of the bin index (logits smooth
+    across neighbouring bins); free = one independent embedding row per bin."""
     action_head_freqs: int = Field(24, ge=1)
     """Tiny arch, fourier head: frequencies of the basis (higher = sharper possible peaks over the 256 bins)."""
 
@@ -209,9 +190,8 @@ class ActorConfig(Section):
     """Inference backend: torch (CPU/GPU) or vllm (GPU, `gpu` extra; OpenVLA checkpoints, policy.arch=openvla:
     see README "vLLM on GPU hosts")."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    """actor.backend=vllm: fraction of the GPU the in-process vLLM engine may take (its weights + KV cache); the
-    rest stays for the torch copy of the policy (vision encoder, projector, prompt embeddings) and the weight
-    receive buffers."""
+    """actor.backend=vllm: fraction of the GPU the in-process vLLM engine may take (weights + KV cache); the rest stays
+    for the torch copy of the policy and the weight receive buffers."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per actor (more threads than cores make step times swing widely)."""
     heartbeat_s: float = Field(1.0, gt=0)
@@ -257,9 +237,8 @@ class BufferConfig(Section):
     max_groups: int = Field(256, ge=1)
     """Memory bound in complete groups held; above it the buffer stops reading its socket."""
     max_bytes: int = Field(2 * 1024**3, ge=1024)
-    """Memory bound in bytes of held trajectories. Checked at load: it must hold one batch, groups_per_batch x
-    actor.group_size x the longest trajectory the env and policy make (image bytes per policy call x calls at the
-    episode limit); 2-3 batches let actors run ahead (the LIBERO configs set ~2.5)."""
+    """Memory bound in bytes of held trajectories. Checked at load to hold one batch (groups_per_batch x group_size x
+    the longest trajectory); 2-3 batches let actors run ahead (the LIBERO configs set ~2.5)."""
     reuse: int = Field(1, ge=1)
     """Times a group may be trained on (1 = once)."""
     order: Literal["fifo", "lifo"] = "fifo"
@@ -276,9 +255,8 @@ class BufferConfig(Section):
     """Granted-and-unfinished groups one actor may hold (an actor runs one group at a time and asks for one
     more when it starts it); a GrantRequest wanting more gets at most the difference and an error saying so."""
     reclaim_after_s: float = Field(180.0, gt=0)
-    """Service: an actor silent this long (no heartbeat, grant request or stats) loses its open groups: granted
-    ones with no member yet are reclaimed (groups "reclaimed"), partial ones expire (expired_partial). At least
-    actor.hung_after_s (before that the fleet still counts the actor alive, e.g. inside a slow simulator reset)."""
+    """Service: an actor silent this long loses its open groups (granted ones with no member are "reclaimed", partial
+    ones expire). At least actor.hung_after_s."""
     remember_closed_groups: int = Field(10000, ge=1)
     """Closed group ids (with their trajectory ids) kept to recognise late duplicates and stragglers."""
     check_run_id: bool = True
@@ -314,19 +292,16 @@ class LearnerConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     minibatches: int = Field(1, ge=1)
-    """PPO mini-batches per batch (verl's ppo_mini_batch_size = batch / minibatches): each rank splits its
-    groups into this many shards of whole groups and takes one optimizer step per shard, all against the
-    proximal log-probs of the batch-start weights (decoupled PPO). The version moves by one per batch whatever
-    this is (docs/LEARNER.md). buffer.groups_per_batch must be a multiple of learner.num_ranks x this."""
+    """PPO mini-batches per batch (verl's ppo_mini_batch_size = batch / minibatches): one optimizer step per shard of
+    whole groups, all against the batch-start proximal log-probs; one version per batch. Multiple of num_ranks
+    needed."""
     steps_per_batch: int = Field(1, ge=1)
     """Passes over each batch (verl's ppo_epochs): each pass takes learner.minibatches optimizer steps; all
     against the batch-start proximal log-probs, one version per batch."""
     proximal_pass: Literal["auto", "always"] = "auto"
-    """pi_prox's log-probs. always: a no-grad forward over the batch before the first optimizer step. auto: that
-    pass only when it is needed; with one optimizer step per batch (minibatches = steps_per_batch = 1) and
-    loss.correction none or tis, pi_prox is the weights the step's own forward runs with, so their detached
-    log-probs (and entropy) are taken from that forward, one pass fewer per batch with the same update (mis needs
-    pi_prox before the loss to mask tokens, so it keeps the pass)."""
+    """pi_prox's log-probs. always: a no-grad forward before the first optimizer step. auto: skip that pass when the
+    step's own forward gives them (one optimizer step per batch, loss.correction none or tis): same update
+    (docs/LEARNER.md)."""
     micro_batch_trajectories: int = Field(16, ge=1)
     """Trajectories per forward/backward micro-batch (gradient accumulation over the rest)."""
     lora_rank: int = Field(0, ge=0)
@@ -349,15 +324,13 @@ class LearnerConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Resumable checkpoints kept in <run>/checkpoints (older ones are deleted after a successful save)."""
     checkpoint_digest: bool = True
-    """Record sha256 digests of the parameters and each rank's optimizer state with every checkpoint, and on
-    --resume check the loaded state against them (<run>/learner_resume_rank<r>.json). One extra hash pass over
-    the state per checkpoint: turn off for multi-GB models if that matters."""
+    """Record sha256 digests of the parameters and optimizer state with every checkpoint and check them on --resume
+    (<run>/learner_resume_rank<r>.json). One extra hash pass per checkpoint."""
     batch_timeout_s: float = Field(1.0, gt=0)
     """How long one BatchRequest waits at the buffer for a full batch before answering not-ready."""
     reply_grace_s: float = Field(10.0, gt=0)
-    """No reply this long past batch_timeout_s: the learner assumes the buffer restarted (its request died with
-    it) and reconnects. Must exceed the time one rank's batch takes on the wire: LIBERO-sized batches over a slow
-    link (~1 GB at 1 GbE is ~10 s) need more, or the reply is dropped and asked for again, forever."""
+    """No reply this long past batch_timeout_s: the learner assumes the buffer restarted and reconnects. Must exceed one
+    rank's batch time on the wire (~1 GB at 1 GbE is ~10 s), or the reply is dropped and asked for again forever."""
     dist_timeout_s: float = Field(1800.0, gt=0)
     """torch.distributed timeout of the learner ranks' collectives (a rank that never arrives fails them)."""
     torch_threads: int = Field(1, ge=1)
@@ -372,9 +345,8 @@ class LossConfig(Section):
     dual_clip: Optional[float] = Field(None, gt=1)
     """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens at c*|A|. None = off."""
     correction: Literal["none", "tis", "mis"] = "none"
-    """Off-policy correction: none (PPO against the sampler: the clip is a trust region around the behaviour
-    policy), tis (truncated IS), mis (masked IS); tis / mis clip against pi_prox (decoupled PPO). Default none:
-    the one that held under staleness in the measurements of docs/LEARNER.md "Choosing the defaults"."""
+    """Off-policy correction: none (PPO against the sampler), tis (truncated IS), mis (masked IS); tis / mis clip
+    against pi_prox (decoupled PPO). Why none: docs/LEARNER.md "Choosing the defaults"."""
     tis_cap: float = Field(2.0, gt=0)
     """TIS truncation C of w = pi_prox / pi_behav."""
     mis_low: float = Field(0.5, gt=0)
@@ -393,9 +365,8 @@ class LossConfig(Section):
     nsr_noise: float = Field(0.2, gt=0, lt=1)
     """delta of the noise mode: xi ~ U(1 - delta, 1 + delta)."""
     kl_beta: float = Field(0.0, ge=0)
-    """KL (k3) coefficient to a reference policy: the starting policy (policy.path), frozen by the learner (one
-    more forward per batch and one more copy of the weights, sharded under ZeRO-3). 0 = no term, no reference
-    (the SimpleVLA-RL recipe)."""
+    """KL (k3) coefficient to the starting policy (policy.path), frozen by the learner (one more forward per batch and
+    one more copy of the weights). 0 = no term, no reference (the SimpleVLA-RL recipe)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How token losses become one scalar (token_mean = DAPO)."""
     adv_norm: Literal["group", "batch", "none"] = "group"
@@ -419,14 +390,12 @@ class LossConfig(Section):
 
 class WeightsConfig(Section):
     fetch: bool = False
-    """Actors mirror the learner's newest export from the buffer's weights file server
-    (transport.weights_fetch_port) into their own <run>/weights at start and whenever they missed broadcasts:
-    for actors without the learner's run directory (other hosts, no shared filesystem; the Ray launcher and the
-    Slurm script turn it on)."""
+    """Actors mirror the learner's newest export from the buffer's weights file server into their own <run>/weights at
+    start and after missed broadcasts: for actors without the learner's run directory (set by Ray and Slurm
+    launchers)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Weight broadcast to actors over a torch.distributed group: auto, gloo, nccl. auto = nccl on GPU when every
-    member (learner rank 0, each actor) has a GPU of its own on this host (placement), else gloo: NCCL refuses two
-    ranks on one device. nccl on a shared GPU is refused before the run starts."""
+    """Weight broadcast group: auto, gloo, nccl. auto = nccl on GPU when every member has a GPU of its own on this host,
+    else gloo (NCCL refuses two ranks on one device; nccl on a shared GPU is refused before the run starts)."""
     bucket_mb: float = Field(16.0, gt=0)
     """Size cap of one broadcast bucket in MiB (the default is what gloo over loopback measured best at; NCCL is
     content with larger: docs/WEIGHTS.md)."""
@@ -441,19 +410,14 @@ class WeightsConfig(Section):
     heartbeat_s: float = Field(0.5, gt=0)
     """Actor heartbeat into the weight store; an actor silent for 5x this is left out of the next group."""
     verify: bool = True
-    """The learner computes each version's checksum (while packing) and receivers check it before taking the
-    version (publish reports how many matched). False: no checksum on the broadcast path (the export still
-    records one); `confirmed` then counts receipts."""
+    """The learner computes each version's checksum while packing and receivers check it before taking it. False: no
+    checksum on the broadcast path (exports still record one); `confirmed` then counts receipts."""
     verify_ranks: bool = False
-    """After each publish every learner rank gathers the full weights itself and the ranks compare checksums
-    with the one rank 0 broadcast (TensorBoard weights/rank_checksum_ok; a mismatch is logged as an error).
-    One extra ZeRO-3 gather per version: for tests and debugging."""
+    """After each publish every learner rank gathers the full weights and compares checksums with rank 0's broadcast
+    (weights/rank_checksum_ok). One extra ZeRO-3 gather per version: for tests and debugging."""
     export: bool = True
-    """Also write every published version to <run>/weights/v<version>.safetensors + `latest` (the fallback
-    a restarted or late actor loads, and what bin/train's evaluator scores during the run). False (a large model
-    on a slow disk): a restarted actor gets weights only from the next broadcast (until then it samples with its
-    starting policy, work the buffer may drop as stale), and bin/train evaluates only the learner's final
-    <run>/policy."""
+    """Also write every version to <run>/weights/v<version>.safetensors + `latest` (what a restarted actor loads and the
+    evaluator scores). False: restarted actors wait for the next broadcast; bin/train evaluates only <run>/policy."""
     export_keep: int = Field(2, ge=1)
     """Exported versions kept on disk (older ones are deleted)."""
     export_async: bool = True
@@ -487,9 +451,8 @@ class TransportConfig(Section):
     hwm: int = Field(64, ge=1)
     """ZeroMQ high-water mark in messages (back-pressure on actors): what an actor's trajectory socket queues."""
     trajectory_hwm: int = Field(4, ge=1)
-    """Trajectories the buffer's socket queues per actor connection before it stops reading that connection
-    (the kernel's TCP buffers, then the actor's own queue, take the rest). Bounds the buffer process: about
-    buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
+    """Trajectories the buffer's socket queues per actor connection before it stops reading it. Bounds the buffer:
+    about buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
     """Receiving sockets drop any message above this size before allocating it."""
     curve: bool = False
@@ -497,21 +460,17 @@ class TransportConfig(Section):
     curve_dir: Optional[str] = None
     """Directory with server.key(_secret) and client.key(_secret) written by bin/keys."""
     learner_secret_file: Optional[str] = None
-    """The learner's credential (batch requests are signed with it; async_vla/learner_secret.py). None =
-    <run_dir>/secrets/learner, created mode 0600 by whichever of the buffer and the learner starts first. Set by
-    the Ray launcher for ranks whose node does not share the run directory; actors never need it."""
+    """The learner's credential for signing batch requests. None = <run_dir>/secrets/learner, created mode 0600 by
+    whichever of buffer and learner starts first (the Ray launcher sets it for ranks without the run directory)."""
     weights_allowed_peers: List[str] = []
-    """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
-    transport.host is beyond loopback (required then: the store has no authentication). The store itself always
-    listens on 127.0.0.1; beyond it a guard on transport.host:weights_port closes every other peer's connection
-    at once. Loopback peers are always allowed."""
+    """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight store when transport.host is
+    beyond loopback (required then: the store has no authentication). Loopback peers are always allowed."""
 
 
 class PlacementConfig(Section):
     gpus_learner: Optional[list[int]] = None
-    """GPU indices (as this host's CUDA_VISIBLE_DEVICES numbers them) of the learner ranks, one per rank in rank
-    order (length = learner.num_ranks); bin/train hands the list to the learner as its CUDA_VISIBLE_DEVICES. None =
-    leave the devices alone (rank r uses cuda:r of what it sees)."""
+    """GPU indices (as this host numbers them) of the learner ranks in rank order (length = learner.num_ranks), handed
+    to the learner as CUDA_VISIBLE_DEVICES. None = leave the devices alone (rank r uses cuda:r)."""
     gpus_actors: Optional[list[int]] = None
     """GPU indices the actors are spread over: actor i gets gpus_actors[i % len] as its only visible device. None =
     every actor sees every GPU and uses cuda:0."""
@@ -553,10 +512,8 @@ class RayConfig(Section):
     fleet_spread: bool = True
     """Place fleets with Ray's SPREAD strategy (one node's loss costs the fewest fleets)."""
     learner_placement: Literal["one_actor", "per_rank"] = "one_actor"
-    """How the learner's learner.num_ranks ranks are placed. one_actor = one Ray actor on the driver's node that
-    starts all ranks itself (bin/learner --ranks N). per_rank = one Ray actor per rank, each running one rank with
-    torchrun-style variables: rank 0 on the driver's node, ranks 1.. reserved together as a placement group
-    (PACK) wherever their resources are, e.g. on other GPU nodes."""
+    """one_actor = one Ray actor on the driver's node starts all ranks (bin/learner --ranks N). per_rank = one Ray actor
+    per rank (rank 0 on the driver's node), reserved together as a placement group, e.g. on other GPU nodes."""
     learner_cpus: float = Field(1.0, gt=0)
     """CPUs requested for the learner: for its one actor (all ranks) with learner_placement=one_actor, for each
     rank with per_rank."""
@@ -566,9 +523,8 @@ class RayConfig(Section):
     learner_memory_gb: Optional[float] = Field(None, gt=0)
     """Memory requested for the learner in GiB, as learner_cpus (None = no request)."""
     learner_resources: Dict[str, float] = Field(default_factory=dict)
-    """Custom resources for the learner, as learner_cpus, e.g. {learner_node: 1} with per_rank to put one rank
-    on each node started with ``ray start --resources '{"learner_node": 1}'`` (the driver's node included: rank
-    0 runs there)."""
+    """Custom resources for the learner, as learner_cpus, e.g. {learner_node: 1} with per_rank for one rank per node
+    started with ``ray start --resources '{"learner_node": 1}'`` (the driver's node included)."""
     learner_master_port: int = Field(0, ge=0, le=65535)
     """With learner_placement=per_rank: the port of rank 0's rendezvous (MASTER_PORT) on the driver's node, which
     the other ranks' nodes must reach; 0 = a free one picked at start."""
@@ -577,19 +533,12 @@ class RayConfig(Section):
     buffer_memory_gb: Optional[float] = Field(None, gt=0)
     """Memory requested for the buffer in GiB (None = buffer.max_bytes + 1 GiB for socket queues)."""
     max_restarts: int = Field(3, ge=0)
-    """Times Ray restarts a dead buffer or fleet (its process exited with an error, or its node was lost) before
-    the run fails. The learner is restarted only with learner_placement=per_rank (learner_restarts); otherwise
-    its exit ends the run, as with the local launcher."""
+    """Times Ray restarts a dead buffer or fleet (error exit or lost node) before the run fails. The learner restarts
+    only with learner_placement=per_rank (learner_restarts); otherwise its exit ends the run."""
     learner_restarts: int = Field(0, ge=0)
-    """With learner_placement=per_rank: times the learner's ranks are started again when one exits with an error
-    or its node is lost. The other ranks are stopped and the whole group is placed anew (a new placement group:
-    rank 0 on the driver's node, the others on the nodes alive) with --resume from the run's latest checkpoint,
-    or from version 0 if none was written yet; the buffer and fleets keep running and follow it back. Every
-    rank reads that checkpoint under the run directory's path on its own node, so this needs the run directory
-    on a filesystem all learner nodes share. Default 0 (a failed rank ends the run), as torchrun's
-    --max-restarts: a restart discards the updates since the last checkpoint (up to run.checkpoint_every
-    versions), repeats a deterministic failure (a bug, an out-of-memory) as often as it is allowed, and without
-    a shared run directory fails at the ranks' checkpoint check; ask for it where nodes can be lost."""
+    """per_rank: times the whole rank group is placed anew and resumed from the latest checkpoint (or version 0) after a
+    rank fails or its node is lost; needs the run directory on a filesystem all learner nodes share. Default 0, as
+    torchrun's --max-restarts: a restart loses the updates since the last checkpoint, repeats deterministic failures."""
 
     @model_validator(mode="after")
     def _learner_per_rank(self) -> "RayConfig":
@@ -617,9 +566,8 @@ class LoggingConfig(Section):
     tensorboard_flush_s: int = Field(10, ge=1)
     """Seconds between flushes of buffered TensorBoard events to disk."""
     eval_videos: int = Field(2, ge=0)
-    """Greedy eval episodes filmed per evaluation and written to TensorBoard as animated GIFs (Images tab,
-    eval/video/task<t>_init<i>: the same episodes at every eval, one per task first); 0 = off. Costs one image
-    copy per env step of those episodes and a GIF encode per eval."""
+    """Greedy eval episodes filmed per evaluation, written to TensorBoard as animated GIFs (eval/video/task<t>_init<i>);
+    0 = off. Costs an image copy per env step of those episodes and a GIF encode per eval."""
     eval_video_fps: float = Field(8.0, gt=0)
     """Playback speed of the eval videos in frames per second, one frame per policy call (long episodes skip
     frames, same speed)."""
