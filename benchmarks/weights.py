@@ -181,7 +181,6 @@ def run(quick: bool = False) -> dict:
                 bcast: dict[str, list[float]] = {m: [] for m in modes}
                 learner: dict[str, list[float]] = {m: [] for m in modes}
                 into: dict[str, list[float]] = {m: [] for m in modes}
-                early: dict[str, list[bool]] = {m: [] for m in modes}
                 # Warm-up rounds (untimed): the manifest, page faults. Within a round each mode publishes twice and
                 # only the second is timed: a learner keeps its settings, and a publish right after another mode ran
                 # into caches that mode had just filled (TCP copies).
@@ -194,7 +193,7 @@ def run(quick: bool = False) -> dict:
                         version += 1
                         t0 = time.monotonic()
                         with _torch_packing(mode == "bucketed_torch"):
-                            st = pub.publish(version, model, zero_copy=True)
+                            st = pub.publish(version, model)
                         if st["confirmed"] != 2:
                             raise RuntimeError(f"publish not confirmed by both receivers: {st}")
                         if st["transport"] != "gloo":
@@ -207,7 +206,6 @@ def run(quick: bool = False) -> dict:
                             learner[mode].append(st["sync_s"])
                             bcast[mode].append(end - st["pack_s"])
                             into[mode].append(max(done) - t0)
-                            early[mode].append(bool(st["announced_early"]))
                 samples = yard.take()
                 memcpy = statistics.median(samples)     # the yardstick of this size: sampled during its rounds
                 med = {m: statistics.median(v) for m, v in times.items()}
@@ -235,7 +233,6 @@ def run(quick: bool = False) -> dict:
                     "torch_pack_frac_of_memcpy": nbytes / med["bucketed_torch"] / 1e9 / memcpy,
                     "nocheck_frac_of_memcpy": nbytes / med["bucketed_nocheck"] / 1e9 / memcpy,
                     "nocheck_into_models_frac_of_memcpy": nbytes / into_s["bucketed_nocheck"] / 1e9 / memcpy,
-                    "posted_early": f"{sum(early['bucketed'])}/{len(early['bucketed'])}",
                     "samples": {m: [round(x, 4) for x in v] for m, v in times.items()},
                 }
                 del model

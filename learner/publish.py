@@ -26,8 +26,7 @@ def publish_weights(learner: Any, publisher: Optional[Any], verify_ranks: bool =
     rank 0 published, which each receiver checks too."""
     import torch
 
-    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather (so never
-    # publish(..., zero_copy=True) here: that would keep references to parameters the gather releases).
+    # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather.
     items = learner.full_state_items(copy=False)
     stats: dict = {}
     t0 = time.perf_counter()

@@ -61,9 +61,8 @@ def test_checksum_is_exact_order_independent_and_sensitive():
     assert checksum({"x": base[1:]}) == checksum({"x": base[1:].clone()})
 
 
-@pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("cap", [256, 64 * 1024, 1 << 30])
-def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap, zero_copy):
+def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a_helper_thread(cap):
     from concurrent.futures import ThreadPoolExecutor
 
     from async_vla.weights.packer import BucketPacker
@@ -71,7 +70,7 @@ def test_the_packers_checksum_equals_the_checksum_of_the_model_with_or_without_a
     model = mixed_model(3, scale=2)
     with ThreadPoolExecutor(1) as ex:
         for summer in (None, ex):
-            packer = BucketPacker(cap, zero_copy=zero_copy, summer=summer)
+            packer = BucketPacker(cap, summer=summer)
             for name, t in reversed(list(model.items())):      # any order in, the same value out
                 packer.add(name, t)
             layout, buckets = packer.finish()

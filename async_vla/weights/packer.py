@@ -62,18 +62,15 @@ class _Summer:
 class BucketPacker:
     """Streams (name, tensor) into buckets following the layout rule; ``finish()`` -> (layout, buckets).
 
-    Each tensor is copied when added, so the caller may free it right after. ``zero_copy``: a contiguous tensor with
-    a bucket of its own is referenced, not copied (it must stay unchanged until broadcast and export are done).
-    ``summer`` (a one-thread executor, CPU): the checksum is computed alongside, or - with the native kernel, which
-    sums while it copies - that thread copies half of each large tensor."""
+    Each tensor is copied when added, so the caller may free it right after. ``summer`` (a one-thread executor, CPU):
+    the checksum is computed alongside, or - with the native kernel, which sums while it copies - that thread copies
+    half of each large tensor."""
 
-    def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", zero_copy: bool = False,
-                 pool: Optional[BufferPool] = None, summer: Optional[Executor] = None, sums: bool = True,
-                 previous: Optional["Layout"] = None):
+    def __init__(self, cap_bytes: int, device: Union[str, torch.device] = "cpu", pool: Optional[BufferPool] = None,
+                 summer: Optional[Executor] = None, sums: bool = True, previous: Optional["Layout"] = None):
         self.cap = int(cap_bytes)
         self._previous = previous    # the last version's layout: reused (manifest, digest) when equal
         self.device = torch.device(device)
-        self.zero_copy = zero_copy
         self._alloc = pool.get if pool is not None else (
             lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device))
         self._planner = _Planner(self.cap)
@@ -94,21 +91,17 @@ class BucketPacker:
         bufs = self._store.setdefault(spec.dtype, [])
         dtype = DTYPES[spec.dtype]
         total: Optional[int] = None
-        if own and self.zero_copy and t.is_contiguous() and t.device == self.device:
-            bufs.append(t.reshape(-1))
+        if own:
+            bufs.append(self._alloc(spec.numel, dtype, self.device))
             dst = bufs[-1]
         else:
-            if own:
-                bufs.append(self._alloc(spec.numel, dtype, self.device))
-                dst = bufs[-1]
-            else:
-                if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
-                    bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
-                dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
-            if self._native:
-                total = self._copy_sum(dst, t.reshape(-1) if t.is_contiguous() else t)
-            if total is None:
-                dst.view(spec.shape).copy_(t)
+            if local == len(bufs):   # a new open bucket: allocate at the cap, trimmed in finish()
+                bufs.append(self._alloc(-(-self.cap // dtype.itemsize), dtype, self.device))
+            dst = bufs[local].narrow(0, off // dtype.itemsize, spec.numel)
+        if self._native:
+            total = self._copy_sum(dst, t.reshape(-1) if t.is_contiguous() else t)
+        if total is None:
+            dst.view(spec.shape).copy_(t)
         if self._summer is not None:     # the sum from the native copy, or summed from ``dst`` on the helper
             if total is None:
                 self._summer.add(name, dst)
@@ -152,8 +145,8 @@ class BucketPacker:
 
 
 def pack(named: NamedTensors, cap_bytes: int, device: Union[str, torch.device] = "cpu",
-         zero_copy: bool = False, pool: Optional[BufferPool] = None) -> tuple[Layout, list[torch.Tensor]]:
-    packer = BucketPacker(cap_bytes, device, zero_copy, pool)
+         pool: Optional[BufferPool] = None) -> tuple[Layout, list[torch.Tensor]]:
+    packer = BucketPacker(cap_bytes, device, pool)
     for name, t in named_items(named):
         packer.add(name, t)
     return packer.finish()

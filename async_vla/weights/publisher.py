@@ -31,7 +31,7 @@ from async_vla.weights.packer import BucketPacker
 from async_vla.weights.pool import BufferPool
 from async_vla.hosts import is_loopback
 from async_vla.weights.store_guard import StoreGuard
-from async_vla.weights.transport import Early, Packed, SendContext, WireTransport
+from async_vla.weights.transport import Packed, SendContext, WireTransport
 from async_vla.weights.wire import WIRE_VERSION, gloo_bind, resolve_backend, td
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,6 @@ class WeightPublisher:
         # Milestones (every run.eval_every versions) are kept only where an evaluator made weights/milestones/.
         self._exporter = Exporter(self.weights_dir, self.cfg.export_keep, self.lineage,
                                   milestone_every=cfg.run.eval_every)
-        self._last_pack_s = 0.0
         self._layout: Optional[Layout] = None     # the last version's (reused while the tensors stay the same)
         self.last: dict[str, Any] = {}
 
@@ -154,77 +153,52 @@ class WeightPublisher:
         t.join(deadline)
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                zero_copy: bool = False) -> dict[str, Any]:
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Pack, broadcast to the live actors, export. Never blocks longer than ~timeout_s on actors. Returns stats
-        (docs/WEIGHTS.md lists them). ``zero_copy``: tensors above the bucket cap are sent without a copy (they must stay
-        unchanged until this returns; export then runs synchronously)."""
+        (docs/WEIGHTS.md lists them)."""
         t0 = time.monotonic()
-        p, early = self._pack(version, named_tensors, zero_copy)
-        self._last_pack_s = p.packed_at - t0
-        stats = self._deliver(version, p, early, deadline=p.packed_at + self.timeout_s)
-        stats["epoch"] = self._epoch
-        stats["pack_s"] = p.packed_at - t0
-        if p.csum is None and p.summing:
-            p.csum = p.packer.checksum()
-        stats["checksum"] = p.csum
-        stats["sync_s"] = time.monotonic() - t0
-        stats["export_path"], stats["export_error"] = "", ""
+        p = self._pack(named_tensors)
+        stats = self._deliver(version, p, deadline=p.packed_at + self.timeout_s)
+        stats.update(epoch=self._epoch, pack_s=p.packed_at - t0, sync_s=time.monotonic() - t0, export_path="",
+                     export_error="")
         self.last = stats
         if self.cfg.export:
             stats["export_path"] = str(self.weights_dir / f"v{version}.safetensors")
-            error = self._exporter.start(version, p.layout, p.buckets, p.csum,
-                                         p.zero_copy or not self.cfg.export_async)
+            error = self._exporter.start(version, p.layout, p.buckets, p.csum, not self.cfg.export_async)
             if error is not None:
                 stats["export_error"] = f"v{version - 1}: {error}"   # the previous export; surfaced once
         return stats
 
-    def _pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-              zero_copy: bool) -> tuple[Packed, Early]:
-        """Pack the tensors into buckets, telling a standing group of the version first where its path lets
-        members start early (``WireTransport.start_early``)."""
-        g, early = self._group, Early()
-        # Not when packing took long last time (a ZeRO-3 gather of a large model): members would wait that out.
-        quick = self._last_pack_s <= 0.25 * min(self.timeout_s, float(self.cfg.timeout_s))
-        if g is not None and g.may_start_early(quick) and self._standing(g):
-            early = g.start_early(version)
-        try:
-            # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
-            summing = self.cfg.verify or self.cfg.verify_ranks
-            packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, zero_copy, self._pool, self._summer,
-                                  sums=summing, previous=self._layout)
-            for name, t in named_tensors:
-                packer.add(name, t)
-            layout, buckets = packer.finish()
-            self._layout = layout
-            self._pool.trim(3 * layout.wire_bytes + 2 * packer.cap)   # one version exporting, one packing
-            csum = packer.checksum() if summing else None
-        except BaseException:
-            if early.announced:   # the members wait in the header broadcast: closing the group fails them at once
-                self._drop_group()
-            raise
-        return Packed(packer, layout, buckets, csum, summing, zero_copy, time.monotonic()), early
+    def _pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Packed:
+        # The checksum only when someone checks it (receivers, learner ranks); an export computes its own.
+        summing = self.cfg.verify or self.cfg.verify_ranks
+        packer = BucketPacker(int(self.cfg.bucket_mb * 2**20), self.device, self._pool, self._summer,
+                              sums=summing, previous=self._layout)
+        for name, t in named_tensors:
+            packer.add(name, t)
+        layout, buckets = packer.finish()
+        self._layout = layout
+        self._pool.trim(3 * layout.wire_bytes + 2 * packer.cap)   # one version exporting, one packing
+        return Packed(layout, buckets, packer.checksum() if summing else None, time.monotonic())
 
-    def _deliver(self, version: int, p: Packed, early: Early, deadline: float) -> dict[str, Any]:
-        """Send the packed version to the group - formed or re-formed first unless it stood when packing began;
-        one retry with a new epoch after a failure. Returns the stats ``publish`` reports."""
+    def _deliver(self, version: int, p: Packed, deadline: float) -> dict[str, Any]:
+        """Send the packed version to the group - formed or re-formed first when the live set changed; one retry
+        with a new epoch after a failure. Returns the stats ``publish`` reports."""
         stats: dict[str, Any] = {"version": version, "bytes": p.layout.total_bytes, "num_buckets": len(p.buckets),
                                  "checksum": p.csum, "receivers": 0, "confirmed": 0, "transport": "",
-                                 "epoch": self._epoch, "formed": False, "failures": 0, "error": "",
-                                 "announced_early": early.announced}
+                                 "epoch": self._epoch, "formed": False, "failures": 0, "error": ""}
         for _ in range(2):
             if deadline - time.monotonic() < 0.05:
                 break
             try:
-                if not early.standing:   # (a standing group gets it as it is; newcomers come next time)
-                    live = self._live_tokens()
-                    if self._group is None or set(live) != set(self._group.members):
-                        self._form(live, deadline)
-                        stats["formed"] = True
+                live = self._live_tokens()
+                if self._group is None or set(live) != set(self._group.members):
+                    self._form(live, deadline)
+                    stats["formed"] = True
                 g = self._group
                 if g is None:
                     break
-                stats["confirmed"], stats["transport"] = g.deliver(version, p, early, deadline), self.backend
+                stats["confirmed"], stats["transport"] = g.deliver(version, p, deadline), self.backend
                 stats["receivers"], stats["error"] = len(g.members), ""
                 break
             except (RuntimeError, TimeoutError, ValueError) as exc:   # DistError is a RuntimeError
@@ -233,17 +207,7 @@ class WeightPublisher:
                 log.warning("weights: broadcast of v%d failed in epoch %d (%s); re-forming",
                             version, self._epoch, stats["error"])
                 self._drop_group()
-                early = Early()
         return stats
-
-    def _standing(self, g: WireTransport) -> bool:
-        """The group still matches the live set (so a version may be announced to it before packing), by the
-        live set read from the store now."""
-        try:
-            return set(self._live_tokens()) == set(g.members)
-        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
-            log.debug("weights: live-set check failed: %s", exc)
-            return False
 
     def wait_export(self) -> Optional[BaseException]:
         """Block until the previous export is on disk (``latest`` points at it); returns its error, if any."""

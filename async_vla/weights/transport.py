@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore
 
 from async_vla.weights.buckets import Layout
-from async_vla.weights.packer import BucketPacker
 from async_vla.weights.wire import BroadcastGroup, recv_version, send_version, td
 
 log = logging.getLogger("async_vla.weights.publisher")
@@ -34,21 +33,10 @@ class Stopped(Exception):
 class Packed:
     """One version packed by the publisher."""
 
-    packer: BucketPacker
     layout: Layout
     buckets: list
-    csum: Optional[float]              # the checksum, once computed (None: not yet, or nobody checks)
-    summing: bool                      # someone checks a checksum (receivers or learner ranks)
-    zero_copy: bool
+    csum: Optional[float]              # the checksum (None: nobody checks it)
     packed_at: float                   # time.monotonic() when packing ended
-
-
-@dataclass(eq=False)
-class Early:
-    """What a standing group was told before packing (``WireTransport.start_early``); ``Early()``: nothing."""
-
-    standing: bool = False             # deliver to the group as it is (newcomers join at the next publish)
-    announced: bool = False            # members were told of the version and wait for it (a failed pack drops them)
 
 
 @dataclass(eq=False)
@@ -79,24 +67,11 @@ class WireTransport:
                                     len(self.members) + 1, left, self.epoch, self.members,
                                     bind=self.ctx.gloo_bind)
 
-    def may_start_early(self, quick: bool) -> bool:
-        """Announce before packing, so members wait in the header broadcast while we pack. Not when packing took long
-        last time (a member's timeout could run out), nor on NCCL (a waiting collective would hold the CUDA stream)."""
-        return self.group is not None and self.ctx.backend == "gloo" and quick
-
-    def start_early(self, version: int) -> Early:
-        try:
-            self._announce(version)
-        except (RuntimeError, ValueError) as exc:   # the store went away: the normal path reports it
-            log.debug("weights: early announcement of v%d failed: %s", version, exc)
-            return Early()
-        return Early(standing=True, announced=True)
-
     def _announce(self, version: int) -> None:
         for tok in self.members:
             self.ctx.store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": self.epoch, "v": version}))
 
-    def deliver(self, version: int, p: Packed, early: Early, deadline: float) -> int:
+    def deliver(self, version: int, p: Packed, deadline: float) -> int:
         """Send the version; returns how many receivers confirmed its checksum."""
         def left() -> float:
             r = deadline - time.monotonic()
@@ -104,10 +79,7 @@ class WireTransport:
                 raise TimeoutError("weight broadcast ran out of time")
             return r
 
-        if p.csum is None and p.summing:
-            p.csum = p.packer.checksum()
-        if not early.announced:
-            self._announce(version)
+        self._announce(version)
         return send_version(self.group, version, p.layout, p.buckets, p.csum, left, self.ctx.cfg.overlap)
 
     def close(self) -> None:
