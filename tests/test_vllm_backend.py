@@ -16,7 +16,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import threading
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -233,75 +232,41 @@ def test_version_guard():
     assert (g.current, g.lineage) == (3, "b")
 
 
-def _relay(tmp_worker, name_map):
-    """A sender (rank 0, hosts the store) and the worker extension (rank 1) in one gloo group."""
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
-
-    from async_vla.weights.wire import BroadcastGroup, td
-
-    store = TCPStore("127.0.0.1", 0, None, True, td(30), wait_for_workers=False)
-    tmp_worker.vla_setup(name_map.to_doc())
-    th = threading.Thread(target=tmp_worker.vla_init_weight_group, args=("127.0.0.1", store.port, 1, 2, 30.0, "gloo"))
-    th.start()
-    group = BroadcastGroup("gloo", PrefixStore("vla/relay", store), 0, 2, 30.0, 0, (1,))
-    th.join(30)
-    return store, group
+def _load(worker, version, named, full=False):
+    """One version into the worker extension; returns its result or the exception it raised."""
+    try:
+        return worker.vla_load_tensors(version, named, full)
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        return exc
 
 
-def _send(group, worker, version, named, full=False):
-    """Send one version as the torch actors' stream does; returns (confirmed, worker result or exception)."""
-    from async_vla.weights.buckets import checksum, unpack
-    from async_vla.weights.packer import pack
-    from async_vla.weights.wire import send_version
-
-    layout, buckets = pack(named, 1 << 16)
-    out = {}
-
-    def recv():
-        try:
-            out["r"] = worker.vla_update_weights(30.0, full)
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            out["r"] = exc
-
-    th = threading.Thread(target=recv)
-    th.start()
-    confirmed = send_version(group, version, layout, buckets, checksum(unpack(layout, buckets)), lambda: 30.0)
-    th.join(30)
-    return confirmed, out["r"]
-
-
-def test_worker_extension_takes_the_bucketed_stream_and_guards_versions():
+def test_worker_extension_installs_versions_and_guards_them():
     policy = make_policy()
     m = openvla_name_map(policy)
     worker = FakeWorker(policy.model.language_model.config)
-    store, group = _relay(worker, m)
-    try:
-        lm = {n: p.detach().clone() for n, p in policy.named_parameters() if n.startswith(LM_PREFIX)}
-        confirmed, r = _send(group, worker, 3, lm, full=True)
-        assert confirmed == 1 and r["installed"] and r["version"] == 3 and r["tensors"] == len(lm), r
-        got = worker.lm_state()
-        assert all(torch.equal(got[m.engine_name(n)], t) for n, t in lm.items())   # dummy weights replaced
-        assert worker.vla_weights_version() == 3
+    worker.vla_setup(m.to_doc())
+    lm = {n: p.detach().clone() for n, p in policy.named_parameters() if n.startswith(LM_PREFIX)}
+    r = _load(worker, 3, lm, full=True)
+    assert r["installed"] and r["version"] == 3 and r["tensors"] == len(lm), r
+    got = worker.lm_state()
+    assert all(torch.equal(got[m.engine_name(n)], t) for n, t in lm.items())   # dummy weights replaced
+    assert worker.vla_weights_version() == 3
 
-        bumped = {n: t + 1.0 for n, t in lm.items()}
-        for stale in (3, 2):   # duplicate and stale: refused after the (acknowledged) receive, nothing changes
-            _, r = _send(group, worker, stale, bumped)
-            assert isinstance(r, StaleWeights), r
-        assert all(torch.equal(worker.lm_state()[m.engine_name(n)], t) for n, t in lm.items())
+    bumped = {n: t + 1.0 for n, t in lm.items()}
+    for stale in (3, 2):   # duplicate and stale: refused, nothing changes
+        assert isinstance(_load(worker, stale, bumped), StaleWeights)
+    assert all(torch.equal(worker.lm_state()[m.engine_name(n)], t) for n, t in lm.items())
 
-        q = LM_PREFIX + "model.layers.0.self_attn.q_proj.weight"
-        _, r = _send(group, worker, 4, {q: torch.zeros(3, 3)})                  # wrong shape: refused
-        assert isinstance(r, WeightMappingError) and "shape mismatch" in str(r), r
-        _, r = _send(group, worker, 4, {"model.projector.0.weight": torch.zeros(64, 16)})   # not an engine tensor
-        assert isinstance(r, WeightMappingError) and "no rule" in str(r), r
-        assert worker.vla_weights_version() == 3
+    q = LM_PREFIX + "model.layers.0.self_attn.q_proj.weight"
+    r = _load(worker, 4, {q: torch.zeros(3, 3)})                                 # wrong shape: refused
+    assert isinstance(r, WeightMappingError) and "shape mismatch" in str(r), r
+    r = _load(worker, 4, {"model.projector.0.weight": torch.zeros(64, 16)})      # not an engine tensor
+    assert isinstance(r, WeightMappingError) and "no rule" in str(r), r
+    assert worker.vla_weights_version() == 3
 
-        _, r = _send(group, worker, 4, {q: bumped[q]})                          # a partial (trainable) update
-        assert r["installed"] and worker.vla_weights_version() == 4
-        assert torch.equal(worker.lm_state()[m.engine_name(q)], bumped[q])
-    finally:
-        worker.vla_close_weight_group()
-        group.close()
+    r = _load(worker, 4, {q: bumped[q]})                                         # a partial (trainable) update
+    assert r["installed"] and worker.vla_weights_version() == 4
+    assert torch.equal(worker.lm_state()[m.engine_name(q)], bumped[q])
 
 
 def test_vllm_policy_logprobs_equal_learner_recomputation():
