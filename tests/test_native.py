@@ -16,6 +16,10 @@ from async_vla.weights.packer import SPLIT_BYTES, BucketPacker
 
 needs_native = pytest.mark.skipif(not native.available(), reason=native.status())
 
+def _copy_sum(dst: torch.Tensor, src: torch.Tensor) -> int:
+    return native.copy_sum_raw(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+
+
 SIZES = [0, 1, 7, 8, 9, 15, 16, 63, 64, 255, 256, 257, 1000, 4096 + 24, 1 << 20, (1 << 20) + 13]
 
 
@@ -41,7 +45,7 @@ def test_copy_sum_copies_exactly_and_sums_like_tensor_sum(n, src_off, dst_off):
     src = _bytes(n, src_off)
     dst_base = torch.zeros(n + dst_off + 64, dtype=torch.uint8)
     dst = dst_base[dst_off:dst_off + n]
-    total = native.copy_sum(dst, src)
+    total = _copy_sum(dst, src)
     assert total == tensor_sum_torch(src)
     assert torch.equal(dst, src)
     assert not dst_base[:dst_off].any() and not dst_base[dst_off + n:].any()   # nothing written outside
@@ -55,7 +59,7 @@ def test_copy_sum_and_byte_sum_on_typed_tensors_equal_the_torch_reference(dtype)
         if dtype == torch.bool:
             src = src.view(torch.uint8).remainder(2).to(torch.bool)
         dst = torch.empty_like(src)
-        assert native.copy_sum(dst, src) == tensor_sum_torch(src) == native.byte_sum(src)
+        assert _copy_sum(dst, src) == tensor_sum_torch(src) == native.byte_sum(src)
         assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
         assert tensor_sum(dst) == tensor_sum_torch(dst)
 
@@ -69,16 +73,10 @@ def test_byte_sum_equals_the_torch_reference_at_any_offset(n, off):
 
 
 @needs_native
-def test_what_the_kernel_cannot_take_is_left_untouched_for_torch():
+def test_what_the_kernel_cannot_take_is_summed_by_torch():
     src = torch.randn(8, 8)
-    dst = torch.zeros(64)
-    assert native.copy_sum(dst, src.t()) is None                   # not contiguous
-    assert native.copy_sum(dst.view(8, 8).t(), src) is None        # destination not contiguous
-    assert native.copy_sum(dst.double(), src) is None              # dtype differs
-    assert native.copy_sum(dst[:10], src) is None                  # size differs
-    assert native.copy_sum(dst, src._neg_view()) is None           # lazily negated view: the bytes are not the values
-    assert not dst.any()
-    assert native.byte_sum(src.t()) is None
+    assert native.byte_sum(src.t()) is None                        # not contiguous
+    assert native.byte_sum(src._neg_view()) is None                # lazily negated view: the bytes are not the values
     assert tensor_sum(src.t()) == tensor_sum_torch(src.t().contiguous())
 
 

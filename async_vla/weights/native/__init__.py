@@ -47,42 +47,15 @@ def available() -> bool:
     return _load()[0] is not None
 
 
-def lib() -> ctypes.CDLL:
-    """The loaded library (callers check ``available()`` first)."""
-    loaded, why = _load()
-    if loaded is None:
-        raise RuntimeError(f"native kernels unavailable: {why}")
-    return loaded
-
-
 def status() -> str:
     """"native" or "torch (<why>)": for logs and benchmark reports."""
     lib, why = _load()
     return "native" if lib is not None else f"torch ({why})"
 
 
-def _flat_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-def can_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``copy_sum(dst, src)`` would take these (same dtype and size, both contiguous CPU)."""
-    return (_load()[0] is not None and dst.dtype == src.dtype and dst.numel() == src.numel() and _flat_cpu(dst)
-            and _flat_cpu(src))
-
-
-def copy_sum(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
-    """Copy ``src`` into ``dst`` (same dtype and number of elements, both contiguous CPU) and return the
-    sum of the copied bytes (``tensor_sum``); None, having done nothing, when the kernel cannot take them.
-    ctypes releases the GIL for the call, so other threads run meanwhile."""
-    if not can_copy(dst, src):
-        return None
-    return copy_sum_raw(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-
-
 def copy_sum_raw(dst_ptr: int, src_ptr: int, nbytes: int) -> int:
-    """``copy_sum`` on addresses the caller has checked (``can_copy``): n bytes, not overlapping. Little Python,
-    so a helper thread calling it holds the GIL only for a moment."""
+    """Copy n bytes (not overlapping, contiguous CPU memory the caller checked) and return their ``tensor_sum``.
+    ctypes releases the GIL for the call; little Python, so a helper thread holds the GIL only for a moment."""
     lib = _load()[0]
     return int(lib.avla_copy_sum(dst_ptr, src_ptr, nbytes)) & _U64 if nbytes else 0
 
@@ -90,7 +63,7 @@ def copy_sum_raw(dst_ptr: int, src_ptr: int, nbytes: int) -> int:
 def byte_sum(t: torch.Tensor) -> Optional[int]:
     """``tensor_sum`` of a contiguous CPU tensor, or None when the kernel cannot take it."""
     lib = _load()[0]
-    if lib is None or not _flat_cpu(t):
+    if lib is None or t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     n = t.numel() * t.element_size()
     return int(lib.avla_sum(t.data_ptr(), n)) & _U64 if n else 0
