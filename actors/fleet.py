@@ -48,11 +48,8 @@ class Slot:
 
 
 class Fleet:
-    """Starts and supervises ``num`` actors. ``run()`` blocks until stopped; returns the exit code.
-
-    ``config_file`` is the resolved config every actor loads (write it with ``write_resolved``);
-    ``connect`` is passed through as the actors' ``--connect`` (None = endpoints from the config).
-    """
+    """Starts and supervises ``num`` actors; ``run()`` blocks until stopped and returns the exit code. ``config_file``:
+    the resolved config every actor loads; ``connect``: the actors' ``--connect`` (None = endpoints from the config)."""
 
     def __init__(self, cfg: Any, config_file: Path, num: int, run_dir: Path, connect: Optional[str] = None,
                  python: str = sys.executable, out: TextIO = sys.stdout,

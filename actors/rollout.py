@@ -23,11 +23,8 @@ SWAP_MODES = ("between_chunks", "between_episodes")
 
 
 def env_crash_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "this simulator died" (the env worker restarts itself; the episode is lost).
-
-    Only the isolated-worker error counts: an exception from an in-process env is a bug or a broken
-    simulator and takes the actor down (the fleet restarts it), which is the isolation the design wants.
-    """
+    """Exceptions that mean "this simulator died": only the isolated worker's (an in-process env's exception is a bug
+    and takes the actor down, which the fleet restarts)."""
     return (EnvCrashed,)
 
 
@@ -97,26 +94,12 @@ class _Episode:
 
 
 class GroupRollout:
-    """Runs groups of episodes with batched inference; yields ``messages.Trajectory`` as episodes end.
-
-    Args:
-        policy: a VLAPolicy (``act`` and ``decode_actions``).
-        envs: Env instances (or isolated env workers with the same interface); all are reset to the
-            same init state, so one group of G needs G envs to run in one wave.
-        run_id, actor_id: copied into every trajectory.
-        temperature: rollout sampling temperature.
-        policy_tag: returns the ``PolicyTag`` of the weights loaded now (read right before each call); its lineage
-            must not change within an episode (``SerialActor`` swaps lineages between groups only).
-        swap: ``between_chunks`` or ``between_episodes`` (when ``maybe_swap`` is called).
-        maybe_swap: loads newer weights if any; called only between forward passes.
-        tick: called before every policy call (heartbeats, stats, control messages).
-        should_stop: polled before every policy call; True abandons the group (nothing more is yielded).
-        generator: torch.Generator for sampling (reproducible per actor).
-        stats: counters to accumulate into (shared with the owning actor).
-        crash_types: exceptions meaning a simulator crash (default: EnvCrashed when the worker exists).
-        max_steps: episode step limit (None = the env's ``max_steps(task)``).
-        parallel: step envs concurrently from threads (None = when every env is an isolated worker).
-    """
+    """Runs groups of episodes with batched inference; yields ``messages.Trajectory`` as episodes end. ``envs`` are all
+    reset to the group's init state (G envs run a group of G in one wave). ``policy_tag()`` gives the tag of the weights
+    loaded now (its lineage must not change within an episode); ``maybe_swap`` loads newer weights, called only between
+    forward passes (``swap``: between_chunks or between_episodes); ``tick`` and ``should_stop`` run before every policy
+    call (True abandons the group); ``crash_types``: exceptions meaning a simulator crash; ``parallel``: step envs from
+    threads (None: when every env is an isolated worker)."""
 
     def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
                  policy_tag: Callable[[], PolicyTag], swap: str = "between_chunks",
@@ -150,11 +133,8 @@ class GroupRollout:
 
     # ------------------------------------------------------------------------------------------------
     def run(self, spec: GroupSpec) -> Iterator[Trajectory]:
-        """Roll out the G members of ``spec``; yield each trajectory as soon as its episode ends.
-
-        Crashed episodes are counted and dropped (the buffer expires the incomplete group); if
-        ``should_stop`` turns True the group is abandoned and ``self.stopped`` is set.
-        """
+        """Roll out the G members of ``spec``; yield each trajectory when its episode ends. Crashed episodes are counted
+        and dropped; if ``should_stop`` turns True the group is abandoned and ``self.stopped`` is set."""
         members = list(range(spec.group_size))
         instruction, limit = self._task_info(spec.task_id)
         self.stopped = False

@@ -112,10 +112,8 @@ def strip_module_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
 def engine_update(state: Mapping[str, torch.Tensor], name_map: NameMap, trainable: Iterable[str]
                   ) -> dict[str, torch.Tensor]:
-    """The tensors of an update that go to the engine: trainable ones with an engine name, in state order.
-
-    Frozen parameters went to the engine once, at start; resending them every version would only cost
-    bandwidth. A trainable engine tensor missing from ``state`` is an error, not a silent partial update."""
+    """The tensors of an update that go to the engine: trainable ones with an engine name, in state order (frozen ones
+    went once, at start). A trainable engine tensor missing from ``state`` is an error."""
     want = {n for n in trainable if name_map.engine_name(n) is not None}
     missing = sorted(want - state.keys())
     if missing:
@@ -128,11 +126,8 @@ LM_PREFIX = "model.language_model."
 
 
 def openvla_name_map(policy: torch.nn.Module) -> NameMap:
-    """Map of an ``OpenVLAPolicy`` (Prismatic: ``vision_backbone``, ``projector``, ``language_model``).
-
-    The engine names are the language model's own HF names, which is what vLLM's ``LlamaForCausalLM.load_weights``
-    accepts; the shapes are read from the torch copy, so a checkpoint whose LM differs from the engine's config
-    fails the first (full) push."""
+    """Map of an ``OpenVLAPolicy``: engine names are the language model's own HF names (what vLLM's ``load_weights``
+    takes), shapes read from the torch copy, so an LM differing from the engine's config fails the first push."""
     lm = policy.model.language_model
     targets = {n: tuple(p.shape) for n, p in lm.named_parameters()}
     embed = next(n for n, p in lm.named_parameters() if p is lm.get_input_embeddings().weight)

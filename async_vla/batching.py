@@ -206,10 +206,8 @@ def collate(groups: Sequence[Sequence[Trajectory]], cfg: Config,
 
 # ------------------------------------------------------------------------------------ mini-batches
 def minibatch_rows(batch: TrainBatch, k: int) -> list[list[int]]:
-    """Trajectory rows of ``k`` disjoint PPO mini-batches of whole groups (consecutive groups, sizes as equal
-    as the group count allows). Whole groups, not trajectories: a group's advantages sum to zero, so each
-    mini-batch keeps the contrast between the successes and failures of one init state (the shards SimpleVLA-RL
-    / verl get from a group-ordered batch split at a multiple of G), and no mini-step sees only one side."""
+    """Trajectory rows of ``k`` disjoint PPO mini-batches of consecutive whole groups (sizes as equal as the group count
+    allows): a group's advantages sum to zero, so each mini-batch keeps one init state's contrast whole."""
     n_groups = int(batch.group_index.max()) + 1 if batch.num_trajectories else 0
     if k < 1 or n_groups < k:
         raise ValueError(f"learner.minibatches={k} needs at least {k} groups per learner rank, got {n_groups}: "

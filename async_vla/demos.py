@@ -36,10 +36,8 @@ class RawDemo:
 def record_expert_demos(env, episodes: Sequence[tuple[int, int]], chunk_size: int,
                         log: Optional[Callable[[str], None]] = None,
                         progress: Optional[str] = None) -> tuple[list[RawDemo], dict]:
-    """Run the scripted expert on ``episodes`` (task, init state) of a LiberoEnv, rendering only at the
-    decision points. Failed episodes are counted in the returned report and left out of the demos.
-    ``log(message)`` after every episode (its outcome); ``progress``: a label to report the episodes under
-    (``async_vla.progress``), None reports nothing."""
+    """Run the scripted expert on ``episodes`` (task, init state) of a LiberoEnv, rendering only at decision points;
+    failures are counted in the report and left out. ``log(message)`` after every episode; ``progress``: a label."""
     from async_vla.envs.libero_expert import expert_episode
 
     demos, report = [], {"attempted": 0, "succeeded": 0, "failed": [], "wall_s": 0.0}

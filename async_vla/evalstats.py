@@ -10,11 +10,8 @@ Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
 def wilson_interval(successes: int, episodes: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (default 95%); (0, 1) for no episodes.
-
-    Unlike the normal (Wald) interval it stays inside [0, 1] and does not collapse to a point at 0 or n
-    successes, which is where success rates of a trained policy live.
-    """
+    """Wilson score interval of a binomial proportion (default 95%); (0, 1) for no episodes. Unlike the Wald interval it
+    stays inside [0, 1] and does not collapse at 0 or n successes."""
     if episodes <= 0:
         return 0.0, 1.0
     if not 0 <= successes <= episodes:
@@ -27,11 +24,8 @@ def wilson_interval(successes: int, episodes: int, z: float = Z95) -> tuple[floa
 
 
 def fisher_one_sided_p(k_after: int, n_after: int, k_before: int, n_before: int) -> float:
-    """One-sided Fisher exact test p-value of "the after rate is higher than the before rate".
-
-    Conditioning on the total number of successes, the after group's count is hypergeometric under the null
-    (both rates equal); the p-value is P(X >= k_after).
-    """
+    """One-sided Fisher exact p-value of "the after rate is higher than the before rate": given the total successes,
+    the after count is hypergeometric under the null; p = P(X >= k_after)."""
     for k, n in ((k_after, n_after), (k_before, n_before)):
         if not 0 <= k <= n:
             raise ValueError(f"success count {k} not in 0..{n}")

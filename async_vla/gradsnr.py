@@ -157,9 +157,9 @@ def measure(K: np.ndarray, adv: np.ndarray, groups: Sequence[np.ndarray], cells:
 
 def trajectory_scores(policy, trajectories: Sequence, temperature: float, dims: Optional[Sequence[int]] = None,
                       action_dim: Optional[int] = None):
-    """Per-trajectory score vectors: the gradient of each trajectory's masked token log-probs at ``temperature``, float32
-    [N, #trainable parameters], with each one's token count [N]. ``dims``: only tokens of these action dimensions.
-    One backward per trajectory; the weights are not changed."""
+    """Per-trajectory score vectors: the gradient of each trajectory's masked token log-probs at ``temperature``,
+    float32 [N, #trainable parameters], with each one's token count [N]. ``dims``: only tokens of these action
+    dimensions. One backward per trajectory; the weights are not changed."""
     import torch
 
     if dims is not None and not action_dim:
@@ -185,10 +185,8 @@ def trajectory_scores(policy, trajectories: Sequence, temperature: float, dims: 
 
 
 def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
-    """``K[t, u] = s_t . s_u`` (float64) for the per-trajectory directions of ``aggregation``: ``token_mean``
-    (every token weighs the same: the summed scores) or ``seq_mean_token_mean`` (each trajectory's token mean).
-    Constant factors (1/#tokens, 1/#trajectories of a batch) scale every direction alike and leave rho and the
-    cosines unchanged."""
+    """``K[t, u] = s_t . s_u`` (float64) for the per-trajectory directions of ``aggregation`` (``token_mean``: summed
+    scores; ``seq_mean_token_mean``: token means); constant factors leave rho and the cosines unchanged."""
     import torch
 
     S = scores.to(torch.float64)

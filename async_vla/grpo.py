@@ -52,11 +52,8 @@ def clip_rewards(rewards: Tensor, cfg: LossConfig) -> Tensor:
 
 def batch_reward_stats(rewards: Tensor, cfg: LossConfig, all_reduce: Callable[[Tensor, str], Tensor]
                        ) -> RewardStats:
-    """``RewardStats`` of the union of every rank's ``rewards`` (any shape; this rank's share).
-
-    ``all_reduce(t, op)`` sums ("sum") or maximises ("max") a float64 tensor over the ranks (identity for one
-    process). Two passes, like torch.std: the mean from all-reduced sums and counts, then the all-reduced sum
-    of squared deviations from it (no sum-of-squares cancellation)."""
+    """``RewardStats`` of the union of every rank's ``rewards`` (this rank's share). ``all_reduce(t, op)`` sums or
+    maximises a float64 tensor over the ranks; two passes, like torch.std (no sum-of-squares cancellation)."""
     r = clip_rewards(rewards, cfg).reshape(-1).double()
     n_sum = all_reduce(torch.stack([r.sum(), torch.tensor(float(r.numel()), dtype=torch.float64)]), "sum")
     n = float(n_sum[1])
@@ -72,28 +69,11 @@ def batch_reward_stats(rewards: Tensor, cfg: LossConfig, all_reduce: Callable[[T
 
 
 def group_advantages(rewards: Tensor, cfg: LossConfig, stats: Optional[RewardStats] = None) -> Tensor:
-    """Group-relative advantages for rewards [num_groups, G] -> [num_groups, G].
-
-    Pipeline (ROLL order): clip rewards to +-reward_clip -> normalise -> clip to +-advantage_clip.
-
-    Normalisation ``cfg.adv_norm``:
-      * ``group``: (r - mean_g) / (std_g + adv_eps) with statistics of each group (row).
-      * ``batch``: the same with the statistics of the whole tensor.
-      * ``none``: raw (clipped) rewards, no centring and no scaling; ``adv_std`` is ignored. Use it when the
-        reward already is an advantage; a uniform group then does NOT give zero advantages.
-    ``adv_std=False`` keeps only the centring (Dr.GRPO: r - mean).
-    ``stats`` (``adv_norm=batch`` only): the batch statistics to use instead of those of ``rewards`` -- those
-    of the whole batch when ``rewards`` is one learner rank's share of it (``batch_reward_stats``).
-
-    The std is the UNBIASED sample std (divide by n - 1, torch's default): that is what GRPO implementations
-    (torch.std) and the worked example we test against use -- rewards [1,0,1,1,0,0,1,0] give std 0.535 and
-    advantages +-0.935 (the population std would give 0.5 and +-1.0). With n - 1 the advantages of a
-    two-member group are +-0.707 rather than +-1.
-
-    A uniform group (all rewards equal) yields exactly zero advantages, never NaN: it is detected by
-    max == min rather than by std == 0, because a float mean such as mean([0.1, 0.1, 0.1]) is off by an ulp
-    and (r - mean) / (tiny std + eps) would otherwise be a small non-zero number.
-    """
+    """Group-relative advantages for rewards [num_groups, G] -> [num_groups, G]: clip rewards to +-reward_clip ->
+    normalise (``cfg.adv_norm``: ``group`` per row, ``batch`` over the whole tensor or ``stats``, ``none`` raw) -> clip
+    to +-advantage_clip. ``adv_std=False`` keeps only the centring (Dr.GRPO). The std is the unbiased sample std; a
+    uniform group gives exactly zero advantages (max == min), never NaN. Why each: docs/LEARNER.md "Group
+    advantages"."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, G], got shape {tuple(rewards.shape)}")
     if stats is not None and cfg.adv_norm != "batch":
@@ -129,25 +109,17 @@ def _normalise(r: Tensor, dims: tuple[int, ...], use_std: bool, eps: float) -> T
 # ------------------------------------------------------------------------------------------ policy loss
 def nsr_uniforms(shape: torch.Size | tuple[int, ...], generator: Optional[torch.Generator] = None,
                  device: torch.device | str | None = None) -> Tensor:
-    """The per-token U(0, 1) draws NSR consumes: one float32 draw for every token of ``shape``.
-
-    ``policy_loss`` calls exactly this (and nothing else) on ``generator``, so a test or a replay can
-    reproduce its draws from a generator seeded alike. Draws are always float32 on the generator's device
-    (then moved) so they do not depend on the loss precision or on where the loss runs.
-    """
+    """The per-token U(0, 1) draws NSR consumes: one float32 draw for every token of ``shape``, on the generator's
+    device (then moved), so a test can reproduce ``policy_loss``'s draws from a generator seeded alike."""
     gen_device = generator.device if generator is not None else device
     u = torch.rand(tuple(shape), generator=generator, dtype=torch.float32, device=gen_device)
     return u.to(device) if device is not None else u
 
 
 def importance_weight(log_w: Tensor, valid: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """Off-policy weight from log w = log pi_p - log pi_b -> (weight [B,T], loss_mask [B,T] bool).
-
-    none: weight 1. tis: min(w, tis_cap). mis (icepop): w where mis_low <= w <= mis_high, else the token is
-    dropped from ``loss_mask`` (so it leaves the token count too). The weight is data, never differentiated.
-    ``log_w`` must be 0 on padding (policy_loss zeroes padded inputs first); loss_token_mask (below) calls
-    this to know the loss tokens before the first micro-batch.
-    """
+    """Off-policy weight from log w = log pi_p - log pi_b -> (weight [B,T], loss_mask [B,T] bool). none: 1. tis:
+    min(w, tis_cap). mis (icepop): w where mis_low <= w <= mis_high, else the token leaves ``loss_mask``. The weight is
+    data, never differentiated; ``log_w`` must be 0 on padding."""
     if cfg.correction == "none":
         return torch.ones_like(log_w), valid
     w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -182,15 +154,9 @@ def nsr_rescue(u: Tensor, clip_hi: Tensor, clip_lo: Tensor, draws: Tensor, cfg: 
 
 def clipped_objective(u: Tensor, adv: Tensor, cfg: LossConfig, draws: Optional[Tensor]
                       ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Per-token clipped PPO objective (to MAXIMISE), as data: -> (keep, frozen, flags); ``u`` detached.
-
-    The objective is obj = u*A where ``keep`` and the constant ``frozen`` elsewhere, so d obj / d u is A on
-    kept tokens and exactly 0 on the others. min(uA, clip(u)A) is uA except where the clip silences the
-    token -- A > 0 and u > 1+eh, or A < 0 and u < 1-el -- where it is clip(u)A. Writing the min as that
-    explicit choice lets NSR swap the branch per token and gives silenced tokens an exact zero gradient.
-    Dual clip (c > 1): for A < 0 the objective is max(obj, cA), i.e. the token's loss is at most c|A|; that
-    bites only where u > c (a silenced or rescued A < 0 token has u < 1-el < c).
-    """
+    """Per-token clipped PPO objective (to MAXIMISE), as data: -> (keep, frozen, flags); ``u`` detached. obj = u*A where
+    ``keep``, the constant ``frozen`` elsewhere, so silenced tokens (A > 0 and u > 1+eh, or A < 0 and u < 1-el) get an
+    exact zero gradient and NSR can swap the branch per token. Dual clip (c > 1): for A < 0, obj = max(obj, cA)."""
     hi, lo = 1.0 + cfg.eps_high, 1.0 - cfg.eps_low
     clip_hi = (adv > 0) & (u > hi)
     clip_lo = (adv < 0) & (u < lo)
@@ -215,13 +181,9 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 def aggregation_weights(loss_mask: Tensor, mode: str, dtype: torch.dtype) -> Tensor:
-    """Weights a [B,T] with aggregated loss = sum_bt a_bt l_bt (0 outside ``loss_mask``).
-
-    token_mean: 1/N, N = #tokens (DAPO). seq_mean_token_mean: 1/(S n_b), the mean over sequences of each
-    sequence's token mean. seq_mean_token_sum: 1/S, the mean over sequences of each sequence's token sum.
-    S counts sequences with at least one loss token: all-padding sequences (or all dropped by MIS) are left
-    out of the sequence mean. An empty batch gives all-zero weights (loss 0, gradient 0).
-    """
+    """Weights a [B,T] with aggregated loss = sum_bt a_bt l_bt (0 outside ``loss_mask``). token_mean: 1/N.
+    seq_mean_token_mean: 1/(S n_b). seq_mean_token_sum: 1/S. S counts sequences with at least one loss token; an
+    empty batch gives all-zero weights."""
     m = loss_mask.to(dtype)
     if mode == "token_mean":
         return m / m.sum().clamp(min=1)
@@ -246,27 +208,11 @@ def policy_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages:
                 entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
     """Decoupled-PPO / GRPO loss to minimise -> (scalar loss, metrics of python floats).
 
-    logp [B,T] (differentiable), prox_logp / behav_logp / ref_logp / entropy [B,T] (treated as data);
-    advantages [B] (one per trajectory, broadcast to its tokens) or [B,T]; mask [B,T] (1/True = real action
-    token). Padded tokens contribute nothing whatever they hold, NaN and inf included: every input is passed
-    through torch.where before use, so neither values nor gradients can pick up a NaN (multiplying by a
-    0-mask would: NaN * 0 = NaN).
-
-    correction "none" ignores prox_logp: the ratio is taken against the sampler (u = pi_t / pi_b, w = 1).
-    NSR draws come from ``nsr_uniforms(logp.shape, generator)`` (the global RNG when generator is None).
-
-    Metrics (means over the loss tokens unless noted):
-      clip_frac_low / clip_frac_high  tokens the lower / upper clip silences (before NSR rescue)
-      nsr_rescued_frac                tokens rescued by NSR (same denominator, so <= the sum of clip fracs)
-      dual_clip_frac                  negative-advantage tokens bounded by the dual clip (0 when off)
-      is_weight_mean / is_weight_max  raw w = pi_p/pi_b over valid tokens, before truncation or masking
-      mis_masked_frac                 valid tokens dropped by MIS
-      approx_kl                       k3 with ratio u: estimate of KL(pi_p || pi_t) (pi_b || pi_t for "none")
-      behav_kl                        k3 with ratio w: estimate of KL(pi_b || pi_p), over valid tokens
-      kl                              k3 to the reference (only when ref_logp is given)
-      entropy                         mean of ``entropy`` over valid tokens (only when given)
-      policy_loss / loss              aggregated surrogate term / total loss including kl_beta * kl
-    """
+    logp [B,T] (differentiable), prox_logp / behav_logp / ref_logp / entropy [B,T] (data); advantages [B] or [B,T];
+    mask [B,T]. Padded tokens contribute nothing whatever they hold, NaN and inf included (every input goes through
+    torch.where first). correction "none" takes the ratio against the sampler (u = pi_t / pi_b, w = 1). NSR draws come
+    from ``nsr_uniforms(logp.shape, generator)``. The metrics (clip, NSR, dual-clip and MIS fractions, IS weights,
+    approx / behaviour / reference KL, entropy, policy_loss, loss): docs/LEARNER.md "TensorBoard"."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     shape = logp.shape
@@ -380,11 +326,8 @@ def _metrics(u: Tensor, log_u: Tensor, log_w: Tensor, valid: Tensor, loss_mask: 
 
 
 def loss_token_mask(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, loss_cfg: LossConfig) -> Tensor:
-    """The tokens ``policy_loss`` will average over: valid tokens, minus MIS-masked ones.
-
-    Mirrors policy_loss: padded positions are zeroed before the importance weight is taken, and correction
-    "none" uses no weight (every valid token counts).
-    """
+    """The tokens ``policy_loss`` will average over: valid tokens minus MIS-masked ones (as policy_loss computes
+    them)."""
     valid = mask if mask.dtype == torch.bool else mask != 0
     if loss_cfg.correction == "none":
         return valid

@@ -78,10 +78,8 @@ def placed(cfg: "Config") -> bool:
 
 
 def shared_weight_gpu(cfg: "Config") -> Optional[str]:
-    """Why two members of the weight broadcast group (learner rank 0 and the actors) would use one GPU on this host,
-    or None. NCCL refuses two ranks on one device ("invalid usage", seen on an H200), so weights.backend=auto then
-    broadcasts over gloo. Only a one-host run (launcher local, transport.host loopback) is decided here: the
-    Slurm script and the Ray launcher put actors on other nodes and their own GPUs."""
+    """Why two members of the weight broadcast group would share one GPU on this host (NCCL refuses that, so
+    weights.backend=auto takes gloo), or None. Decided for one-host runs only (Slurm and Ray put actors elsewhere)."""
     from async_vla.hosts import is_loopback
 
     if cfg.run.launcher != "local" or not is_loopback(cfg.transport.host):

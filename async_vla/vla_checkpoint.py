@@ -130,10 +130,8 @@ def flavour_problems(flavour: CheckpointFlavour, arch: str) -> list[str]:
 
 
 def remote_code_problems(directory: Union[str, Path]) -> list[str]:
-    """What the checkpoint's remote code (its .py files) would refuse or fail on in this venv: timm outside the
-    versions modeling_prismatic.py accepts, transformers 5 (which removed the ``transformers.tokenization_utils``
-    names processing_prismatic.py imports), and top-level modules it imports that are not installed (openvla-oft's
-    remote code imports its ``prismatic`` package). Imports inside ``try`` are optional and not checked."""
+    """What the checkpoint's remote code would refuse or fail on in this venv: timm outside the versions it accepts,
+    transformers 5, top-level imports that are not installed (imports inside ``try`` are optional)."""
     import importlib.metadata as md
 
     directory = Path(directory)

@@ -83,10 +83,9 @@ def lora_scale(lc: "LearnerConfig") -> Optional[float]:
 
 
 def merge_lora_items(items: Iterable[tuple[str, Tensor]], scale: Optional[float]) -> Iterator[tuple[str, Tensor]]:
-    """The policy's own (name, tensor) stream from the learner's: ``X.base_layer.*`` -> ``X.*`` with each adapted
-    weight merged, ``W + scale B A``; the adapters themselves are not emitted. Streams: holds one layer's base
-    weight (a copy: under ZeRO-3 the gathered tensor goes once the next module is asked for) until its A and B
-    arrive. ``scale`` None (no LoRA): the items as they come."""
+    """The policy's own (name, tensor) stream from the learner's: ``X.base_layer.*`` -> ``X.*`` with each adapted weight
+    merged (``W + scale B A``), adapters not emitted; holds one layer's base weight until its A and B arrive. ``scale``
+    None (no LoRA): the items as they come."""
     if scale is None:
         yield from items
         return

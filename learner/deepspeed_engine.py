@@ -166,11 +166,8 @@ def _loopback_store(cfg: Config) -> Optional[Any]:
 
 
 def init_distributed(cfg: Config) -> tuple[int, int]:
-    """Join (or create) the learner's process group; returns (rank, world).
-
-    Reads the torchrun / deepspeed launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-    LOCAL_RANK). Without them it is a world of one on a free local port.
-    """
+    """Join (or create) the learner's process group from the torchrun / deepspeed variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK); without them a world of one on a free local port. Returns (rank, world)."""
     import deepspeed
     import deepspeed.ops
     import torch.distributed as dist

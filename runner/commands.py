@@ -20,11 +20,9 @@ def component_argv(component: str, config: str, run_dir: str, *, overrides: Sequ
                    python: Optional[str] = sys.executable, repo: str = str(REPO), resume: bool = False,
                    ranks: Optional[int] = None, num: Optional[int] = None, first_id: Union[int, str] = 0,
                    connect: Optional[str] = None) -> list[str]:
-    """``[python] REPO/bin/COMPONENT CONFIG [overrides] --run-dir RUN_DIR`` and the component's own options: the
-    learner's ``--resume`` and ``--ranks N``; the fleet's ``--num N``, ``--first-id K`` (given when not 0) and
-    ``--connect ENDPOINTS``. ``python=None`` runs the script by its shebang (a ``bin/`` script finds the
-    checkout's ``.venv`` itself). Paths and values are used as given, so a renderer may pass shell expressions
-    (``"$CONFIG"``; ``shell_join`` quotes them for the shell)."""
+    """``[python] REPO/bin/COMPONENT CONFIG [overrides] --run-dir RUN_DIR`` plus the learner's ``--resume`` / ``--ranks
+    N`` and the fleet's ``--num N`` / ``--first-id K`` / ``--connect ENDPOINTS``. ``python=None``: the script's shebang.
+    Values are used as given, so a renderer may pass shell expressions (``shell_join`` quotes them)."""
     if component not in COMPONENTS:
         raise ValueError(f"component {component!r} is not one of {', '.join(COMPONENTS)}")
     given = {"--resume": resume, "--ranks": ranks is not None, "--num": num is not None, "--first-id": first_id != 0,

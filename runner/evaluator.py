@@ -1,10 +1,6 @@
-"""Greedy held-out evaluation during a run, and the rule that ends a run at ``run.target_success``.
-
-``HeldOut`` scores a policy on held-out init states and applies the target rule (``record``); serial mode
-(runner/serial.py) holds one over its own policy and envs. ``Evaluator`` is the launchers' (runner/launch.py,
-runner/ray_launch.py): its own copy of the policy, into which it loads the learner's exported weights - a milestone
-kept for it, the latest export, or the learner's final ``<run>/policy``.
-"""
+"""Greedy held-out evaluation during a run, and the rule that ends a run at ``run.target_success``. ``HeldOut`` scores a
+policy and applies the target rule (serial mode holds one); ``Evaluator`` is the launchers': its own copy of the
+policy, loaded from a milestone export, the latest export, or the learner's final ``<run>/policy``."""
 
 from __future__ import annotations
 

@@ -23,11 +23,9 @@ CALL_TIMEOUT_S = 10.0   # a ProcessHost that does not answer a poll within this 
 
 
 class ProcessHost:
-    """Runs one command as a child process on the node Ray placed it, and exits with it: a child that dies with an
-    error (``restart_on_error``) takes this actor down, so Ray restarts it (its constructor runs again and starts
-    the command again). ``files`` (path relative to ``workdir`` -> bytes) are written first: how a node without the
-    run directory gets the config and keys. ``stop`` removes them again (the client CURVE secret must not outlive
-    the run in a node's /tmp); the logs stay."""
+    """Runs one command as a child process on the node Ray placed it and exits with it, so Ray restarts a child that
+    died with an error (``restart_on_error``). ``files`` (relative path -> bytes) are written into ``workdir`` first and
+    removed by ``stop`` (the client CURVE secret must not outlive the run); the logs stay."""
 
     def __init__(self, name: str, argv: list[str], workdir: str, files: dict[str, bytes], env: dict[str, str],
                  restart_on_error: bool):

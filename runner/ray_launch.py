@@ -237,10 +237,9 @@ class RayRun(LaunchedRun):
             print(f"[train] the learner's ranks could not be started again: {exc}", flush=True)
 
     def rewind(self, version: int) -> None:
-        """The learner goes on from its checkpoint at ``version``: eval and train points past it leave the record
-        (``RunRecorder.mark_resumed``), and so do the milestone exports past it - both of updates that died with
-        the failed ranks; the evaluator scores the next milestone past ``version`` even where a dropped one had
-        been scored."""
+        """The learner goes on from its checkpoint at ``version``: eval and train points and milestone exports past it
+        leave the record (updates that died with the failed ranks); the evaluator scores the next milestone past
+        ``version``."""
         from async_vla.weights.export import milestones
 
         self.recorder.mark_resumed(version)

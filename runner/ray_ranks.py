@@ -98,10 +98,9 @@ def restart_decision(failure: RankFailure, done: int, allowed: int,
 
 
 class RankGroup:
-    """The learner's ranks as one child of the launcher (runner.launch.LaunchedRun's ``learner``: alive, stop,
-    tail, proc.returncode). Alive until every rank exited 0, or until one failed or was lost: then the others are
-    stopped, ``failure`` says which rank it was, and ``proc.returncode`` is its code (1 for a lost one).
-    ``start_again`` (set by ``start_ranks``) starts a new group of the same ranks with ``--resume``."""
+    """The learner's ranks as one child of the launcher (alive, stop, tail, proc.returncode): alive until every rank
+    exited 0, or one failed or was lost (then the others are stopped, ``failure`` names it, ``proc.returncode`` is its
+    code). ``start_again`` starts a new group of the same ranks with ``--resume``."""
 
     def __init__(self, ranks: list[Any], pg: Any, bundle_nodes: dict[int, str]):
         self.ranks, self.pg, self.bundle_nodes = ranks, pg, bundle_nodes

@@ -1,7 +1,5 @@
-"""Let `bin/*` scripts run without activating the project's virtual environment first.
-
-`bin/quickstart` and `bin/test` install everything into `<repo>/.venv`; a researcher who then types
-`bin/train ...` from a plain shell would otherwise meet a ModuleNotFoundError for the first dependency."""
+"""Let `bin/*` scripts run without activating `<repo>/.venv` first (what `bin/quickstart` and `bin/test` install
+into)."""
 
 import importlib.util
 import os

@@ -1,8 +1,5 @@
-"""Load a config: defaults in code -> YAML file -> dotted overrides, then validate.
-
-OmegaConf does the YAML/dotlist parsing and merging; pydantic does the typing and checks.
-Every failure is a ``ConfigError`` whose lines name the dotted field, the value and what is allowed.
-"""
+"""Load a config: defaults in code -> YAML file -> dotted overrides (OmegaConf), then validate (pydantic). Every
+failure is a ``ConfigError`` whose lines name the dotted field, the value and what is allowed."""
 
 from __future__ import annotations
 

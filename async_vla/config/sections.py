@@ -1,9 +1,5 @@
-"""Typed config sections. Every field carries a docstring (rendered into docs/CONFIG.md).
-
-Each section is a pydantic model that forbids unknown keys, so a typo such as
-``loss.eps_hgh=0.3`` fails at load time with the dotted name instead of being ignored.
-Cross-field checks that span sections live in ``schema.py``.
-"""
+"""Typed config sections; every field's docstring is its help in docs/CONFIG.md. Unknown keys are errors (a typo such
+as ``loss.eps_hgh=0.3`` fails at load, naming it); checks spanning sections live in ``schema.py``."""
 
 from __future__ import annotations
 
@@ -490,10 +486,8 @@ class PlacementConfig(Section):
 
 
 class RayConfig(Section):
-    """Placement on a Ray cluster (run.launcher=ray). The buffer and the learner (its rank 0 with
-    learner_placement=per_rank) run on the node of the driver (bin/train), so the run directory, TensorBoard,
-    evaluation and summary.json are where they are with the local launcher; actor fleets (and with per_rank the
-    other learner ranks) go wherever their resources are, each with a node-local directory."""
+    """Placement on a Ray cluster (run.launcher=ray): buffer and learner (rank 0 with per_rank) on the driver's node,
+    actor fleets (and other ranks) wherever their resources are, each with a node-local directory."""
 
     address: str = "auto"
     """Cluster to join (ray.init address): auto = RAY_ADDRESS or the cluster this host belongs to (ray start);

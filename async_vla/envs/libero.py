@@ -139,11 +139,8 @@ def osmesa_probe() -> str:
 
 
 def select_mujoco_gl(preference: str = "auto") -> str:
-    """Pick and export MUJOCO_GL (+ PYOPENGL_PLATFORM) before mujoco/robosuite are imported; returns it.
-
-    auto: a MUJOCO_GL already set to egl/osmesa is kept (the user's choice), else egl if the probe passes
-    (a GPU driver or Mesa's software EGL), else osmesa. Raises RuntimeError naming both failures otherwise.
-    """
+    """Pick and export MUJOCO_GL (+ PYOPENGL_PLATFORM) before mujoco/robosuite are imported; returns it. auto: a set
+    egl/osmesa is kept, else egl if the probe passes, else osmesa; RuntimeError naming both failures otherwise."""
     current = os.environ.get("MUJOCO_GL", "").lower()
     if "mujoco" in sys.modules or "robosuite" in sys.modules:
         # Too late to switch: the imported modules already bound a backend.
@@ -295,10 +292,8 @@ class LiberoEnv(Env):
         return self._observe(raw), self._done, success
 
     def step_chunk(self, actions: np.ndarray) -> tuple[Observation, bool, bool, int]:
-        """Steps ``actions [k, 7]`` until the episode ends (see ``Env.step_chunk``). With ``env.render_at=
-        decision`` only the last step of the chunk renders its cameras (pixel-equal to what every_step renders
-        there); a step that times out renders too. An episode that succeeds mid-chunk gets its final images
-        rendered at the end of that step (nobody reads them: the episode is over)."""
+        """Steps ``actions [k, 7]`` until the episode ends (``Env.step_chunk``). With ``env.render_at=decision`` only
+        the last step of the chunk (and a step that times out) renders its cameras."""
         acts = np.asarray(actions)
         if acts.ndim != 2 or acts.shape[0] == 0:
             raise ValueError(f"step_chunk takes actions [k, 7] with k >= 1, got shape {acts.shape}")
@@ -386,9 +381,9 @@ class LiberoEnv(Env):
         self._render_ctx_id = id(ctx)
 
     def _gate_cameras(self) -> None:
-        """Wrap robosuite's camera sensors so a step renders only while ``self._render_enabled``: the sampling timing stays
-        robosuite's, an image nobody reads is a blank frame. A hard reset builds new observables, hence the check on every
-        reset."""
+        """Wrap robosuite's camera sensors so a step renders only while ``self._render_enabled``: the sampling timing
+        stays robosuite's, an image nobody reads is a blank frame. A hard reset builds new observables, hence the check
+        on every reset."""
         observables = self._env.env._observables
         blank = np.zeros((self.render_size, self.render_size, 3), dtype=np.uint8)
         for cam in self.camera_names:
@@ -445,10 +440,9 @@ class _SameStateSim:
 
 
 def share_forward(env) -> None:
-    """Make the second ``mj_forward`` of each physics substep of one robosuite env (``OffScreenRenderEnv(...).env``)
-    skip the stages the first one computed at the same state (``_SameStateSim``): states, observations and success
-    stay bit-identical to robosuite's own loop (tests/test_libero.py). Re-applied after a reset that rebuilt the
-    controllers (a hard reset); a no-op when applied. Refuses another robosuite release, naming env.single_forward."""
+    """Make the second ``mj_forward`` of each physics substep of one robosuite env skip the stages the first computed at
+    the same state (``_SameStateSim``; bit-identical, tests/test_libero.py). Re-applied after a hard reset; a no-op when
+    applied. Refuses another robosuite release, naming env.single_forward."""
     import robosuite
 
     if robosuite.__version__ != SINGLE_FORWARD_ROBOSUITE:

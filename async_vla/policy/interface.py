@@ -1,11 +1,7 @@
-"""The policy interface shared by actors and learner (docs/CONTRACTS.md); building, saving and loading a policy:
-``async_vla.policy.build``.
-
-Every policy produces logits over the ``num_bins`` action tokens only (ids ``vocab - num_bins .. vocab - 1``).
-Behaviour log-probs (``act``) and learner log-probs (``token_logprobs``) are both
-``log_softmax(action_logits / T)`` gathered at the chosen tokens, computed by the same code path, so they agree
-to float rounding for the same weights. Temperature 0 means greedy; its log-probs are reported at T = 1.
-"""
+"""The policy interface shared by actors and learner (docs/CONTRACTS.md); building, saving and loading:
+``async_vla.policy.build``. Logits cover the ``num_bins`` action tokens only; behaviour (``act``) and learner
+(``token_logprobs``) log-probs are ``log_softmax(action_logits / T)`` by the same code path. T = 0 is greedy, its
+log-probs reported at T = 1."""
 
 from __future__ import annotations
 
@@ -92,10 +88,9 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
 
     def token_logprobs_entropy(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                                action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-        """``token_logprobs`` and, from the same forward, the entropy ``[B, T]`` of each position's action
-        distribution at that temperature (actor/entropy). The entropy is detached: it is logged, never a loss term,
-        and under the learner's grad forward (proximal_pass=auto) a graph for it would hold a ``[B, T, bins]``
-        tensor until the backward."""
+        """``token_logprobs`` and, from the same forward, the detached entropy ``[B, T]`` of each position's action
+        distribution (logged, never a loss term: a graph for it would hold a ``[B, T, bins]`` tensor until the
+        backward)."""
         logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -152,11 +152,9 @@ CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "grant
 
 
 def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
-    """(kind, frames) of one forged control message: well-formed on the wire (it decodes) but out of bounds or
-    pretending to be someone else, except "garbage" (random bytes). Batch requests carry no valid learner credential
-    (async_vla/learner_secret.py): "batch_forged_learner" claims a far newer version of a new lineage with a made-up
-    signature; the buffer must refuse every one of them before it looks at their fields. Eta changes are unsigned
-    too: "eta_in_bounds" is a value the limit allows, refused for the missing credential alone."""
+    """(kind, frames) of one forged control message: it decodes, but is out of bounds or pretends to be someone else
+    ("garbage": random bytes). No batch request or eta change carries a valid learner credential: the buffer must
+    refuse each before it looks at its fields."""
     kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
     actor = int(rng.integers(0, 10**9))
     msg: M.Message

@@ -1,10 +1,6 @@
-"""Optional native kernels (``copysum.c``), loaded with ctypes: a copy with non-temporal stores that sums what it
-copies in the same pass, and a plain byte-word sum (both sums equal ``buckets.tensor_sum``).
-
-The shared library is built by the set-up (``bin/_setup.sh`` runs ``cc -O2 -shared -fPIC``; ``bin/build-native``
-does it alone). Where it is missing (no C compiler, another platform) every caller falls back to torch: same
-results, slower packing. ``status()`` says which, and why.
-"""
+"""Optional native kernels (``copysum.c``, loaded with ctypes, built by the set-up or ``bin/build-native``): a copy
+with non-temporal stores that sums what it copies, and a byte-word sum (both equal ``buckets.tensor_sum``). Without
+it callers fall back to torch (same results, slower packing); ``status()`` says which, and why."""
 
 from __future__ import annotations
 
