@@ -23,8 +23,7 @@ class StaleWeights(ValueError):
 
 @dataclass
 class VersionGuard:
-    """Installed versions only move forward within a lineage (one learner start's stream, ``PolicyTag.lineage``);
-    another lineage (a new learner: the actor's weight source follows the live one) starts afresh. ``check``
+    """Installed versions only move forward within a lineage; another lineage (a new learner) starts afresh. ``check``
     before touching any weight, ``commit`` after; ``lineage`` None means "the installed one"."""
 
     current: Optional[int] = None    # None: nothing installed from the version stream yet
@@ -61,9 +60,8 @@ class NameMap:
         return ours in self.shared or self.engine_name(ours) is None
 
     def check(self, specs: Mapping[str, Shape], full: bool = False, engine_only: bool = False) -> None:
-        """Raise ``WeightMappingError`` naming every problem of an update given as ``{our name: shape}``:
-        a name mapped to no engine parameter, a shape mismatch, with ``full`` an engine parameter left out,
-        and with ``engine_only`` a name no rule maps (the engine side must receive engine tensors only)."""
+        """Raise ``WeightMappingError`` naming every problem of an update ``{our name: shape}``: an unmapped name, a
+        shape mismatch, with ``full`` a missing engine parameter, with ``engine_only`` a name no rule maps."""
         unmapped, mismatched, covered = [], [], set()
         for ours, shape in specs.items():
             name = self.engine_name(ours)

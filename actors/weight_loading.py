@@ -30,9 +30,8 @@ def load_weights(policy: torch.nn.Module, state: dict, tag: Optional[PolicyTag] 
 
 
 def load_weights_path(path: str, fallback_version: int) -> tuple[int, dict]:
-    """Weights at ``path``: an exported ``v<N>.safetensors`` file, a weights dir (its ``latest``), or a
-    ``save_policy`` checkpoint dir: (version, state). The file's own version wins; a checkpoint dir has none:
-    ``fallback_version``."""
+    """Weights at ``path`` - an exported ``v<N>.safetensors``, a weights dir (its ``latest``) or a ``save_policy`` dir -
+    as (version, state); a checkpoint dir has no version of its own: ``fallback_version``."""
     from async_vla.weights.export import read_latest
 
     p = Path(path)

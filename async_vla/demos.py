@@ -81,9 +81,8 @@ def demo_chunks(demo: RawDemo, chunk_size: int) -> tuple[np.ndarray, np.ndarray]
 
 def demos_to_trajectories(demos: Sequence[RawDemo], tokenizer: ActionTokenizer,
                           run_id: str = "expert-demos") -> list[Trajectory]:
-    """Tokenise demos into ``Trajectory`` messages that pass the wire schema's checks: version 0 (before any
-    RL version), behaviour log-probs 0 (the expert is deterministic), and group size 2, the schema's minimum
-    (a demo belongs to no GRPO group; ``group_id`` numbers the demos)."""
+    """Tokenise demos into ``Trajectory`` messages that pass the wire schema: version 0, behaviour log-probs 0 (the
+    expert is deterministic), group size 2 (the schema's minimum; ``group_id`` numbers the demos)."""
     out = []
     dof = tokenizer.action_dim
     for k, d in enumerate(demos):

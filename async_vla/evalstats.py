@@ -43,9 +43,8 @@ def rate_summary(successes: int, episodes: int) -> dict:
 
 
 def paired_changes(before: dict, after: dict) -> tuple[int, int, int]:
-    """``(gained, lost, both)`` over the episodes two evaluations share: ``before`` / ``after`` map an episode
-    key (task id, init state id) to success. gained = failed before and succeeded after, lost = the reverse,
-    both = the number of shared episodes."""
+    """``(gained, lost, both)`` over the episodes two evaluations share (``before`` / ``after``: episode key ->
+    success): failed then succeeded, the reverse, and the number shared."""
     shared = before.keys() & after.keys()
     gained = sum(1 for k in shared if after[k] and not before[k])
     lost = sum(1 for k in shared if before[k] and not after[k])

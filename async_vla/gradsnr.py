@@ -68,9 +68,8 @@ def signal_share(G: np.ndarray, cells: Sequence, weights: Optional[dict] = None)
 
 
 def pair_means(G: np.ndarray, cells: Sequence[tuple[int, int]]) -> dict:
-    """Mean ``g_i . g_j`` over distinct pairs of groups by how they relate: the same (task, init state)
-    ("same_state"), the same task and another init state ("same_task"), another task ("other_task"); with each
-    kind's pair count, and the mean ``|g_i|^2`` ("total"). The pieces of ``projected_rho``."""
+    """Mean ``g_i . g_j`` over distinct group pairs by relation ("same_state", "same_task", "other_task"), with pair
+    counts, and the mean ``|g_i|^2`` ("total"): the pieces of ``projected_rho``."""
     cells = [tuple(c) for c in cells]
     sums = {"same_state": [0.0, 0], "same_task": [0.0, 0], "other_task": [0.0, 0]}
     for i in range(len(cells)):
@@ -86,9 +85,8 @@ def pair_means(G: np.ndarray, cells: Sequence[tuple[int, int]]) -> dict:
 
 
 def projected_rho(means: dict, tasks: int, states: int) -> float:
-    """One group's signal share for a problem of ``tasks`` tasks x ``states`` init states each, drawn uniformly,
-    from ``pair_means``: two independent draws hit the same init state with probability 1/(tasks states), the same
-    task and another state with (1 - 1/states)/tasks, another task with 1 - 1/tasks."""
+    """One group's signal share for ``tasks`` x ``states`` drawn uniformly, from ``pair_means``: two draws share the
+    state with probability 1/(tasks states), the task only with (1 - 1/states)/tasks, neither with 1 - 1/tasks."""
     p_same = 1.0 / (tasks * states)
     p_task = (1.0 - 1.0 / states) / tasks
     p_other = 1.0 - 1.0 / tasks

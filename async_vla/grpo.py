@@ -32,9 +32,8 @@ LOG_RATIO_CLAMP = 20.0
 # ----------------------------------------------------------------------------------------------- advantages
 @dataclass(frozen=True)
 class RewardStats:
-    """Statistics of (clipped) rewards over a whole batch that may be spread over several learner ranks:
-    ``adv_norm=batch`` normalises every rank's share with them, so the result equals one process's on the
-    union (``batch_reward_stats`` computes them from per-rank sums)."""
+    """Statistics of (clipped) rewards over a batch spread over learner ranks: ``adv_norm=batch`` normalises every
+    rank's share with them, as one process would the union (``batch_reward_stats``)."""
 
     mean: float
     std: float
@@ -309,20 +308,8 @@ def _metrics(u: Tensor, log_u: Tensor, log_w: Tensor, valid: Tensor, loss_mask: 
 
 
 # ------------------------------------------------------------------------------------------- loss layout
-# Exact aggregation over micro-batches (``batching.micro_batches`` splits a batch into consecutive runs of
-# whole trajectories). ``aggregate`` divides a sum S by a count U (``aggregation_units``): for ``token_mean`` the
-# number of loss tokens, for the ``seq_mean_*`` modes the number of trajectories with at least one loss token.
-# A micro-batch m gives loss ``S_m / max(U_m, 1)`` (0 when U_m = 0, where S_m = 0 too). Weighting it by
-# ``U_m / U`` with ``U = sum_m U_m`` gives
-#
-#     sum_m (U_m / U) * S_m / max(U_m, 1) = sum_m S_m / U = S / U = full-batch loss,
-#
-# so the accumulated gradient equals the gradient of the full-batch loss exactly (up to float rounding).
-# Across W data-parallel ranks whose gradients are AVERAGED (DeepSpeed), rank r uses ``W * U_m / U_global``
-# with U_global the sum over ranks, and the average is again the loss of the global batch
-# (``micro_batch_weight``). The loss mask the counts use must be the one the loss uses: valid tokens minus
-# those masked by MIS (``loss_token_mask``), known before the first micro-batch because it depends only on the
-# proximal and behaviour log-probs.
+# Exact aggregation over micro-batches: micro-batch m's loss S_m / max(U_m, 1) weighted by W * U_m / U_global sums
+# to the global batch's loss (derivation: docs/LEARNER.md "Micro-batches are exact").
 
 
 def loss_token_mask(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, loss_cfg: LossConfig) -> Tensor:
@@ -347,9 +334,8 @@ def aggregation_units(loss_mask: Tensor, aggregation: str) -> Tensor:
 
 
 def micro_batch_weight(units: float, total_units: float, world: int = 1) -> float:
-    """Weight of a micro-batch loss so that the weighted sum (and, with ``world`` ranks whose gradients are
-    averaged, the average over ranks) equals the full-batch loss: ``world * units / total_units``.
-    ``total_units`` is the count over the whole (global) batch; an empty batch gives weight 0."""
+    """Weight of a micro-batch loss so the weighted sum (averaged over ``world`` ranks) equals the full-batch loss:
+    ``world * units / total_units`` (``total_units`` over the global batch); an empty batch gives 0."""
     if total_units <= 0:
         return 0.0
     return float(world) * float(units) / float(total_units)

@@ -32,9 +32,8 @@ def learner_env(cfg: "Config", parent_env: Mapping[str, str]) -> dict[str, str]:
 
 
 def learner_rank_device(local_rank: int, cuda_devices: int) -> str:
-    """The device of the learner rank with ``LOCAL_RANK=local_rank`` on a host where the learner sees
-    ``cuda_devices`` GPUs: ``cuda:<local_rank>`` (bin/train gives the learner ``placement.gpus_learner`` in rank
-    order), or ``cpu`` without CUDA. A rank past the GPUs it sees is an error naming the fix."""
+    """The device of learner rank ``local_rank`` seeing ``cuda_devices`` GPUs: ``cuda:<local_rank>``, or ``cpu`` without
+    CUDA; a rank past its GPUs is an error naming the fix."""
     if cuda_devices == 0:
         return "cpu"
     if not 0 <= local_rank < cuda_devices:
@@ -45,9 +44,8 @@ def learner_rank_device(local_rank: int, cuda_devices: int) -> str:
 
 
 def claim_learner_device(env: Mapping[str, str]) -> str:
-    """Make this learner rank's GPU (``learner_rank_device`` of its ``LOCAL_RANK``) the process's current CUDA
-    device and return it (``cpu`` without CUDA). Called before any model is built, so nothing lands on GPU 0 by
-    default."""
+    """Make this rank's GPU (``learner_rank_device`` of its ``LOCAL_RANK``) the current CUDA device and return it;
+    called before any model is built, so nothing lands on GPU 0 by default."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -43,9 +43,8 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """``total`` steps of ``what`` (``unit`` names them). ``update(done, info)`` after each step; ``close()`` (or
-    the ``with`` block's end) when the step ends. ``mode`` None reads ``ASYNC_VLA_PROGRESS``; ``what`` None
-    reports nothing (a library function's default: its callers opt in with a label)."""
+    """``total`` steps of ``what`` (``unit`` names them): ``update(done, info)`` after each, ``close()`` (or the
+    ``with`` block's end) at the end. ``mode`` None reads ``ASYNC_VLA_PROGRESS``; ``what`` None reports nothing."""
 
     def __init__(self, what: Optional[str], total: int, unit: str = "", *, stream: Optional[TextIO] = None,
                  clock: Callable[[], float] = time.monotonic, mode: Optional[str] = None):

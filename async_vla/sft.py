@@ -174,9 +174,8 @@ class EpisodeResult:
 def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int, int]], temperature: float,
             generator: Optional[torch.Generator] = None, keep_data: bool = False,
             record: Sequence[bool] = ()) -> list[EpisodeResult]:
-    """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk.
-    ``record[k]``: keep episode k's frames for a video (the image at reset and after each chunk: what the policy
-    sees, and all a decision-point-rendering env renders)."""
+    """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk;
+    ``record[k]``: keep episode k's frames (at reset and after each chunk) for a video."""
     if len(episodes) != len(envs):
         raise ValueError(f"{len(episodes)} episodes for {len(envs)} envs")
     if len(envs) > 1 and all(hasattr(env, "reset_async") for env in envs):

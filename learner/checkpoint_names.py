@@ -27,9 +27,8 @@ def checkpoint_tag(version: int) -> str:
 
 
 def latest_tag(directory: Path | str) -> Optional[str]:
-    """The tag named by ``<directory>/latest`` if that checkpoint exists; else (the pointer is missing, or names a
-    directory a kill caught being replaced) the newest complete Torch checkpoint (``v<version>/learner.pt``,
-    written via a temp dir and a rename, so present means complete); else None."""
+    """The tag ``<directory>/latest`` names if that checkpoint exists; else the newest complete Torch checkpoint
+    (``v<version>/learner.pt``, written via a rename); else None."""
     d = Path(directory)
     f = d / LATEST_FILE
     if f.is_file():

@@ -92,9 +92,8 @@ def policy_load_kwargs(cfg: Config, device: str) -> dict:
 
 
 def partition_zero3(module: torch.nn.Module, ds_config: dict, dtype: torch.dtype, device: torch.device) -> None:
-    """Partition ``module``'s parameters over the ranks onto ``device`` (one full parameter there at a time), cast to
-    ``dtype`` first, and move its buffers there: what ``initialize`` then takes as a model built under
-    ``zero.Init`` (it leaves such a model where it is). Every rank must call."""
+    """Partition ``module``'s parameters over the ranks onto ``device`` (one full parameter there at a time, cast to
+    ``dtype``) and move its buffers there, as a model built under ``zero.Init``. Every rank must call."""
     import deepspeed
 
     for p in module.parameters():
@@ -255,26 +254,26 @@ class DeepSpeedLearner(Learner):
     def device(self) -> torch.device:
         return torch.device(self.engine.device)
 
-    def _logprobs(self, mb: TrainBatch) -> Tensor:
+    def _forward(self, module: Any, mb: TrainBatch, **kw: Any) -> Any:
         # bf16 engines hold bf16 weights; autocast lets a policy that builds float32 activations (images
         # converted from uint8, proprio) run against them. Images stay uint8: the policy converts them.
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
-            return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
-                               self.temperature)
+            return module(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens, self.temperature,
+                          **kw)
+
+    def _logprobs(self, mb: TrainBatch) -> Tensor:
+        return self._forward(self.engine, mb)
 
     def _logprobs_entropy(self, mb: TrainBatch) -> tuple[Tensor, Optional[Tensor]]:
         if not self._has_entropy:
             return self._logprobs(mb), None
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
-            return self.engine(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens,
-                               self.temperature, with_entropy=True)
+        return self._forward(self.engine, mb, with_entropy=True)
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor:
         ref = self.ref_engine if self.ref_engine is not None else self.ref_module
         if ref is None:
             raise RuntimeError("this learner was built without a KL reference (loss.kl_beta = 0)")
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._dtype == torch.bfloat16):
-            return ref(mb.images, mb.proprio.to(self._dtype), mb.instructions, mb.action_tokens, self.temperature)
+        return self._forward(ref, mb)
 
     def _begin_micro_batch(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)

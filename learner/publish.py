@@ -21,9 +21,8 @@ def make_publisher(cfg: Any, run_dir: Path, lineage: str) -> Any:
 
 
 def publish_weights(learner: Any, publisher: Optional[Any], verify_ranks: bool = False) -> dict:
-    """Every rank calls: rank 0 hands the gathered weights to the publisher; all ranks finish the gathers. With
-    ``verify_ranks`` every rank gathers again and the ranks agree (all-reduce) that their checksums equal the one
-    rank 0 published, which each receiver checks too."""
+    """Every rank calls: rank 0 hands the gathered weights to the publisher, all ranks finish the gathers. With
+    ``verify_ranks`` the ranks gather again and agree (all-reduce) that their checksums equal rank 0's published one."""
     import torch
 
     # No clone: the publisher copies each tensor into its bucket at once, inside the ZeRO-3 gather.

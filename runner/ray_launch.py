@@ -61,9 +61,8 @@ def join_cluster(cfg: Config) -> Any:
 
 
 def fleet_transport(cfg: Config, driver_ip: str, node_ips: set[str]) -> Config:
-    """The config the fleets (and learner ranks off the driver's node) run: connect to the driver's node. A
-    loopback buffer is reachable only from nodes on the driver's host: with nodes elsewhere that is an error
-    naming the fix."""
+    """The config the fleets (and ranks off the driver's node) run: connect to the driver's node. A loopback buffer with
+    nodes elsewhere is an error naming the fix."""
     from async_vla.hosts import is_loopback
 
     t = cfg.transport
@@ -191,9 +190,8 @@ def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProce
 
 
 class RayRun(LaunchedRun):
-    """LaunchedRun whose buffer and fleets Ray restarts, and whose per-rank learner it starts again
-    (``restart_ranks``): the run fails only when the learner fails past its restarts, or Ray gave up on the buffer
-    or on every fleet."""
+    """LaunchedRun whose buffer and fleets Ray restarts and whose per-rank learner it starts again (``restart_ranks``):
+    it fails only when the learner fails past its restarts, or Ray gave up on the buffer or every fleet."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool):
         super().__init__(cfg, run_dir, resume)

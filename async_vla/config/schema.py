@@ -209,8 +209,7 @@ class Config(Section):
     @property
     def trajectory_bytes(self) -> int:
         """Array bytes of the longest trajectory this env and policy produce (``messages.Trajectory.nbytes``): per
-        policy call an image (two with the wrist camera), proprio, action tokens, their log-probs and mask, and
-        the call's version."""
+        policy call its image(s), proprio, action tokens, log-probs, mask and version."""
         image = self.env.image_size ** 2 * 3 * (2 if self.env.wrist_camera else 1)
         T = self.tokens_per_call
         per_call = image + 4 * self.policy.proprio_dim + T * (8 + 4 + 1) + 8

@@ -54,9 +54,8 @@ class Env(abc.ABC):
         """Apply one float action [7]; returns (obs, done, success). done is True on success or time-out."""
 
     def step_chunk(self, actions: np.ndarray) -> tuple[Observation, bool, bool, int]:
-        """Apply actions ``[k, 7]`` in order until the episode ends; returns (obs after the last executed step,
-        done, success, steps executed). Only the returned observation is read, so an env may skip rendering
-        the steps in between (LIBERO with ``env.render_at=decision``); this default steps one by one."""
+        """Apply actions ``[k, 7]`` until the episode ends: (obs after the last executed step, done, success, steps).
+        Only that observation is read, so an env may skip rendering the steps between; this default steps one by one."""
         obs, done, success, n = None, False, False, 0
         for action in np.asarray(actions):
             obs, done, success = self.step(action)

@@ -51,9 +51,8 @@ ARCHITECTURE_FIELDS = ("decoding", "hidden_size", "num_layers", "num_heads", "in
 
 
 def build_policy(cfg: "Config", device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> VLAPolicy:
-    """A tiny random policy, or the checkpoint at ``cfg.policy.path`` (ours, or an OpenVLA/OFT HF dir), on ``device``
-    in ``dtype``. Unset: an OpenVLA checkpoint loads onto the current GPU in bf16 (the CPU in fp32 without one), a
-    tiny policy stays on the CPU in fp32."""
+    """A tiny random policy, or the checkpoint at ``cfg.policy.path``, on ``device`` in ``dtype`` (unset: OpenVLA on the
+    current GPU in bf16, else the CPU in fp32; tiny on the CPU in fp32)."""
     pcfg = cfg.policy
     if pcfg.arch in ("openvla", "openvla_oft"):
         from async_vla.policy.openvla_loader import load_openvla_policy

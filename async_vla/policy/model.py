@@ -23,9 +23,8 @@ _WORD = re.compile(r"[a-z0-9]+")
 
 
 def word_ids(instruction: str, max_tokens: int, buckets: int) -> tuple[list[int], list[int]]:
-    """Two hashed bucket ids per word, ``max_tokens`` long: position 0 is BOS, then words, then PAD.
-
-    Bucket 0 is PAD and bucket 1 BOS; words hash into ``2 .. buckets - 1`` (two seeds of CRC32)."""
+    """Two hashed bucket ids per word, ``max_tokens`` long: BOS (bucket 1), words (``2 .. buckets - 1``, two CRC32
+    seeds), then PAD (bucket 0)."""
     words = _WORD.findall(instruction.lower())[: max_tokens - 1]
     first = [BOS_ID] + [2 + zlib.crc32(w.encode()) % (buckets - 2) for w in words]
     second = [BOS_ID] + [2 + zlib.crc32(w.encode(), 0x9E3779B9) % (buckets - 2) for w in words]
@@ -113,8 +112,8 @@ class TinyVLA(VLAPolicy):
 
     def prefix_embeds(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str]
                       ) -> tuple[Tensor, Tensor]:
-        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]`` (proprio
-        + mean instruction embedding + all keypoints) that is also added to every action position."""
+        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]``
+        (proprio + mean instruction embedding + all keypoints) that is also added to every action position."""
         feats = self.stem(self._images(images))  # [B, 32, H, W]
         x = self.patch(feats).flatten(2).transpose(1, 2)  # [B, patches, h]
         if x.shape[1] > self.max_patches:

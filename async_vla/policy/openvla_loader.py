@@ -104,9 +104,8 @@ class OpenVLAPolicy(VLAPolicy):
             make_bidirectional(lm)      # OpenVLA-OFT's LM attends both ways (its transformers fork: is_causal=False)
 
     def save_pretrained(self, directory) -> None:
-        """A checkpoint directory like the one loaded: the model (config, safetensors weights - transformers' default
-        format - and its remote code) and the processor, so ``policy.path`` / bin/eval take it as they took the
-        original."""
+        """A checkpoint directory like the one loaded (config, safetensors weights, remote code, processor), so
+        ``policy.path`` / bin/eval take it as they took the original."""
         self.model.save_pretrained(str(directory))
         self.processor.save_pretrained(str(directory))
         norm_stats = getattr(self.model, "norm_stats", None)
@@ -218,9 +217,8 @@ def use_sdpa(lm) -> None:
 
 def load_openvla_policy(policy_cfg: "PolicyConfig", device: Optional[str] = None,
                         dtype: Optional[torch.dtype] = None) -> OpenVLAPolicy:
-    """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory) onto ``device`` in ``dtype``: by default
-    the current GPU in bf16 (the CPU in fp32 without one). A learner rank passes its own GPU, or the CPU under ZeRO-3
-    (then partitioned: learner/deepspeed_engine.py)."""
+    """Load ``policy_cfg.path`` (a local OpenVLA / OpenVLA-OFT HF directory) onto ``device`` in ``dtype`` (default: the
+    current GPU in bf16, else the CPU in fp32; a ZeRO-3 learner rank loads onto the CPU to partition it)."""
     from transformers import AutoProcessor
 
     if policy_cfg.path is None:

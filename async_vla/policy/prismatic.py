@@ -112,9 +112,8 @@ def _no_labels(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 
 
 def drop_lm_labels(language_model: torch.nn.Module) -> torch.nn.Module:
-    """Call ``language_model`` without labels. openvla-oft's forward passes its placeholder labels on to the language
-    model, which would compute a loss nobody reads; its ``predict_action`` runs the language model without them.
-    Idempotent."""
+    """Call ``language_model`` without labels (openvla-oft's forward passes its placeholder labels on, which would
+    compute a loss nobody reads; its ``predict_action`` runs without them). Idempotent."""
     if not getattr(language_model, "_async_vla_no_labels", False):
         language_model.register_forward_pre_hook(_no_labels, with_kwargs=True)
         language_model._async_vla_no_labels = True

@@ -28,9 +28,8 @@ class MemberRegistry:
         self._leaves = 0           # the store's count of members that left, when we last looked
 
     def live(self, store, stale_s: float, missing_s: float) -> list[int]:
-        """Tokens of the members heartbeating within ``stale_s`` and not suspended, sorted. One store round trip
-        when nothing changed (every publish asks): the registration and leave counts and every member's heartbeat
-        in one ``multi_get``."""
+        """Tokens of the members heartbeating within ``stale_s`` and not suspended, sorted; one store round trip
+        (``multi_get``) when nothing changed."""
         now = time.monotonic()
         toks = list(self.members)
         got = [int(x) for x in store.multi_get(["w/tokens", "w/leaves"] + [f"w/hb/{tok}" for tok in toks])]

@@ -31,7 +31,7 @@ from async_vla.weights.packer import BucketPacker
 from async_vla.weights.pool import BufferPool
 from async_vla.hosts import is_loopback
 from async_vla.weights.store_guard import StoreGuard
-from async_vla.weights.transport import Packed, SendContext, WireTransport
+from async_vla.weights.transport import Packed, WireTransport
 from async_vla.weights.wire import WIRE_VERSION, gloo_bind, resolve_backend, td
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,7 @@ class WeightPublisher:
         self._summer = ThreadPoolExecutor(1, thread_name_prefix="weights-pack")
         if self.device.type == "cpu":
             log.info("weights: packing with %s", native.status())
-        self._ctx = SendContext(self._store, self.cfg, self.backend,
-                                # gloo's pair sockets: loopback in a one-host run (docs/RELIABILITY.md "Security")
-                                gloo_bind(cfg.transport.host))
+        self._bind = gloo_bind(cfg.transport.host)   # loopback in a one-host run (docs/RELIABILITY.md "Security")
         self._endpoint = self.weights_dir / "endpoint.json"
         tmp = self.weights_dir / f".endpoint.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"host": cfg.transport.connect_host, "port": self.port,
@@ -146,7 +144,7 @@ class WeightPublisher:
         if not acked:
             return
         # Ours from now on: whatever fails below, the retry's _drop_group closes it.
-        self._group = t = WireTransport(self._ctx, e, tuple(acked))
+        self._group = t = WireTransport(self._store, self.cfg, self.backend, self._bind, e, tuple(acked))
         for rank, tok in enumerate(acked, 1):
             s.queue_push(f"w/mbox/{tok}", json.dumps({"t": "roster", "e": e, "rank": rank, "world": len(acked) + 1,
                                                       **t.roster()}))

@@ -42,9 +42,8 @@ class Broadcast:
 
 
 class CatchUp:
-    """The learner's newest export, when the buffer refuses the weights held (see the module docstring).
-    ``mirror(newer_than)``: copies the learner node's newest export into the subscriber's directory first
-    (``weights.fetch``), or None."""
+    """The learner's newest export, when the buffer refuses the weights held. ``mirror(newer_than)``: copies the learner
+    node's newest export into the subscriber's directory first (``weights.fetch``), or None."""
 
     name = "export"
 

@@ -83,9 +83,8 @@ class WeightSubscriber:
 
     def fetch_latest(self, newer_than: Optional[PolicyTag] = None
                      ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
-        """Load the newest export from ``<run>/weights`` (actor start, or after missing broadcasts): (tag, tensors),
-        or None if it is not newer than ``newer_than`` (checked before any tensor is read). Once a learner was
-        reached, only its exports count (a dead learner's ``latest`` can outlive it)."""
+        """The newest export in ``<run>/weights`` as (tag, tensors), or None if not newer than ``newer_than`` (decided
+        before any tensor is read). Once a learner was reached, only its lineage's exports count."""
         with self._lock:
             live = self._live
         got = read_latest(self.weights_dir, newer_than=newer_than, lineage=live)
@@ -185,9 +184,8 @@ class WeightSubscriber:
         self._serve_mailbox(store, token)
 
     def _wire_matches(self, store, port: int) -> bool:
-        """The learner speaks our weight wire version. A learner from another release: its stream would fail
-        mid-version (or worse, parse). Stay out, say so once, and keep asking (it may be restarted with a matching
-        release)."""
+        """Whether the learner speaks our wire version. Another release's stream would fail mid-version: stay out, say
+        so once, and keep asking (it may be restarted with a matching release)."""
         wire = store.get("w/wire").decode() if store.check(["w/wire"]) else "1"
         if wire == str(WIRE_VERSION):
             return True

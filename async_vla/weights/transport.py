@@ -39,37 +39,29 @@ class Packed:
     packed_at: float                   # time.monotonic() when packing ended
 
 
-@dataclass(eq=False)
-class SendContext:
-    """What the publisher's epochs share."""
-
-    store: Any                         # the publisher's TCPStore
-    cfg: Any                           # cfg.weights
-    backend: str                       # "gloo" or "nccl"
-    gloo_bind: Optional[str] = None    # where gloo's pair sockets listen (wire.gloo_bind); None: gloo's choice
-
-
 class WireTransport:
     """Publisher side: the epoch's process group (formed in ``join``), the buckets over it."""
 
-    def __init__(self, ctx: SendContext, epoch: int, members: tuple[int, ...]):
-        self.ctx, self.epoch, self.members = ctx, epoch, tuple(members)
+    def __init__(self, store: Any, cfg: Any, backend: str, bind: Optional[str], epoch: int, members: tuple[int, ...]):
+        """``store``: the publisher's TCPStore; ``cfg``: cfg.weights; ``bind``: where gloo's pair sockets listen."""
+        self.store, self.cfg, self.backend, self.bind = store, cfg, backend, bind
+        self.epoch, self.members = epoch, tuple(members)
         self.group: Optional[BroadcastGroup] = None
 
     def roster(self) -> dict:
-        return {"backend": self.ctx.backend}
+        return {"backend": self.backend}
 
     def join(self, deadline: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("no time left to form the group")
-        self.group = BroadcastGroup(self.ctx.backend, PrefixStore(f"w/e{self.epoch}/pg", self.ctx.store), 0,
+        self.group = BroadcastGroup(self.backend, PrefixStore(f"w/e{self.epoch}/pg", self.store), 0,
                                     len(self.members) + 1, left, self.epoch, self.members,
-                                    bind=self.ctx.gloo_bind)
+                                    bind=self.bind)
 
     def _announce(self, version: int) -> None:
         for tok in self.members:
-            self.ctx.store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": self.epoch, "v": version}))
+            self.store.queue_push(f"w/mbox/{tok}", json.dumps({"t": "bcast", "e": self.epoch, "v": version}))
 
     def deliver(self, version: int, p: Packed, deadline: float) -> int:
         """Send the version; returns how many receivers confirmed its checksum."""
@@ -80,7 +72,7 @@ class WireTransport:
             return r
 
         self._announce(version)
-        return send_version(self.group, version, p.layout, p.buckets, p.csum, left, self.ctx.cfg.overlap)
+        return send_version(self.group, version, p.layout, p.buckets, p.csum, left, self.cfg.overlap)
 
     def close(self) -> None:
         if self.group is None:
@@ -89,7 +81,7 @@ class WireTransport:
         # failed ops can keep gloo's context (and its sockets) open until our garbage collector runs, and a member
         # would wait out its own timeout and miss the re-forming invite.
         with contextlib.suppress(RuntimeError, ValueError):
-            self.ctx.store.set(f"w/e{self.epoch}/drop", "1")
+            self.store.set(f"w/e{self.epoch}/drop", "1")
         self.group.close()
         self.group = None
 

@@ -24,10 +24,7 @@ from async_vla.weights.buckets import MAX_MANIFEST_BYTES, BufferPool, Layout, ch
 log = logging.getLogger(__name__)
 
 MAGIC = 0x5745494748      # "WEIGH"
-# What this stream looks like (the publisher puts it in its store as "w/wire"; a subscriber of another one does not
-# join). 4: heartbeat keys made before registering, a count of leaves; 5: the wire is the only path (no
-# shared-memory or doorbell fields in the header).
-WIRE_VERSION = 5
+WIRE_VERSION = 5          # of this stream (the publisher's store "w/wire"; a subscriber of another one does not join)
 HEADER_KEYS = ("magic", "version", "buckets", "manifest", "nbytes", "checksum", "digest", "seq")
 DROP_POLL_S = 0.25        # a receiver blocked in a collective checks this often whether the publisher gave up
 ACK_TAG = 7
@@ -196,13 +193,11 @@ def parse_header(t: torch.Tensor) -> dict[str, int]:
     return dict(zip(HEADER_KEYS, (int(x) for x in t.cpu().tolist())))
 
 
-# One version on the wire. Shared by the learner -> actor broadcast (async_vla.weights) and the actor -> vLLM
-# worker relay (actors/vllm_worker_ext.py), so both speak exactly the same stream.
 def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Sequence[torch.Tensor],
                  csum: Optional[float], left: Callable[[], float], overlap: bool = True) -> int:
-    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the receivers'
-    (received, checksum ok) acknowledgements. ``left()`` is the time left for each wait. Returns how many
-    receivers confirmed the checksum (``csum`` None: sent as -1, receivers cannot check it and confirm receipt)."""
+    """Rank 0: header int64[8], the manifest when this group has not seen it, the buckets, then the (received, checksum
+    ok) acknowledgements; returns how many confirmed (``csum`` None: sent as -1, receipts count). ``left()``: time per
+    wait."""
     manifest = layout.manifest_bytes() if g.layout is None or g.layout.digest != layout.digest else b""
     header = torch.tensor([MAGIC, version, len(buckets), len(manifest), layout.wire_bytes,
                            -1 if csum is None else int(csum), layout.digest, g.seq],
@@ -219,9 +214,8 @@ def send_version(g: BroadcastGroup, version: int, layout: Layout, buckets: Seque
 def recv_version(g: BroadcastGroup, timeout_s: float, pool: Optional[BufferPool] = None, verify: bool = True,
                  before_ack: Optional[Callable[[dict[str, int], dict[str, torch.Tensor], bool], None]] = None
                  ) -> tuple[dict[str, int], Layout, dict[str, torch.Tensor], bool]:
-    """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok). The tensors are views
-    into fresh (or pooled) buckets. ``before_ack(header, tensors, ok)`` runs before the acknowledgement (the
-    subscriber hands the version over there). The acknowledgement is sent whether or not the checksum matched."""
+    """Receiver side of ``send_version``: (header, layout, tensors by name, checksum ok), views into fresh or pooled
+    buckets. ``before_ack(header, tensors, ok)`` runs before the acknowledgement, which is sent either way."""
     header = torch.zeros(len(HEADER_KEYS), dtype=torch.int64, device=g.device)
     g.bcast(header, timeout_s)
     h = parse_header(header)
