@@ -90,7 +90,8 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     ``progress``: a label to report each epoch under (None: nothing). ``after_epoch(k)`` runs after epoch k (1-based)
     and may end training by returning True; it must leave the parameters alone. ``lr_schedule``: ``constant`` or
     ``cosine`` (to 0 over all steps). ``bin_sigma > 0``: CE against a Gaussian over neighbouring bins (sigma in bins)
-    on the dims the demos vary, so rollouts keep a local spread around the mode (why: docs/LIBERO.md)."""
+    on the dims the demos vary: one-hot CE on a few demos makes the tiny model so sharp that T = 1.6 rollouts almost
+    never leave the demo's action, every group has one outcome and GRPO has no signal."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if demos.tokens is not None:
