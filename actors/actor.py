@@ -95,7 +95,8 @@ class SerialActor:
         self.rollout = GroupRollout(
             policy, self.envs, run_id=cfg.run.name, actor_id=self.actor_id, temperature=cfg.actor.temperature,
             policy_tag=lambda: self.tag, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
-            should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps)
+            should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps,
+            sampled_dims=cfg.actor.sampled_dims)
 
     # ---- weights ------------------------------------------------------------------------------------
     @property

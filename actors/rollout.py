@@ -118,6 +118,8 @@ class GroupRollout:
             same init state, so one group of G needs G envs to run in one wave.
         run_id, actor_id: copied into every trajectory.
         temperature: rollout sampling temperature.
+        sampled_dims: action dimensions sampled at ``temperature`` (None = all); the others are taken greedily and
+            their tokens' ``token_mask`` stays False (``actor.sampled_dims``).
         policy_tag: returns the ``PolicyTag`` of the weights loaded now (read right before each call); its lineage
             must not change within an episode (``SerialActor`` swaps lineages between groups only).
         swap: ``between_chunks`` or ``between_episodes`` (when ``maybe_swap`` is called).
@@ -137,7 +139,8 @@ class GroupRollout:
                  should_stop: Optional[Callable[[], bool]] = None, generator: Any = None,
                  stats: Optional[RolloutStats] = None,
                  crash_types: Optional[tuple[type[BaseException], ...]] = None,
-                 max_steps: Optional[int] = None, parallel: Optional[bool] = None):
+                 max_steps: Optional[int] = None, parallel: Optional[bool] = None,
+                 sampled_dims: Optional[Sequence[int]] = None):
         if swap not in SWAP_MODES:
             raise ValueError(f"actor.swap must be one of {SWAP_MODES}, got {swap!r}")
         if not envs:
@@ -152,6 +155,12 @@ class GroupRollout:
         self.stats = stats if stats is not None else RolloutStats()
         self.crash_types = env_crash_types() if crash_types is None else crash_types
         self.max_steps_override = max_steps
+        self._sampled: Optional[np.ndarray] = None   # bool [tokens per call]: the positions sampled
+        if sampled_dims is not None:
+            dof = policy.tokenizer.action_dim
+            if not sampled_dims or not all(0 <= int(d) < dof for d in sampled_dims):
+                raise ValueError(f"sampled_dims {list(sampled_dims)} must be action dimensions in 0..{dof - 1}")
+            self._sampled = np.isin(np.arange(policy.tokens_per_call) % dof, [int(d) for d in sampled_dims])
         if parallel is None:
             parallel = len(self.envs) > 1 and all(_is_isolated(e) for e in self.envs)
         # Isolated envs step in their own processes: issuing the G calls at once overlaps them (threads wait
@@ -229,6 +238,8 @@ class GroupRollout:
                     continue
                 obs, done, success, n = res
                 ep.masks[-1][:n * dof] = True  # tokens of the steps that were executed
+                if self._sampled is not None:
+                    ep.masks[-1] &= self._sampled  # greedy tokens carry no exploration: not trained
                 ep.obs, ep.steps = obs, ep.steps + n
                 self.stats.env_steps += n
                 if done or success or ep.steps >= limit:
@@ -265,8 +276,9 @@ class GroupRollout:
         images = np.stack([ep.obs.image for ep in live])
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
         t0 = time.perf_counter()
+        greedy = None if self._sampled is None else ~self._sampled
         tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
-                                           generator=self.generator)
+                                           generator=self.generator, greedy=greedy)
         actions = self.policy.decode_actions(tokens)
         self.stats.inference_s += time.perf_counter() - t0
         self.stats.policy_calls += 1

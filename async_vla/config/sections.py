@@ -203,6 +203,10 @@ class ActorConfig(Section):
     """G: rollouts per group, all from the same init state."""
     temperature: float = Field(1.6, ge=0)
     """Rollout sampling temperature (SimpleVLA-RL: 1.6); 0 = greedy."""
+    sampled_dims: Optional[list[int]] = None
+    """Action dimensions sampled at `temperature` (e.g. [0, 1, 2, 6]: translation and gripper); the others are
+    taken greedily (argmax) and left out of the loss (their tokens' `token_mask` is False), so the policy gradient
+    covers only the explored dimensions. None = every dimension sampled (SimpleVLA-RL). docs/LIBERO.md."""
     swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
     """When an actor swaps in new weights: between policy calls, or only between episodes."""
     backend: Literal["torch", "vllm"] = "torch"
