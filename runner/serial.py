@@ -71,8 +71,8 @@ class SerialRun:
     Where the time goes: actor, learner and buffer each keep a PhaseClock as in async mode, over the one thread.
     While one works the others wait, and the clocks say on what: the learner's ``wait_batch`` is the rollouts
     (with the buffer's work), the actor's ``wait_grant`` the buffer's grants and batches, its ``send`` the buffer
-    taking its trajectories, its ``weights`` the learner's turn (step, report, checkpoint); the buffer is ``idle`` whenever it is not called.
-    Evaluations are every clock's ``eval``."""
+    taking its trajectories, its ``weights`` the learner's turn (step, report, checkpoint); the buffer is ``idle``
+    whenever it is not called. Building the run is every clock's ``startup``, evaluations every clock's ``eval``."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool):
         import torch
@@ -83,35 +83,39 @@ class SerialRun:
         from async_vla.policy import build_policy
         from learner.core import TorchLearner
 
-        self.cfg, self.run_dir = cfg, run_dir
-        torch.set_num_threads(max(1, cfg.actor.torch_threads))
-        write_resolved(cfg, run_dir)
-        torch.manual_seed(cfg.run.seed)   # the same start for every run of this seed (random init, then sampling)
-        self.policy = build_policy(cfg)
-        self.envs = [make_env(cfg, seed=cfg.run.seed * 1000 + i) for i in range(cfg.actor.group_size)]
-        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
-        self.learner = TorchLearner(cfg, self.policy)
-        self.ckpt_dir = run_dir / "checkpoints"
-        self.extra: dict = {}
-        if resume and self.ckpt_dir.exists():
-            self.extra = self.learner.load_checkpoint(self.ckpt_dir)
-            log.info("resumed at version %d", self.learner.version)
-        self.lag = cfg.run.serial_lag
-        # serial_lag > 0: the actor gets its own copy of the policy and the weights of `lag` versions ago.
-        actor_policy = copy.deepcopy(self.policy) if self.lag else self.policy
-        self.snapshots: collections.deque = collections.deque(maxlen=self.lag + 1)
-        if self.lag:
-            self._snapshot()
-        self.actor = SerialActor(cfg, 0, actor_policy, self.envs, tag=self.policy_tag(self.learner.version))
-        self.buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=self.task_ids)
-        self.buffer.set_learner_version(self.learner.version)
-        self.pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
-        self.monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
-        self.recorder = RunRecorder(cfg, run_dir, self.monitor, resume=resume)
-        self.held_out = HeldOut(cfg, self.policy, self.envs, self.task_ids)
-        if resume:
-            self.recorder.mark_resumed(self.learner.version)
+        learner_phases, actor_phases = PhaseClock(), PhaseClock()
         self.buffer_phases = PhaseClock(rest="idle")
+        with learner_phases.phase("startup"), actor_phases.phase("startup"), self.buffer_phases.phase("startup"):
+            self.cfg, self.run_dir = cfg, run_dir
+            torch.set_num_threads(max(1, cfg.actor.torch_threads))
+            write_resolved(cfg, run_dir)
+            torch.manual_seed(cfg.run.seed)   # the same start for every run of this seed (random init, sampling)
+            self.policy = build_policy(cfg)
+            self.envs = [make_env(cfg, seed=cfg.run.seed * 1000 + i) for i in range(cfg.actor.group_size)]
+            self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
+            self.learner = TorchLearner(cfg, self.policy, phases=learner_phases)
+            self.ckpt_dir = run_dir / "checkpoints"
+            self.extra: dict = {}
+            if resume and self.ckpt_dir.exists():
+                with learner_phases.phase("checkpoint"):
+                    self.extra = self.learner.load_checkpoint(self.ckpt_dir)
+                log.info("resumed at version %d", self.learner.version)
+            self.lag = cfg.run.serial_lag
+            # serial_lag > 0: the actor gets its own copy of the policy and the weights of `lag` versions ago.
+            actor_policy = copy.deepcopy(self.policy) if self.lag else self.policy
+            self.snapshots: collections.deque = collections.deque(maxlen=self.lag + 1)
+            if self.lag:
+                self._snapshot()
+            self.actor = SerialActor(cfg, 0, actor_policy, self.envs, tag=self.policy_tag(self.learner.version),
+                                     phases=actor_phases)
+            self.buffer = GroupBuffer.from_config(cfg, run_id=cfg.run.name, valid_task_ids=self.task_ids)
+            self.buffer.set_learner_version(self.learner.version)
+            self.pipe = LocalPipe(capacity=cfg.actor.group_size * 4)
+            self.monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
+            self.recorder = RunRecorder(cfg, run_dir, self.monitor, resume=resume)
+            self.held_out = HeldOut(cfg, self.policy, self.envs, self.task_ids)
+            if resume:
+                self.recorder.mark_resumed(self.learner.version)
         self.t_start = time.perf_counter()
         self.last_status = time.perf_counter()
         self.stop_requested: Callable[[], bool] = lambda: False   # run_serial sets the signal flag's reader
