@@ -352,8 +352,7 @@ def plot_phases(path: Path, tables: dict) -> None:
     for row, kind in enumerate(kinds):
         left, table = 0.0, tables[kind]
         for name, frac in table["frac"].items():
-            ax.barh(row, frac, left=left, color=colors[name], edgecolor="white",
-                    label=name if name not in ax.get_legend_handles_labels()[1] else None)
+            ax.barh(row, frac, left=left, color=colors[name], edgecolor="white")
             if frac >= 0.06:
                 ax.text(left + frac / 2, row, f"{name}\n{100 * frac:.0f}%", ha="center", va="center", fontsize=7)
             left += frac
@@ -362,8 +361,10 @@ def plot_phases(path: Path, tables: dict) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of wall time (processes of a kind summed)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(kinds) > 1 else -0.6), ncol=6, fontsize=7,
-              frameon=False)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=colors[n], label=n) for n in names], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(kinds) > 1 else -0.6), ncol=6, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
