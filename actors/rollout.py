@@ -29,6 +29,7 @@ import numpy as np
 
 from actors.env_worker import EnvCrashed, SubprocessEnv
 from async_vla.messages import PolicyTag, Trajectory
+from async_vla.phases import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ class RolloutStats:
 
     env_steps: int = 0
     policy_calls: int = 0
-    inference_s: float = 0.0
-    env_s: float = 0.0
     episodes: int = 0
     successes: int = 0
     env_crashes: int = 0
@@ -131,6 +130,8 @@ class GroupRollout:
         crash_types: exceptions meaning a simulator crash (default: EnvCrashed when the worker exists).
         max_steps: episode step limit (None = the env's ``max_steps(task)``).
         parallel: step envs concurrently from threads (None = when every env is an isolated worker).
+        phases: the owner's PhaseClock; env resets and steps are charged to ``env_step``, policy calls (with
+            recording their inputs and outputs) to ``policy_forward``, packing a finished episode to ``trajectory``.
     """
 
     def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
@@ -140,7 +141,7 @@ class GroupRollout:
                  stats: Optional[RolloutStats] = None,
                  crash_types: Optional[tuple[type[BaseException], ...]] = None,
                  max_steps: Optional[int] = None, parallel: Optional[bool] = None,
-                 sampled_dims: Optional[Sequence[int]] = None):
+                 sampled_dims: Optional[Sequence[int]] = None, phases: Optional[PhaseClock] = None):
         if swap not in SWAP_MODES:
             raise ValueError(f"actor.swap must be one of {SWAP_MODES}, got {swap!r}")
         if not envs:
@@ -153,6 +154,7 @@ class GroupRollout:
         self.should_stop = should_stop or (lambda: False)
         self.generator = generator
         self.stats = stats if stats is not None else RolloutStats()
+        self.phases = phases if phases is not None else PhaseClock()
         self.crash_types = env_crash_types() if crash_types is None else crash_types
         self.max_steps_override = max_steps
         self._sampled: Optional[np.ndarray] = None   # bool [tokens per call]: the positions sampled
@@ -207,8 +209,9 @@ class GroupRollout:
     # ------------------------------------------------------------------------------------------------
     def _run_wave(self, spec: GroupSpec, members: list[int], instruction: str, limit: int) -> Iterator[Trajectory]:
         episodes = [_Episode(m, env, time.time()) for m, env in zip(members, self.envs)]
-        for ep, (ok, res) in zip(episodes, self._map(lambda ep: ep.env.reset(spec.task_id, spec.init_state_id),
-                                                     [(ep,) for ep in episodes])):
+        with self.phases.phase("env_step"):
+            reset = self._map(lambda ep: ep.env.reset(spec.task_id, spec.init_state_id), [(ep,) for ep in episodes])
+        for ep, (ok, res) in zip(episodes, reset):
             if ok:
                 ep.obs = res
             else:
@@ -223,15 +226,15 @@ class GroupRollout:
                 return
             if self.swap == "between_chunks":
                 self.maybe_swap()
-            actions = self._call_policy(live, instruction)
+            with self.phases.phase("policy_forward"):
+                actions = self._call_policy(live, instruction)
             dof = actions.shape[2]
             # One call per env and chunk: the env sees the whole chunk, so it can skip rendering the steps
             # whose observations nobody reads (LIBERO env.render_at=decision), and a worker costs one pipe
             # round trip per chunk instead of one per step.
-            t0 = time.perf_counter()
-            results = self._map(lambda ep, a: ep.env.step_chunk(a),
-                                [(ep, actions[b, :limit - ep.steps]) for b, ep in enumerate(live)])
-            self.stats.env_s += time.perf_counter() - t0
+            with self.phases.phase("env_step"):
+                results = self._map(lambda ep, a: ep.env.step_chunk(a),
+                                    [(ep, actions[b, :limit - ep.steps]) for b, ep in enumerate(live)])
             for ep, (ok, res) in zip(live, results):
                 if not ok:
                     self._crashed(ep, res)
@@ -244,7 +247,9 @@ class GroupRollout:
                 self.stats.env_steps += n
                 if done or success or ep.steps >= limit:
                     ep.active, ep.success = False, bool(success)
-                    yield self._finish(spec, ep, instruction)
+                    with self.phases.phase("trajectory"):
+                        traj = self._finish(spec, ep, instruction)
+                    yield traj
 
     def _map(self, fn: Callable[..., Any], calls: list[tuple]) -> list[tuple[bool, Any]]:
         """Run env calls (concurrently for isolated env workers); a simulator crash is returned as
@@ -275,12 +280,10 @@ class GroupRollout:
         tag = self.policy_tag()  # read right before the forward: the weights this call really uses
         images = np.stack([ep.obs.image for ep in live])
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
-        t0 = time.perf_counter()
         greedy = None if self._sampled is None else ~self._sampled
         tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
                                            generator=self.generator, greedy=greedy)
         actions = self.policy.decode_actions(tokens)
-        self.stats.inference_s += time.perf_counter() - t0
         self.stats.policy_calls += 1
         tokens = np.asarray(tokens, dtype=np.int64)
         logprobs = np.asarray(logprobs, dtype=np.float32)

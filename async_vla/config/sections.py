@@ -234,7 +234,7 @@ class ActorConfig(Section):
     stop_timeout_s: float = Field(10.0, gt=0)
     """On shutdown the fleet waits this long for actors to exit after SIGTERM, then kills them."""
     stats_every_s: float = Field(5.0, gt=0)
-    """Seconds between ActorStats messages (throughput, inference and idle time, success by task)."""
+    """Seconds between ActorStats messages (throughput, time by phase, success by task)."""
     grant_timeout_s: float = Field(5.0, gt=0)
     """An unanswered GrantRequest is sent again after this long (the buffer may have restarted)."""
     send_timeout_s: float = Field(0.5, gt=0)
