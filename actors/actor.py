@@ -34,6 +34,7 @@ from actors.vllm_weights import StaleWeights
 from async_vla.messages import (
     ROOT, ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, PolicyTag, Shutdown, Trajectory, encode,
 )
+from async_vla.phases import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,16 @@ class SerialActor:
     ``set_weights`` (serial mode) or the ``weights_source`` callback, polled at the swap points of
     ``cfg.actor.swap``; it returns None or (tag, state). Weights of another lineage (a new learner) wait for the
     group to end: every trajectory of a group carries one lineage. ``tag``: the policy's at the start.
+    ``phases``: the owner's PhaseClock (rollout phases, and ``weights`` for polling and installing weights).
     """
 
     def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *,
                  tag: PolicyTag = PolicyTag(ROOT, 0),
                  weights_source: Optional[Callable[[], Optional[tuple[PolicyTag, dict]]]] = None,
-                 tick: Optional[Callable[[], None]] = None, should_stop: Optional[Callable[[], bool]] = None):
+                 tick: Optional[Callable[[], None]] = None, should_stop: Optional[Callable[[], bool]] = None,
+                 phases: Optional[PhaseClock] = None):
         self.cfg, self.actor_id, self.policy, self.envs = cfg, int(actor_id), policy, list(envs)
+        self.phases = phases if phases is not None else PhaseClock()
         self.tag = tag
         self._held: Optional[tuple[PolicyTag, dict]] = None   # another lineage's weights, for the next group
         self._in_group = False
@@ -95,7 +99,8 @@ class SerialActor:
         self.rollout = GroupRollout(
             policy, self.envs, run_id=cfg.run.name, actor_id=self.actor_id, temperature=cfg.actor.temperature,
             policy_tag=lambda: self.tag, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
-            should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps)
+            should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps,
+            sampled_dims=cfg.actor.sampled_dims, phases=self.phases)
 
     # ---- weights ------------------------------------------------------------------------------------
     @property
@@ -106,7 +111,8 @@ class SerialActor:
         """Install weights ``state`` (None = the policy object was updated in place) as ``tag``."""
         if state is not None:
             try:
-                load_weights(self.policy, state, tag)
+                with self.phases.phase("weights"):
+                    load_weights(self.policy, state, tag)
             except StaleWeights as exc:   # the vLLM backend refuses old versions; keep what is installed
                 log.warning("actor %d: %s; keeping %s", self.actor_id, exc, self.tag)
                 return
@@ -118,7 +124,8 @@ class SerialActor:
     def maybe_swap(self) -> None:
         """Swap point: take the newest weights the source has, if they differ from ours (another lineage's only
         between groups: until then they are held)."""
-        new = self.weights_source() if self.weights_source is not None else None
+        with self.phases.phase("weights"):
+            new = self.weights_source() if self.weights_source is not None else None
         if new is not None and self._in_group and new[0].lineage != self.tag.lineage:
             self._held, new = new, None
         if not self._in_group:
@@ -205,8 +212,8 @@ class Actor:
         self.state = "starting"
         self.learner_version = 0
         self.pending: collections.deque[str] = collections.deque()
-        self.idle_s = 0.0
-        self.idle_total_s = 0.0
+        self.phases = PhaseClock()
+        """Where this process's time goes (docs/BENCHMARKS.md): sent in every ActorStats."""
         self.groups_granted = 0
         self.send_failures = 0
         self.sent = 0              # trajectories handed to the trajectory socket
@@ -240,15 +247,18 @@ class Actor:
         self._connect()
         try:
             self._write_status()  # first sign of life for the fleet (before the slow model/env build)
-            self._build()
+            with self.phases.phase("startup"):
+                self._build()
             self.state = "idle"
             while not self.stopping():
-                group_id = self._next_group()
+                with self.phases.phase("wait_grant"):
+                    group_id = self._next_group()
                 if group_id is None:
                     continue
                 self.state = "rollout"
                 for traj in self.core.iter_group(group_id):
-                    self._send(traj)
+                    with self.phases.phase("send"):
+                        self._send(traj)
                 self.state = "idle"
             log.info("actor %d stopping: %s", self.actor_id, self.stop_reason)
             return 0
@@ -291,7 +301,7 @@ class Actor:
             envs = list(pool.map(lambda seed: self.env_factory(self.cfg, seed), seeds))
         self.core = SerialActor(self.cfg, self.actor_id, policy, envs, tag=tag,
                                 weights_source=lambda: self.weights.poll(self._tag(), self._refused), tick=self.tick,
-                                should_stop=self.stopping)
+                                should_stop=self.stopping, phases=self.phases)
         log.info("actor %d ready: policy %s, %d envs, tasks %s, swap %s", self.actor_id, tag, n_envs,
                  self.core.task_ids, self.cfg.actor.swap)
 
@@ -359,7 +369,11 @@ class Actor:
             msg = self.control.recv(0.0)
 
     def tick(self) -> None:
-        """Housekeeping between policy calls: control messages, parent check, heartbeat, stats."""
+        """Housekeeping between policy calls: control messages, parent check, heartbeat, stats (phase ``control``)."""
+        with self.phases.phase("control"):
+            self._tick()
+
+    def _tick(self) -> None:
         self._pump(0.0)
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             self.request_stop("parent fleet process is gone")
@@ -371,10 +385,6 @@ class Actor:
         if now >= self._next_stats and self.core is not None:
             self._next_stats = now + self.cfg.actor.stats_every_s
             self._send_stats()
-
-    def _idle(self, seconds: float) -> None:
-        self.idle_s += seconds
-        self.idle_total_s += seconds
 
     def _next_group(self) -> Optional[str]:
         """A granted group id, or None after waiting a short while (the caller loops)."""
@@ -404,14 +414,12 @@ class Actor:
             wait = min(wait, self._retry_at - t0)
         self._pump(max(wait, 0.0))
         self.tick()
-        self._idle(time.monotonic() - t0)
         return self.pending.popleft() if self.pending else None
 
     def _send(self, traj: Trajectory) -> None:
-        """Stream one trajectory; while the buffer pushes back, keep heartbeating (the wait is idle time)."""
+        """Stream one trajectory; while the buffer pushes back, keep heartbeating."""
         frames = encode(traj)
         while True:
-            t0 = time.monotonic()
             if self.sender.send_frames(frames, timeout_s=self.cfg.actor.send_timeout_s):
                 self.sent += 1
                 self.sent_by_buffer[self._buffer_id] += 1
@@ -421,7 +429,6 @@ class Actor:
                     self._sent_log = open(path, "a", buffering=1)
                 self._sent_log.write(f"{self._buffer_id} {traj.traj_id}\n")
                 return
-            self._idle(time.monotonic() - t0)
             self.send_failures += 1
             self.tick()
             if self.stopping():
@@ -436,11 +443,11 @@ class Actor:
         d = self.core.totals.since(self._stats_mark)
         self.control.send(ActorStats(
             actor_id=self.actor_id, interval_s=now - self._stats_t, env_steps=d.env_steps,
-            policy_calls=d.policy_calls, inference_s=d.inference_s, idle_s=self.idle_s, episodes=d.episodes,
+            policy_calls=d.policy_calls, phases=self.phases.seconds(), episodes=d.episodes,
             successes_by_task={k: int(v) for k, v in d.successes_by_task.items()},
             episodes_by_task={k: int(v) for k, v in d.episodes_by_task.items()},
             policy_version=self._tag().version, env_crashes=d.env_crashes))
-        self._stats_mark, self._stats_t, self.idle_s = self.core.totals.copy(), now, 0.0
+        self._stats_mark, self._stats_t = self.core.totals.copy(), now
 
     def _write_status(self) -> None:
         t = self.core.totals if self.core is not None else RolloutStats()
@@ -449,7 +456,7 @@ class Actor:
             "version": self._tag().version, "learner_version": self.learner_version, "env_steps": t.env_steps,
             "policy_calls": t.policy_calls, "episodes": t.episodes, "successes": t.successes,
             "trajectories": t.trajectories, "groups": t.groups, "env_crashes": t.env_crashes,
-            "inference_s": round(t.inference_s, 3), "idle_s": round(self.idle_total_s, 3),
+            "phases": {name: round(s, 3) for name, s in self.phases.seconds().items()},
             "groups_granted": self.groups_granted, "swaps": t.swaps, "sent": self.sent,
             "weights_from": dict(self.weights.taken) if self.weights is not None else {},
             "sent_by_buffer": dict(self.sent_by_buffer),

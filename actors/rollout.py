@@ -16,6 +16,7 @@ import numpy as np
 
 from actors.env_worker import EnvCrashed, SubprocessEnv
 from async_vla.messages import PolicyTag, Trajectory
+from async_vla.phases import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ class RolloutStats:
 
     env_steps: int = 0
     policy_calls: int = 0
-    inference_s: float = 0.0
-    env_s: float = 0.0
     episodes: int = 0
     successes: int = 0
     env_crashes: int = 0
@@ -95,11 +94,13 @@ class _Episode:
 
 class GroupRollout:
     """Runs groups of episodes with batched inference; yields ``messages.Trajectory`` as episodes end. ``envs`` are all
-    reset to the group's init state (G envs run a group of G in one wave). ``policy_tag()`` gives the tag of the weights
-    loaded now (its lineage must not change within an episode); ``maybe_swap`` loads newer weights, called only between
-    forward passes (``swap``: between_chunks or between_episodes); ``tick`` and ``should_stop`` run before every policy
-    call (True abandons the group); ``crash_types``: exceptions meaning a simulator crash; ``parallel``: step envs from
-    threads (None: when every env is an isolated worker)."""
+    reset to the group's init state (G envs run a group of G in one wave). ``sampled_dims``: action dimensions sampled
+    at ``temperature`` (None = all; the others greedy, their ``token_mask`` False). ``policy_tag()`` gives the tag of
+    the weights loaded now (its lineage must not change within an episode); ``maybe_swap`` loads newer weights, called
+    only between forward passes (``swap``: between_chunks or between_episodes); ``tick`` and ``should_stop`` run
+    before every policy call (True abandons the group); ``crash_types``: exceptions meaning a simulator crash;
+    ``parallel``: step envs from threads (None: when every env is an isolated worker); ``phases``: the owner's
+    PhaseClock (resets and steps -> ``env_step``, policy calls -> ``policy_forward``, packing -> ``trajectory``)."""
 
     def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
                  policy_tag: Callable[[], PolicyTag], swap: str = "between_chunks",
@@ -107,7 +108,8 @@ class GroupRollout:
                  should_stop: Optional[Callable[[], bool]] = None, generator: Any = None,
                  stats: Optional[RolloutStats] = None,
                  crash_types: Optional[tuple[type[BaseException], ...]] = None,
-                 max_steps: Optional[int] = None, parallel: Optional[bool] = None):
+                 max_steps: Optional[int] = None, parallel: Optional[bool] = None,
+                 sampled_dims: Optional[Sequence[int]] = None, phases: Optional[PhaseClock] = None):
         if swap not in SWAP_MODES:
             raise ValueError(f"actor.swap must be one of {SWAP_MODES}, got {swap!r}")
         if not envs:
@@ -120,8 +122,15 @@ class GroupRollout:
         self.should_stop = should_stop or (lambda: False)
         self.generator = generator
         self.stats = stats if stats is not None else RolloutStats()
+        self.phases = phases if phases is not None else PhaseClock()
         self.crash_types = env_crash_types() if crash_types is None else crash_types
         self.max_steps_override = max_steps
+        self._sampled: Optional[np.ndarray] = None   # bool [tokens per call]: the positions sampled
+        if sampled_dims is not None:
+            dof = policy.tokenizer.action_dim
+            if not sampled_dims or not all(0 <= int(d) < dof for d in sampled_dims):
+                raise ValueError(f"sampled_dims {list(sampled_dims)} must be action dimensions in 0..{dof - 1}")
+            self._sampled = np.isin(np.arange(policy.tokens_per_call) % dof, [int(d) for d in sampled_dims])
         if parallel is None:
             parallel = len(self.envs) > 1 and all(_is_isolated(e) for e in self.envs)
         # Isolated envs step in their own processes: issuing the G calls at once overlaps them (threads wait
@@ -165,8 +174,9 @@ class GroupRollout:
     # ------------------------------------------------------------------------------------------------
     def _run_wave(self, spec: GroupSpec, members: list[int], instruction: str, limit: int) -> Iterator[Trajectory]:
         episodes = [_Episode(m, env, time.time()) for m, env in zip(members, self.envs)]
-        for ep, (ok, res) in zip(episodes, self._map(lambda ep: ep.env.reset(spec.task_id, spec.init_state_id),
-                                                     [(ep,) for ep in episodes])):
+        with self.phases.phase("env_step"):
+            reset = self._map(lambda ep: ep.env.reset(spec.task_id, spec.init_state_id), [(ep,) for ep in episodes])
+        for ep, (ok, res) in zip(episodes, reset):
             if ok:
                 ep.obs = res
             else:
@@ -181,26 +191,30 @@ class GroupRollout:
                 return
             if self.swap == "between_chunks":
                 self.maybe_swap()
-            actions = self._call_policy(live, instruction)
+            with self.phases.phase("policy_forward"):
+                actions = self._call_policy(live, instruction)
             dof = actions.shape[2]
             # One call per env and chunk: the env sees the whole chunk, so it can skip rendering the steps
             # whose observations nobody reads (LIBERO env.render_at=decision), and a worker costs one pipe
             # round trip per chunk instead of one per step.
-            t0 = time.perf_counter()
-            results = self._map(lambda ep, a: ep.env.step_chunk(a),
-                                [(ep, actions[b, :limit - ep.steps]) for b, ep in enumerate(live)])
-            self.stats.env_s += time.perf_counter() - t0
+            with self.phases.phase("env_step"):
+                results = self._map(lambda ep, a: ep.env.step_chunk(a),
+                                    [(ep, actions[b, :limit - ep.steps]) for b, ep in enumerate(live)])
             for ep, (ok, res) in zip(live, results):
                 if not ok:
                     self._crashed(ep, res)
                     continue
                 obs, done, success, n = res
                 ep.masks[-1][:n * dof] = True  # tokens of the steps that were executed
+                if self._sampled is not None:
+                    ep.masks[-1] &= self._sampled  # greedy tokens carry no exploration: not trained
                 ep.obs, ep.steps = obs, ep.steps + n
                 self.stats.env_steps += n
                 if done or success or ep.steps >= limit:
                     ep.active, ep.success = False, bool(success)
-                    yield self._finish(spec, ep, instruction)
+                    with self.phases.phase("trajectory"):
+                        traj = self._finish(spec, ep, instruction)
+                    yield traj
 
     def _map(self, fn: Callable[..., Any], calls: list[tuple]) -> list[tuple[bool, Any]]:
         """Run env calls (concurrently for isolated env workers); a simulator crash is returned as
@@ -231,11 +245,10 @@ class GroupRollout:
         tag = self.policy_tag()  # read right before the forward: the weights this call really uses
         images = np.stack([ep.obs.image for ep in live])
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
-        t0 = time.perf_counter()
+        greedy = None if self._sampled is None else ~self._sampled
         tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
-                                           generator=self.generator)
+                                           generator=self.generator, greedy=greedy)
         actions = self.policy.decode_actions(tokens)
-        self.stats.inference_s += time.perf_counter() - t0
         self.stats.policy_calls += 1
         tokens = np.asarray(tokens, dtype=np.int64)
         logprobs = np.asarray(logprobs, dtype=np.float32)

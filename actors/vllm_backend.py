@@ -196,7 +196,9 @@ class VLLMPolicy(VLAPolicy):
         return self.inner.action_logits(images, proprio, instructions, action_tokens)
 
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
-                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+                generator: Optional[torch.Generator], greedy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        if greedy is not None:
+            raise ValueError("actor.sampled_dims needs actor.backend=torch (vLLM samples every position alike)")
         embeds = openvla_prompt_embeds(self.inner, images, instructions)
         seeds = None
         if generator is not None:   # per-row seeds from the actor's stream: rollouts stay reproducible

@@ -131,6 +131,20 @@ class Lineage:
         return cls(parts[0], tuple(forks))
 
 
+MAX_PHASES = 32           # phases one process reports (a process has about ten)
+MAX_PHASE_NAME = 32
+
+
+def _check_phases(phases: dict) -> None:
+    """A ``PhaseClock.seconds()`` as received: a few short names, each a finite, non-negative number of seconds."""
+    if len(phases) > MAX_PHASES:
+        raise MalformedMessage("value", f"{len(phases)} phases > {MAX_PHASES}")
+    for name, s in phases.items():
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_PHASE_NAME and isinstance(s, (int, float))
+                and not isinstance(s, bool) and math.isfinite(s) and s >= 0):
+            raise MalformedMessage("value", "phases must map a short name to finite seconds >= 0")
+
+
 @dataclass
 class Trajectory(Message):
     """One finished rollout: what the learner needs to recompute log-probs and build the loss."""
@@ -285,19 +299,19 @@ class Heartbeat(Message):
 
 @dataclass
 class ActorStats(Message):
-    """Actor -> buffer -> TensorBoard: throughput and success by task over the last interval."""
+    """Actor -> buffer -> TensorBoard: throughput and success by task over the last interval, and the actor's
+    seconds by phase since it started (``PhaseClock.seconds``: they sum to its wall time)."""
 
     KIND: ClassVar[str] = "actor_stats"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "interval_s": _FLOAT, "env_steps": _INT, "policy_calls": _INT,
-                               "inference_s": _FLOAT, "idle_s": _FLOAT, "episodes": _INT,
+                               "phases": _DICT, "episodes": _INT,
                                "successes_by_task": _DICT, "episodes_by_task": _DICT, "policy_version": _INT,
                                "env_crashes": _INT}
     actor_id: int
     interval_s: float = 0.0
     env_steps: int = 0
     policy_calls: int = 0
-    inference_s: float = 0.0
-    idle_s: float = 0.0
+    phases: dict = field(default_factory=dict)
     episodes: int = 0
     successes_by_task: dict = field(default_factory=dict)
     episodes_by_task: dict = field(default_factory=dict)
@@ -308,25 +322,29 @@ class ActorStats(Message):
         for d in (self.successes_by_task, self.episodes_by_task):
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in d.items()):
                 raise MalformedMessage("type", "by-task counters must map str -> int")
+        _check_phases(self.phases)
 
 
 @dataclass
 class BatchRequest(Message):
-    """Learner rank -> buffer: my share of the next batch, at learner version ``version``."""
+    """Learner rank -> buffer: my share of the next batch, at learner version ``version``; and this rank's seconds by
+    phase so far (``PhaseClock.seconds``; reporting only, outside the signature)."""
 
     KIND: ClassVar[str] = "batch_request"
     SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "lineage": _STR,
-                               "auth": _STR}
+                               "auth": _STR, "phases": _DICT}
     rank: int
     world: int
     version: int
     timeout_s: float = 1.0
     lineage: str = ""   # the learner's Lineage, encoded ("": not told; the buffer keeps the one it follows)
     auth: str = ""      # HMAC of the fields with the run's learner secret (async_vla/learner_secret.py)
+    phases: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.lineage:
             Lineage.parse(self.lineage)
+        _check_phases(self.phases)
 
 
 @dataclass

@@ -38,8 +38,9 @@ REQUIRED_TAGS: tuple[str, ...] = (
 )
 """Scalar tags every run must write (besides rollout/success_rate_by_task/* and lag histograms)."""
 
-REQUIRED_TAG_PREFIXES: tuple[str, ...] = ("rollout/success_rate_by_task/",)
-"""Tag families of which at least one member must exist (one tag per task id)."""
+REQUIRED_TAG_PREFIXES: tuple[str, ...] = ("rollout/success_rate_by_task/", "time/actor/", "time/learner/",
+                                           "time/buffer/")
+"""Tag families of which at least one member must exist (one tag per task id; per phase, async_vla/phases.py)."""
 
 # TensorBoard names a verl user knows -> the learner metric of ours they are copied from (docs/LEARNER.md has
 # the table with what each means and how it differs from verl's). Written next to our own tags, which stay.

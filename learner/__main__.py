@@ -133,21 +133,29 @@ def run_rank(cfg: Any, run_dir: Path, resume: bool) -> int:
         log.error("learner.backend=torch runs one rank; use backend=deepspeed for %d ranks", world)
         return 2
     r = RankRun(cfg, run_dir, rank, world)
-    r.resume(resume)
+    phase = r.learner.phases.phase   # where the rank's time goes (async_vla/phases.py); train_step charges its own
+    with phase("checkpoint"):
+        r.resume(resume)
     r.stop_on_signals()
-    r.connect()          # monitor, batch client, and (rank 0) the weight publisher
-    r.publish_first()    # actors (and a resumed run's actors) get this version
+    with phase("startup"):
+        r.connect()          # monitor, batch client, and (rank 0) the weight publisher
+    with phase("publish"):
+        r.publish_first()    # actors (and a resumed run's actors) get this version
     try:
         while r.learner.version < cfg.run.max_versions:
-            groups = r.wait_for_share()     # this rank's share, or None when the ranks agreed to stop
+            with phase("wait_batch"):
+                groups = r.wait_for_share()     # this rank's share, or None when the ranks agreed to stop
             if groups is None:
                 break
             start_version = r.learner.version
             metrics = r.learner.train_step(groups)
-            r.record_lags(start_version)
-            publish_s = r.publish_if_due()
-            r.report_step(metrics, publish_s)
-            r.checkpoint_if_due()
+            with phase("publish"):
+                publish_s = r.publish_if_due()
+            with phase("report"):
+                r.record_lags(start_version)
+                r.report_step(metrics, publish_s)
+            with phase("checkpoint"):
+                r.checkpoint_if_due()
     finally:
         r.batches.close()
         r.lag_log.close()
@@ -178,24 +186,28 @@ class RankRun:
             write_resolved(cfg, run_dir)
         from async_vla.placement import claim_learner_device
 
-        load = {"device": claim_learner_device(os.environ)}   # this rank's GPU, current before anything is built
-        if cfg.learner.backend == "deepspeed":
-            from learner.deepspeed_engine import policy_load_kwargs
-            load = policy_load_kwargs(cfg, load["device"])    # ZeRO-3: on the CPU, then partitioned onto the GPU
-        policy = build_policy(cfg, **load)
-        if cfg.learner.backend == "torch":
-            from learner.core import TorchLearner
-            self.learner = TorchLearner(cfg, policy)
-        else:
-            from learner.deepspeed_engine import DeepSpeedLearner
-            self.learner = DeepSpeedLearner(cfg, policy)
+        from async_vla.phases import PhaseClock
+
+        phases = PhaseClock()   # the rank's (Learner.phases): building the policy and the engine is its startup
+        with phases.phase("startup"):
+            load = {"device": claim_learner_device(os.environ)}   # this rank's GPU, current before anything is built
+            if cfg.learner.backend == "deepspeed":
+                from learner.deepspeed_engine import policy_load_kwargs
+                load = policy_load_kwargs(cfg, load["device"])    # ZeRO-3: on the CPU, then partitioned onto the GPU
+            policy = build_policy(cfg, **load)
+            if cfg.learner.backend == "torch":
+                from learner.core import TorchLearner
+                self.learner = TorchLearner(cfg, policy, phases=phases)
+            else:
+                from learner.deepspeed_engine import DeepSpeedLearner
+                self.learner = DeepSpeedLearner(cfg, policy, phases=phases)
         self.ckpt_dir = run_dir / "checkpoints"
         self.monitor: Any = None
         self.publisher: Any = None
         self.batches: Any = None
         self.stop = {"signal": False}
-        self.t_start = self.t_mark = time.monotonic()
-        self.idle = 0.0
+        self.t_start = time.monotonic()
+        self.mark = self.learner.phases.seconds()   # at the last step's report: the next one's interval starts here
         self.last_ckpt = self.last_published = self.learner.version
 
     def connect(self) -> None:
@@ -208,10 +220,11 @@ class RankRun:
         # This start's lineage (the ranks agree on its id among themselves, an all-reduce, whoever started them).
         lineage = self.learner.start_lineage()
         self.publisher = make_publisher(self.cfg, self.run_dir, lineage.id) if self.rank == 0 else None
-        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world, lineage=lineage)
+        self.batches = BatchClient(self.cfg, self.run_dir, self.rank, self.world, lineage=lineage,
+                                   phases=self.learner.phases)
         # line-buffered: a kill -9 loses at most the line being written
         self.lag_log = open(self.run_dir / f"learner_lags_rank{self.rank}.jsonl", "a", buffering=1)
-        self.t_start = self.t_mark = time.monotonic()
+        self.t_start = time.monotonic()
 
     def digests(self) -> dict:
         """sha256 of the full parameters (rank 0) and of this rank's optimizer state ({} when not asked for)."""
@@ -257,7 +270,6 @@ class RankRun:
         """Poll the buffer until every rank has its share (then this rank's groups), or None once any rank wants
         to stop (signal, wall-clock budget): the ranks all-reduce the flags after every poll, so they enter each
         step together and stop together (a rank stopping alone would hang the others' ZeRO-3 collectives)."""
-        t_wait = time.monotonic()
         groups = None
         while True:
             if groups is None:
@@ -267,7 +279,6 @@ class RankRun:
                                               "max")
             if stop_any or have_none == 0:
                 break
-        self.idle += time.monotonic() - t_wait
         return None if stop_any else groups
 
     def publish(self) -> None:
@@ -280,7 +291,7 @@ class RankRun:
     def publish_first(self) -> None:
         """Publish the starting version; the first step's throughput is counted from here."""
         self.publish()
-        self.t_mark, self.idle = time.monotonic(), 0.0
+        self.mark = self.learner.phases.seconds()
 
     def publish_if_due(self) -> float:
         """Publish when ``weights.publish_every`` versions have passed; returns the seconds it took (0 if not due).
@@ -297,11 +308,15 @@ class RankRun:
         """Rank 0: the step's metrics, throughput over the interval since the last step, and a log line."""
         import numpy as np
 
+        from async_vla.phases import since
+
+        took = since(self.learner.phases.seconds(), self.mark)
+        self.mark = self.learner.phases.seconds()
         if self.rank == 0:
             version = self.learner.version
-            interval = max(time.monotonic() - self.t_mark, 1e-9)
+            interval = max(sum(took.values()), 1e-9)
             metrics.update({
-                "perf/learner_idle_frac": self.idle / interval,
+                "perf/learner_idle_frac": took.get("wait_batch", 0.0) / interval,
                 "perf/trajectories_per_s": metrics["learner/trajectories"] / interval,
                 "perf/env_steps_per_s": metrics["learner/env_steps"] / interval,
                 "perf/tokens_per_s": metrics["learner/tokens"] / interval,
@@ -313,7 +328,6 @@ class RankRun:
                      metrics["loss/policy"], metrics["loss/clip_frac_low"], metrics["loss/clip_frac_high"],
                      metrics["offpolicy/is_weight_mean"], metrics["learner/lag_mean"],
                      metrics["perf/learner_step_s"], 100 * metrics["perf/learner_idle_frac"])
-        self.t_mark, self.idle = time.monotonic(), 0.0
 
     def record_lags(self, start_version: int) -> None:
         """This rank's lags as trained, one line per batch: an audit's second witness beside the buffer's ledger."""

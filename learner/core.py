@@ -45,6 +45,7 @@ from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weigh
 from async_vla.config import Config
 from async_vla.messages import ROOT, Lineage, Trajectory
 from async_vla.metrics import verl_aliases
+from async_vla.phases import PhaseClock, since
 from learner.checkpoint_files import (CKPT_FORMAT, capture_rng_state, optimizer_tensors, restore_rng_state,
                                       tensors_digest)
 from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
@@ -105,7 +106,8 @@ class Learner(abc.ABC):
 
     version: int
 
-    def __init__(self, cfg: Config, policy: torch.nn.Module, rank: int = 0, world: int = 1):
+    def __init__(self, cfg: Config, policy: torch.nn.Module, rank: int = 0, world: int = 1,
+                 phases: Optional[PhaseClock] = None):
         from learner.adapt import lora_scale, prepare_for_training
 
         self.cfg = cfg
@@ -128,23 +130,28 @@ class Learner(abc.ABC):
         self.loss_generator.manual_seed(cfg.run.seed * 7919 + 1_000_003 * (rank + 1))
         self.last_lags = np.zeros(0, dtype=np.int64)
         """Per-trajectory lag (version at batch start - behaviour version) of this rank's last batch."""
+        self.phases = phases if phases is not None else PhaseClock()
+        """Where this rank's time goes (docs/BENCHMARKS.md): a step's ``collate``, ``proximal`` (the no-grad pass
+        for pi_prox, its entropy and the KL reference), ``forward_backward`` and ``optimizer``; the process loop
+        (bin/learner, serial mode) charges its own phases (waiting for a batch, publishing, ...) to it too."""
 
     # ---------------------------------------------------------------------------------- the step
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         """One batch of groups -> ``steps_per_batch`` x ``minibatches`` optimizer steps (fewer if one is
         skipped) -> ``version += 1`` -> metrics."""
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        lc = cfg.learner
-        batch = collate(groups, cfg, self._reward_stats(groups)).to(self.device)
-        start_version = self.version
-        self.last_lags = batch.lag(start_version).cpu().numpy()
-        shards = ([batch] if lc.minibatches == 1
-                  else [batch.select(rows) for rows in minibatch_rows(batch, lc.minibatches)])
-        # Every rank runs the same number of micro-batches per mini-batch (ZeRO-3 forwards are collective).
-        minis = [self._pad_micro_batches(micro_batches(s, lc.micro_batch_trajectories)) for s in shards]
-        flat = [mb for mbs in minis for mb in mbs]
-        mini_of = [j for j, mbs in enumerate(minis) for _ in mbs]
+        before = self.phases.seconds()
+        with self.phases.phase("collate"):
+            cfg = self.cfg
+            lc = cfg.learner
+            batch = collate(groups, cfg, self._reward_stats(groups)).to(self.device)
+            start_version = self.version
+            self.last_lags = batch.lag(start_version).cpu().numpy()
+            shards = ([batch] if lc.minibatches == 1
+                      else [batch.select(rows) for rows in minibatch_rows(batch, lc.minibatches)])
+            # Every rank runs the same number of micro-batches per mini-batch (ZeRO-3 forwards are collective).
+            minis = [self._pad_micro_batches(micro_batches(s, lc.micro_batch_trajectories)) for s in shards]
+            flat = [mb for mbs in minis for mb in mbs]
+            mini_of = [j for j, mbs in enumerate(minis) for _ in mbs]
 
         # pi_prox: the weights at batch start. With one optimizer step per batch they are the weights every
         # micro-batch's forward below runs with, so (learner.proximal_pass=auto) that forward's detached log-probs
@@ -153,79 +160,82 @@ class Learner(abc.ABC):
         entropy = torch.zeros(2, dtype=torch.float64)   # per-token entropy of pi_prox (actor/entropy): sum, count
         stale_kl = torch.zeros(2, dtype=torch.float64)  # offpolicy/behav_kl_stale: sum, count
         prox: list[Optional[Tensor]] = [None] * len(flat)
-        with torch.no_grad():
-            if not reuse:
-                for i, mb in enumerate(flat):
-                    logp, ent = self._logprobs_entropy(mb)
-                    prox[i] = mb.layout(logp.float())
-                    entropy += _entropy_sums(mb, ent)
-            refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in flat] if self.uses_reference
-                    else [None] * len(flat))
-        t_prox = time.perf_counter() - t0
-        # (reuse: the mask does not depend on pi_prox for none / tis, so the behaviour log-probs stand in for it)
-        loss_masks = [loss_token_mask(mb.behav_logprobs if p is None else p, mb.behav_logprobs, mb.mask, cfg.loss)
-                      for p, mb in zip(prox, flat)]
-        units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
-        # Each optimizer step minimises its global mini-batch's loss: units over that mini-batch on every rank.
-        local_units = torch.zeros(len(minis), dtype=torch.float64)
-        for u, j in zip(units, mini_of):
-            local_units[j] += u
-        mini_units = self._all_reduce(local_units, "sum").tolist()
-        weights = [micro_batch_weight(u, mini_units[j], self.world) for u, j in zip(units, mini_of)]
+        with self.phases.phase("proximal"):
+            with torch.no_grad():
+                if not reuse:
+                    for i, mb in enumerate(flat):
+                        logp, ent = self._logprobs_entropy(mb)
+                        prox[i] = mb.layout(logp.float())
+                        entropy += _entropy_sums(mb, ent)
+                refs = ([mb.layout(self._ref_logprobs(mb).float()) for mb in flat] if self.uses_reference
+                        else [None] * len(flat))
+        with self.phases.phase("forward_backward"):   # the optimizer steps inside: "optimizer"
+            # (reuse: the mask does not depend on pi_prox for none / tis, so the behaviour log-probs stand in for it)
+            loss_masks = [loss_token_mask(mb.behav_logprobs if p is None else p, mb.behav_logprobs, mb.mask, cfg.loss)
+                          for p, mb in zip(prox, flat)]
+            units = [float(aggregation_units(m, cfg.loss.aggregation)) for m in loss_masks]
+            # Each optimizer step minimises its global mini-batch's loss: units over that mini-batch on every rank.
+            local_units = torch.zeros(len(minis), dtype=torch.float64)
+            for u, j in zip(units, mini_of):
+                local_units[j] += u
+            mini_units = self._all_reduce(local_units, "sum").tolist()
+            weights = [micro_batch_weight(u, mini_units[j], self.world) for u, j in zip(units, mini_of)]
 
-        sums = torch.zeros(len(_PER_LOSS_TOKEN) + len(_PER_VALID_TOKEN) + len(_PER_UNIT) + 2, dtype=torch.float64)
-        w_max = torch.zeros(1, dtype=torch.float64)
-        applied, steps_run, norms, has_kl = 0, 0, [], False
-        order = [[i for i, j in enumerate(mini_of) if j == mini] for mini in range(len(minis))]
-        for step in range(lc.steps_per_batch * len(minis)):
-            idx = order[step % len(minis)]
-            nonfinite = False
-            steps_run += 1
-            for pos, i in enumerate(idx):
-                mb, p, ref, lm, w, u = flat[i], prox[i], refs[i], loss_masks[i], weights[i], units[i]
-                self._begin_micro_batch(pos == len(idx) - 1)
-                if reuse:
-                    logp, ent = self._logprobs_entropy(mb)
-                    logp = mb.layout(logp.float())
-                    p = logp.detach()
-                    entropy += _entropy_sums(mb, None if ent is None else ent.detach())
-                else:
-                    logp = mb.layout(self._logprobs(mb).float())
-                if step < len(minis):   # the first pass over the batch: p is pi_prox, the weights at batch start
-                    stale_kl += _stale_kl_sums(mb, p, start_version)
-                loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
-                                           generator=self.loss_generator, ref_logp=ref)
-                # A non-finite log-prob of a real token is a broken forward even where the loss clamps it into a
-                # finite number (correction=none: log(pi_theta / pi_behav) is clamped to +-20): skip the step.
-                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(torch.where(mb.mask, logp, 0.0)).all())
-                nonfinite |= not finite
-                self._backward(loss * w, finite)
-                has_kl |= "kl" in m
-                n_loss, n_valid = float(lm.sum()), float(mb.mask.sum())
-                total_units = mini_units[mini_of[i]]
-                row = [m.get(k, 0.0) * n_loss for k in _PER_LOSS_TOKEN]
-                row += [m[k] * n_valid for k in _PER_VALID_TOKEN]
-                row += [m[k] * (u / total_units if total_units > 0 else 0.0) for k in _PER_UNIT]
-                sums += torch.tensor(row + [n_loss, n_valid], dtype=torch.float64)
-                w_max = torch.maximum(w_max, torch.tensor([m["is_weight_max"]], dtype=torch.float64))
-            ok, norm = self._optimizer_step(nonfinite)
-            norms.append(norm)
-            if not ok:
-                self.skipped_steps += 1
-                log.warning("learner: non-finite loss or gradient at version %d (optimizer step %d of the batch): "
-                            "the rest of the batch is skipped (%d skipped so far)", self.version, step + 1,
-                            self.skipped_steps)
-                break
-            applied += 1
-        # One version per batch, however many optimizer steps it took (docs/LEARNER.md "Versions"): only the
-        # weights after the last step leave the learner. A batch whose first step was skipped is consumed all
-        # the same (as DeepSpeed does on an fp16 overflow): the version moves on with the weights bit-equal, so
-        # the buffer forms a fresh batch; holding it would get this very batch served again, forever if its
-        # data is the cause.
-        self.version += 1
-        self.optimizer_steps += applied
-        metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version, entropy, stale_kl)
-        dt = time.perf_counter() - t0
+            sums = torch.zeros(len(_PER_LOSS_TOKEN) + len(_PER_VALID_TOKEN) + len(_PER_UNIT) + 2, dtype=torch.float64)
+            w_max = torch.zeros(1, dtype=torch.float64)
+            applied, steps_run, norms, has_kl = 0, 0, [], False
+            order = [[i for i, j in enumerate(mini_of) if j == mini] for mini in range(len(minis))]
+            for step in range(lc.steps_per_batch * len(minis)):
+                idx = order[step % len(minis)]
+                nonfinite = False
+                steps_run += 1
+                for pos, i in enumerate(idx):
+                    mb, p, ref, lm, w, u = flat[i], prox[i], refs[i], loss_masks[i], weights[i], units[i]
+                    self._begin_micro_batch(pos == len(idx) - 1)
+                    if reuse:
+                        logp, ent = self._logprobs_entropy(mb)
+                        logp = mb.layout(logp.float())
+                        p = logp.detach()
+                        entropy += _entropy_sums(mb, None if ent is None else ent.detach())
+                    else:
+                        logp = mb.layout(self._logprobs(mb).float())
+                    if step < len(minis):   # the first pass over the batch: p is pi_prox, the weights at batch start
+                        stale_kl += _stale_kl_sums(mb, p, start_version)
+                    loss, m = grpo.policy_loss(logp, p, mb.behav_logprobs, mb.advantages, mb.mask, cfg.loss,
+                                               generator=self.loss_generator, ref_logp=ref)
+                    # A non-finite log-prob of a real token is a broken forward even where the loss clamps it into a
+                    # finite number (correction=none: log(pi_theta / pi_behav) is clamped to +-20): skip the step.
+                    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(torch.where(mb.mask, logp, 0.0)).all())
+                    nonfinite |= not finite
+                    self._backward(loss * w, finite)
+                    has_kl |= "kl" in m
+                    n_loss, n_valid = float(lm.sum()), float(mb.mask.sum())
+                    total_units = mini_units[mini_of[i]]
+                    row = [m.get(k, 0.0) * n_loss for k in _PER_LOSS_TOKEN]
+                    row += [m[k] * n_valid for k in _PER_VALID_TOKEN]
+                    row += [m[k] * (u / total_units if total_units > 0 else 0.0) for k in _PER_UNIT]
+                    sums += torch.tensor(row + [n_loss, n_valid], dtype=torch.float64)
+                    w_max = torch.maximum(w_max, torch.tensor([m["is_weight_max"]], dtype=torch.float64))
+                with self.phases.phase("optimizer"):
+                    ok, norm = self._optimizer_step(nonfinite)
+                norms.append(norm)
+                if not ok:
+                    self.skipped_steps += 1
+                    log.warning("learner: non-finite loss or gradient at version %d (optimizer step %d of the batch): "
+                                "the rest of the batch is skipped (%d skipped so far)", self.version, step + 1,
+                                self.skipped_steps)
+                    break
+                applied += 1
+            # One version per batch, however many optimizer steps it took (docs/LEARNER.md "Versions"): only the
+            # weights after the last step leave the learner. A batch whose first step was skipped is consumed all
+            # the same (as DeepSpeed does on an fp16 overflow): the version moves on with the weights bit-equal, so
+            # the buffer forms a fresh batch; holding it would get this very batch served again, forever if its
+            # data is the cause.
+            self.version += 1
+            self.optimizer_steps += applied
+            metrics = self._finish_metrics(batch, sums, w_max, steps_run, has_kl, start_version, entropy, stale_kl)
+        took = since(self.phases.seconds(), before)
+        dt, t_prox = sum(took.values()), took.get("proximal", 0.0)
         grad_norm = float(np.mean(norms)) if norms else float("nan")
         metrics.update({
             "perf/learner_step_s": dt, "perf/learner_prox_s": t_prox,
@@ -417,8 +427,9 @@ class TorchLearner(Learner):
     """Single-process learner with torch AdamW (serial mode, tests, debugging). fp32, or bf16 autocast on
     a GPU when ``learner.precision`` is bf16 / auto."""
 
-    def __init__(self, cfg: Config, policy: torch.nn.Module, device: Optional[str | torch.device] = None):
-        super().__init__(cfg, policy)
+    def __init__(self, cfg: Config, policy: torch.nn.Module, device: Optional[str | torch.device] = None,
+                 phases: Optional[PhaseClock] = None):
+        super().__init__(cfg, policy, phases=phases)
         self._device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.policy.to(self._device)

@@ -20,6 +20,7 @@ from torch import Tensor
 from async_vla.batching import TrainBatch
 from async_vla.config import Config
 from async_vla.hosts import free_port
+from async_vla.phases import PhaseClock
 from async_vla.placement import claim_learner_device
 from learner.checkpoint_files import capture_rng_state, restore_rng_state, tensors_digest
 from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
@@ -192,12 +193,12 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
 class DeepSpeedLearner(Learner):
     """ZeRO stage ``learner.zero_stage`` learner over all processes of the default process group."""
 
-    def __init__(self, cfg: Config, policy: torch.nn.Module):
+    def __init__(self, cfg: Config, policy: torch.nn.Module, phases: Optional[PhaseClock] = None):
         import deepspeed
         import torch.distributed as dist
 
         rank, world = init_distributed(cfg)
-        super().__init__(cfg, policy, rank=rank, world=world)
+        super().__init__(cfg, policy, rank=rank, world=world, phases=phases)
         self._dist = dist
         self._zero_gather = deepspeed.zero.GatheredParameters
         self.stage = cfg.learner.zero_stage

@@ -392,7 +392,8 @@ class LaunchedRun:
         ledger = _read_json(self.run_dir / "ledger.json") or (stats or {}).get("ledger", {})
         summary = recorder.finish(v, ledger, extra={"mode": self.cfg.run.mode, "failed": self.failed,
                                                     "buffer_metrics": (stats or {}).get("metrics", {}),
-                                                    **(extra or {})})
+                                                    **(extra or {})},
+                                  phases=(stats or {}).get("phases"))   # as the buffer heard them, actors stopped
         self.monitor.close()
         return None if self.failed else summary
 

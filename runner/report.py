@@ -1,4 +1,5 @@
-"""What a run leaves behind for a person: TensorBoard scalars, summary.json and a success-rate plot."""
+"""What a run leaves behind for a person: TensorBoard scalars, summary.json, a success-rate plot and a plot of where
+each process's time went."""
 
 from __future__ import annotations
 
@@ -147,8 +148,10 @@ class RunRecorder:
                 f"{led.get('trained', 0)} uniform {led.get('filtered_uniform', 0)} stale {led.get('stale', 0)} | "
                 f"env steps/s {self.env_steps / max(part_s, 1e-9):.0f}")
 
-    def finish(self, version: int, ledger: dict, extra: Optional[dict] = None) -> dict:
-        """Write summary.json and success.png (and progress.json); returns the summary."""
+    def finish(self, version: int, ledger: dict, extra: Optional[dict] = None,
+               phases: Optional[dict] = None) -> dict:
+        """Write summary.json, success.png and phases.png (and progress.json); returns the summary. ``phases``:
+        seconds by phase per process kind (``async_vla.phases.phase_table``) of this part of the run."""
         wall, part_s = self.wall(), time.time() - self.t0
         evals = [p["success_rate"] for p in self.eval_points]
         reached = next((p for p in self.confirm_points if p["success_rate"] >= (self.cfg.run.target_success or 2)),
@@ -174,11 +177,14 @@ class RunRecorder:
             # this part of the run (a resumed run's earlier parts had their own processes and counts)
             "throughput": {"trajectories_per_s": self.trajectories / max(part_s, 1e-9),
                            "env_steps_per_s": self.env_steps / max(part_s, 1e-9), "over_s": part_s},
+            "phases": phases or {},   # this part of the run too: each process's time since it started
         }
         summary.update(extra or {})
         self.save_progress(force=True)
         write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
         plot_success(self.run_dir / "success.png", self.eval_points, self.train_points)
+        if phases:
+            plot_phases(self.run_dir / "phases.png", phases)
         return summary
 
 
@@ -323,6 +329,42 @@ def plot_success(path: Path, eval_points: list[dict], train_points: list[dict]) 
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_phases(path: Path, tables: dict) -> None:
+    """One stacked bar per process kind: the share of its wall time each phase took (``phase_table``s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from async_vla.phases import KINDS, OTHER
+
+    kinds = [k for k in KINDS if k in tables]
+    names = sorted({n for k in kinds for n in tables[k]["frac"]}, key=lambda n: (n == OTHER, n))
+    palette = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    colors[OTHER] = "lightgrey"
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(kinds)))
+    for row, kind in enumerate(kinds):
+        left, table = 0.0, tables[kind]
+        for name, frac in table["frac"].items():
+            ax.barh(row, frac, left=left, color=colors[name], edgecolor="white")
+            if frac >= 0.06:
+                ax.text(left + frac / 2, row, f"{name}\n{100 * frac:.0f}%", ha="center", va="center", fontsize=7)
+            left += frac
+    ax.set_yticks(range(len(kinds)))
+    ax.set_yticklabels([f"{k} ({tables[k]['processes']}, {tables[k]['wall_s']:.0f} s)" for k in kinds])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of wall time (processes of a kind summed)")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=colors[n], label=n) for n in names], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(kinds) > 1 else -0.6), ncol=6, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -30,7 +30,8 @@ class ScriptedPolicy:
         self.tokens_per_call = CHUNK * DOF
         self.batches: list[int] = []
 
-    def act(self, images, proprio, instructions, temperature, generator=None):
+    def act(self, images, proprio, instructions, temperature, generator=None, greedy=None):
+        assert greedy is None
         assert images.dtype == np.uint8 and images.ndim == 4 and len(instructions) == len(images) == len(proprio)
         self.batches.append(len(images))
         rng = np.random.default_rng(len(self.batches))
@@ -263,6 +264,35 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
         assert int(t.token_mask.sum()) == t.env_steps * cfg.policy.action_dim
         assert t.env_steps <= envs[0].max_steps(t.task_id)
         assert (t.behav_logprobs <= 0).all() and np.isfinite(t.behav_logprobs).all()
+
+
+def test_sampled_dims_take_the_others_greedily_and_mask_them_out_of_the_loss(cfg, policy):
+    """actor.sampled_dims=[0, 6]: dimensions 1-5 are the argmax (identical for every member on its first call,
+    where all see one observation) and their tokens never enter the loss; dims 0 and 6 are sampled and trained."""
+    from actors.actor import SerialActor
+
+    import torch
+
+    dims_cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"sampled_dims": [0, 6]})})
+    actor = SerialActor(dims_cfg, 0, policy, builtin_envs(cfg, 4), tag=PolicyTag("l", 0))
+    trajs = list(map(roundtrip, actor.run_one_group("rt-g2")))
+    dof = cfg.policy.action_dim
+    dim = np.arange(cfg.tokens_per_call) % dof
+    sampled = np.isin(dim, [0, 6])
+    firsts = np.stack([t.action_tokens[0] for t in trajs])
+    assert (firsts[:, ~sampled] == firsts[:1, ~sampled]).all()        # greedy: one value per position
+    assert len({tuple(row) for row in firsts[:, sampled]}) > 1          # sampled at T = 1.6: members differ
+    t = trajs[0]
+    idx = policy.tokenizer.token_to_index(torch.tensor(np.array(t.action_tokens[:1])))
+    with torch.no_grad():
+        logits = policy.action_logits(t.images[:1], t.proprio[:1], [actor.envs[0].instruction(t.task_id)], idx)
+    assert torch.equal(logits.argmax(-1)[0, ~torch.from_numpy(sampled)], idx[0, ~torch.from_numpy(sampled)])
+    for t in trajs:
+        assert not t.token_mask[:, ~sampled].any()                       # greedy tokens: never trained
+        assert int(t.token_mask.sum()) == t.env_steps * 2                # two sampled dims per executed step
+    with pytest.raises(ValueError, match="sampled_dims"):
+        GroupRollout(policy, builtin_envs(cfg, 1), run_id="rt", actor_id=0, temperature=1.6,
+                     policy_tag=lambda: PolicyTag("l", 0), sampled_dims=[7])
 
 
 def test_real_swap_between_chunks_with_weights(cfg, policy):

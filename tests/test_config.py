@@ -66,6 +66,10 @@ def test_cross_field_checks():
     with pytest.raises(ConfigError, match="actor.temperature=0 .* buffer.dynamic_sampling"):
         load_config(None, ["actor.temperature=0"])
     assert load_config(None, ["actor.temperature=0", "buffer.dynamic_sampling=false"]).actor.temperature == 0
+    for bad in ("[7]", "[0,0]", "[]"):
+        with pytest.raises(ConfigError, match=r"actor.sampled_dims .* \(policy.action_dim=7\)"):
+            load_config(None, [f"actor.sampled_dims={bad}"])
+    assert load_config(None, ["actor.sampled_dims=[0,1,2,6]"]).actor.sampled_dims == [0, 1, 2, 6]
 
 
 def test_vllm_backend_without_vllm_fails_at_config_time():

@@ -13,6 +13,7 @@ def test_monitor_writes_and_read_tags_reads_back(tmp_path):
         mon.scalars({tag: 1.0 for tag in REQUIRED_TAGS if tag != "loss/policy"}, 1)
         mon.scalars({"rollout/success_rate_by_task/3": np.float32(0.5), "not/a/number": "x",
                      "flag/bool": True}, 1)
+        mon.scalars({f"time/{kind}/other_frac": 0.01 for kind in ("actor", "learner", "buffer")}, 1)
         mon.histogram("learner/lag", [0, 1, 1, 2], 1)
         mon.histogram("learner/empty", [], 1)  # skipped, no crash
         mon.flush()

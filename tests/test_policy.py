@@ -96,6 +96,22 @@ def test_greedy_is_argmax_and_deterministic(policy):
     assert torch.equal(logits.argmax(-1), idx)
 
 
+def test_greedy_positions_take_the_argmax_and_report_their_logprob_at_the_temperature(policy):
+    images, proprio, instr = batch(6)
+    greedy = np.zeros(policy.tokens_per_call, dtype=bool)
+    greedy[3::7] = greedy[4::7] = True
+    tokens, logp = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(2), greedy=greedy)
+    idx = policy.tokenizer.token_to_index(torch.from_numpy(tokens))
+    logits = policy.action_logits(images, proprio, instr, idx)      # teacher-forced: the argmax each position saw
+    g = torch.from_numpy(greedy)
+    assert torch.equal(logits.argmax(-1)[:, g], idx[:, g])
+    assert not torch.equal(logits.argmax(-1)[:, ~g], idx[:, ~g])    # the rest are sampled at T = 1.6
+    re = policy.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="greedy must be a bool mask"):
+        policy.act(images, proprio, instr, 1.6, greedy=greedy[:-1])
+
+
 def test_sampling_reproducible_with_generator(policy):
     images, proprio, instr = batch(4)
     a, _ = policy.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(5))

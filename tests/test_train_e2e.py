@@ -32,7 +32,9 @@ def bin_train(tmp_path: Path, name: str, extra: list[str], timeout: int) -> tupl
     argv = [sys.executable, str(REPO / "bin" / "train"), str(cfg), f"run.out_dir={tmp_path}", f"run.name={name}",
             *SMALL, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    proc.elapsed_s = time.monotonic() - started   # what every process of the run lived within
     return proc, tmp_path / name
 
 
@@ -42,14 +44,31 @@ def check_run_dir(rd: Path, proc: subprocess.CompletedProcess, versions: int, tr
     summary = json.loads((rd / "summary.json").read_text())
     assert summary["final_version"] >= versions
     assert summary["throughput"]["trajectories_per_s"] > 0 and summary["throughput"]["env_steps_per_s"] > 0
-    for name in ("config.yaml", "success.png", "ledger.json"):
+    for name in ("config.yaml", "success.png", "phases.png", "ledger.json"):
         assert (rd / name).is_file(), name
+    check_phases(summary, rd, proc.elapsed_s)
     ledger = json.loads((rd / "ledger.json").read_text())
     counts = ledger["ledger"]
     assert ledger["received"] == sum(counts.values()), (ledger["received"], counts)
     assert counts["trained"] >= (versions - trained_from) * 2 * 4
     assert max((int(k) for k in ledger["lag_histogram"]), default=0) <= ledger["max_staleness"]
     return summary
+
+
+OTHER_MAX_FRAC = 0.05   # the time no phase covers, per process kind
+
+
+def check_phases(summary: dict, rd: Path, elapsed_s: float) -> None:
+    """Where the time went: a table per process kind whose named phases add up to its wall time within a few percent
+    ("other": what no phase covers), each kind's wall within what its processes can have lived (``elapsed_s``: the
+    bin/train command's), and the shares in TensorBoard."""
+    tables, tags = summary["phases"], read_tags(rd / "tb")
+    assert set(tables) == {"actor", "learner", "buffer"}, tables
+    for kind, table in tables.items():
+        named = sum(s for name, s in table["seconds"].items() if name != "other")
+        assert named >= (1 - OTHER_MAX_FRAC) * table["wall_s"], (kind, table)
+        assert 0 < table["wall_s"] <= table["processes"] * elapsed_s, (kind, table, elapsed_s)
+        assert any(t.startswith(f"time/{kind}/") for t in tags), kind
 
 
 @pytest.mark.timeout(360)  # above the subprocess's own 300 s, so its budget (and message) applies

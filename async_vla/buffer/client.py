@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from async_vla.learner_secret import learner_secret, secret_path, sign
 from async_vla.messages import BatchRequest, ControlCommand, Lineage
+from async_vla.phases import PhaseClock
 from async_vla.transport import ControlClient, ControlTimeout, CurveKeys, endpoints
 
 log = logging.getLogger("learner")
@@ -22,12 +23,14 @@ class BatchClient:
     """One learner rank's requests for batches: one outstanding ``BatchRequest`` at a time.
 
     ``lineage``: this learner start's, the same on every rank (``Learner.start_lineage``); every request carries
-    it, so the buffer tells a new learner from a retrying one and follows it (``GroupBuffer.set_learner_version``)."""
+    it, so the buffer tells a new learner from a retrying one and follows it (``GroupBuffer.set_learner_version``).
+    ``phases``: the rank's PhaseClock, whose seconds every request carries to the buffer's stats (none: {})."""
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, *, lineage: Lineage):
+    def __init__(self, cfg: Any, run_dir: Path, rank: int, world: int, *, lineage: Lineage,
+                 phases: Optional[PhaseClock] = None):
         if not lineage.id:
             raise ValueError("BatchClient needs the learner's lineage (Learner.start_lineage), not the initial one")
-        self.cfg, self.rank, self.world, self.lineage = cfg, rank, world, lineage
+        self.cfg, self.rank, self.world, self.lineage, self.phases = cfg, rank, world, lineage, phases
         eps = endpoints(cfg.transport, run_dir, side="connect")
         self.endpoint, self.control_endpoint = eps["batch"], eps["control"]
         self.keys = CurveKeys.load(cfg.transport.curve_dir, "client") if cfg.transport.curve else None
@@ -48,7 +51,8 @@ class BatchClient:
             try:
                 self.client.request(sign(self.secret, BatchRequest(
                     rank=self.rank, world=self.world, version=version, timeout_s=timeout,
-                    lineage=self.lineage.encode())), timeout_s=timeout)
+                    lineage=self.lineage.encode(), phases=self.phases.seconds() if self.phases is not None else {})),
+                    timeout_s=timeout)
             except ControlTimeout as exc:  # never block in a send: the buffer is gone for long
                 log.warning("%s: reconnecting", exc)
                 self._reconnect()

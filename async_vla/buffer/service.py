@@ -46,6 +46,7 @@ from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRe
                                 Heartbeat, Lineage, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
 from async_vla.learner_secret import learner_secret, secret_path, verify
+from async_vla.phases import PhaseClock, phase_scalars, phase_table
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,11 @@ class BufferService:
         buffer may allow it); bin/buffer stops on signals: anyone who can reach the socket could send one."""
         self._warned: collections.Counter = collections.Counter()
         self._closed = False
+        self.phases = PhaseClock()
+        """Where this process's time goes: ``control`` (grants, stats, commands), ``deliver`` (batch requests and
+        the batches sent), ``receive`` (reading and checking trajectories), ``admit`` (GroupBuffer.add: assembly,
+        filters), ``chores`` (timers: expiry, ledger, metrics), ``idle`` (waiting for input)."""
+        self._learner_phases: dict[int, dict] = {}   # rank -> the seconds its last BatchRequest carried
         self.latest_metrics: dict[str, float] = {}
         """metrics() as of the last status tick (logging.status_every_s); the one thing other threads may read."""
         now = clock()
@@ -168,34 +174,42 @@ class BufferService:
         soon as some comes: a wait adds no latency, it only bounds how late the timers run). Returns the number of
         messages handled."""
         work = 0
-        for server, handle in ((self.control, self._handle), (self.batches, self._handle_batch)):
-            for _ in range(CONTROL_BURST):
-                got = server.recv(0)
-                if got is None:
-                    break
-                handle(*got)
-                work += 1
+        phase = self.phases.phase
+        for server, handle, name in ((self.control, self._handle, "control"),
+                                     (self.batches, self._handle_batch, "deliver")):
+            with phase(name):
+                for _ in range(CONTROL_BURST):
+                    got = server.recv(0)
+                    if got is None:
+                        break
+                    handle(*got)
+                    work += 1
         added = 0
         for _ in range(TRAJECTORY_BURST):
             if not self.buffer.has_room():
                 self.counters["full_steps"] += 1
                 break
-            msg = self.receiver.recv(0)
-            self._sync_malformed()
+            with phase("receive"):
+                msg = self.receiver.recv(0)
+                self._sync_malformed()
             if msg is None:
                 break
-            self._on_trajectory(msg)
+            with phase("admit"):
+                self._on_trajectory(msg)
             added += 1
         work += added
         now = self.clock()
         if self._parked and (added or any(deadline <= now for _, _, deadline in self._parked)):
-            self._serve_parked(now)
-        if work and self.recorder is not None:
-            self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
-        self._periodic(now, on_status)
+            with phase("deliver"):
+                self._serve_parked(now)
+        with phase("chores"):
+            if work and self.recorder is not None:
+                self.recorder.flush()   # into the OS page cache each busy step: a kill -9 loses no received input
+            self._periodic(now, on_status)
         if not work:  # idle: wait until a socket that can make progress has input (the next step reads it)
             poller = self._idle_poll if self.buffer.has_room() else self._full_poll
-            poller.poll(int(wait_s * 1000))
+            with phase("idle"):
+                poller.poll(int(wait_s * 1000))
         return work
 
     def _on_trajectory(self, msg) -> None:
@@ -250,6 +264,8 @@ class BufferService:
                            "refused", why, self.batch_endpoint)
                 self.batches.reply_bundle(peer, BatchHeader(batch_id=-1, version=msg.version, ready=False), [])
                 return
+            if msg.phases and 0 <= msg.rank < msg.world:
+                self._learner_phases[msg.rank] = msg.phases
             self._batch_request(peer, msg)
         else:
             self.counters["batch_socket_unexpected"] += 1
@@ -511,12 +527,26 @@ class BufferService:
         m["buffer/batch_malformed"] = float(self.batches.malformed.total)
         for k, v in self.counters.items():
             m[f"buffer/{k}"] = float(v)
+        m.update(phase_scalars(self.phase_tables()))
         return m
 
+    def phase_tables(self) -> dict[str, dict]:
+        """Seconds by phase per process kind (``phases.phase_table``): this buffer, the actors (the seconds of
+        each actor's latest ActorStats) and the learner ranks (of each rank's latest BatchRequest)."""
+        actors = [e["stats"].phases for e in self._actors.values() if "stats" in e and e["stats"].phases]
+        out = {"buffer": phase_table([self.phases.seconds()])}
+        if actors:
+            out["actor"] = phase_table(actors)
+        if self._learner_phases:
+            out["learner"] = phase_table(self._learner_phases.values())
+        return out
+
     def stats(self) -> dict:
-        """Reply of ControlCommand("stats"): the ledger snapshot plus counters and metrics (and, when recording,
-        how many records the recording holds so far: replaying that many reproduces the buffer as of this reply)."""
+        """Reply of ControlCommand("stats"): the ledger snapshot plus counters, metrics, the phase tables (and, when
+        recording, how many records the recording holds so far: replaying that many reproduces the buffer as of this
+        reply)."""
         return {**self.buffer.ledger_snapshot(), "service": dict(self.counters), "metrics": self.metrics(),
+                "phases": self.phase_tables(),
                 "recorded_records": self.recorder.records if self.recorder is not None else None}
 
     # ------------------------------------------------------------------ lifetime

@@ -124,6 +124,15 @@ class Config(Section):
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
                 f"({self.policy.patch_size})"
             )
+        dims = self.actor.sampled_dims
+        if dims is not None and (not dims or len(set(dims)) != len(dims)
+                                 or not all(0 <= d < self.policy.action_dim for d in dims)):
+            raise ValueError(f"actor.sampled_dims {dims} must be distinct action dimensions in 0.."
+                             f"{self.policy.action_dim - 1} (policy.action_dim={self.policy.action_dim}), at least "
+                             "one; or null to sample every dimension")
+        if dims is not None and self.actor.backend != "torch":
+            raise ValueError("actor.sampled_dims needs actor.backend=torch (vLLM samples every position alike): "
+                             "set actor.sampled_dims=null")
         if self.actor.temperature == 0 and self.buffer.dynamic_sampling:
             # Greedy rollouts of one init state are identical (the simulators are deterministic): every group has
             # one outcome, dynamic sampling drops it, and the learner waits forever.

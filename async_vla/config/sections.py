@@ -180,6 +180,10 @@ class ActorConfig(Section):
     """G: rollouts per group, all from the same init state."""
     temperature: float = Field(1.6, ge=0)
     """Rollout sampling temperature (SimpleVLA-RL: 1.6); 0 = greedy."""
+    sampled_dims: Optional[list[int]] = None
+    """Action dimensions sampled at `temperature` (e.g. [0, 1, 2, 6]: translation and gripper); the others are
+    taken greedily (argmax) and left out of the loss (their tokens' `token_mask` is False), so the policy gradient
+    covers only the explored dimensions. None = every dimension sampled (SimpleVLA-RL). docs/LIBERO.md."""
     swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
     """When an actor swaps in new weights: between policy calls, or only between episodes."""
     backend: Literal["torch", "vllm"] = "torch"
@@ -206,7 +210,7 @@ class ActorConfig(Section):
     stop_timeout_s: float = Field(10.0, gt=0)
     """On shutdown the fleet waits this long for actors to exit after SIGTERM, then kills them."""
     stats_every_s: float = Field(5.0, gt=0)
-    """Seconds between ActorStats messages (throughput, inference and idle time, success by task)."""
+    """Seconds between ActorStats messages (throughput, time by phase, success by task)."""
     grant_timeout_s: float = Field(5.0, gt=0)
     """An unanswered GrantRequest is sent again after this long (the buffer may have restarted)."""
     send_timeout_s: float = Field(0.5, gt=0)

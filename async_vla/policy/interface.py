@@ -25,9 +25,11 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature == 0 else float(temperature)
 
 
-def sample_tokens(logits: Tensor, temperature: float, generator: Optional[torch.Generator] = None
-                  ) -> tuple[Tensor, Tensor]:
-    """Sample bin indices from ``logits [..., num_bins]``; returns (indices int64, log-probs float32)."""
+def sample_tokens(logits: Tensor, temperature: float, generator: Optional[torch.Generator] = None,
+                  greedy: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Sample bin indices from ``logits [..., num_bins]``; returns (indices int64, log-probs float32).
+    ``greedy``: bool, broadcastable to ``logits.shape[:-1]``: those positions take the argmax instead (their
+    log-probs are still reported at ``temperature``)."""
     logp_all = F.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
     if temperature == 0:
         idx = logits.argmax(dim=-1)
@@ -36,6 +38,8 @@ def sample_tokens(logits: Tensor, temperature: float, generator: Optional[torch.
         cdf = logp_all.reshape(-1, logp_all.shape[-1]).exp().cumsum(-1)
         u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
         idx = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).reshape(logp_all.shape[:-1])
+        if greedy is not None:
+            idx = torch.where(greedy.to(idx.device), logits.argmax(dim=-1), idx)
     return idx, logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
@@ -57,16 +61,24 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
-                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
-        """Bin indices and log-probs ``[B, T]`` of one sampled chunk (no grad)."""
+                generator: Optional[torch.Generator], greedy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """Bin indices and log-probs ``[B, T]`` of one sampled chunk (no grad); ``greedy`` (bool [T] or None):
+        positions decoded by argmax (``sample_tokens``)."""
 
     def act(self, images: np.ndarray, proprio: np.ndarray, instructions: list[str], temperature: float,
-            generator: Optional[torch.Generator] = None) -> tuple[np.ndarray, np.ndarray]:
-        """Sample one chunk per batch row: (action token ids int64 [B, T], behaviour log-probs float32 [B, T])."""
+            generator: Optional[torch.Generator] = None, greedy: Optional[np.ndarray] = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """Sample one chunk per batch row: (action token ids int64 [B, T], behaviour log-probs float32 [B, T]).
+        ``greedy`` (bool [T]): positions taken by argmax rather than sampled (``actor.sampled_dims``)."""
         if len(instructions) != len(images):
             raise ValueError(f"{len(images)} images but {len(instructions)} instructions")
+        g = None
+        if greedy is not None:
+            g = torch.as_tensor(np.asarray(greedy, dtype=bool))
+            if g.shape != (self.tokens_per_call,):
+                raise ValueError(f"greedy must be a bool mask of {self.tokens_per_call} positions, got {tuple(g.shape)}")
         with torch.inference_mode():
-            idx, logp = self._sample(images, proprio, instructions, temperature, generator)
+            idx, logp = self._sample(images, proprio, instructions, temperature, generator, g)
         tokens = self.tokenizer.index_to_token(idx.cpu().numpy().astype(np.int64))
         return tokens, logp.cpu().numpy().astype(np.float32)
 

@@ -184,15 +184,17 @@ class TinyVLA(VLAPolicy):
         return self._action_head(out.last_hidden_state[:, -t:])
 
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
-                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+                generator: Optional[torch.Generator], greedy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         if self.decoding == "parallel":
-            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator)
+            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator,
+                                 greedy)
         prefix, context = self.prefix_embeds(images, proprio, instructions)
         x = torch.cat([prefix, (self.action_queries[0] + self.action_start + context).unsqueeze(1)], dim=1)
         out = self.llm.model(inputs_embeds=x, use_cache=True)
         idxs, logps = [], []
         for i in range(self.tokens_per_call):
-            idx, logp = sample_tokens(self._action_head(out.last_hidden_state[:, -1]), temperature, generator)
+            idx, logp = sample_tokens(self._action_head(out.last_hidden_state[:, -1]), temperature, generator,
+                                      None if greedy is None else greedy[i])
             idxs.append(idx)
             logps.append(logp)
             if i + 1 == self.tokens_per_call:

@@ -182,9 +182,10 @@ class OpenVLAPolicy(VLAPolicy):
         return logits
 
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
-                generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+                generator: Optional[torch.Generator], greedy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         if self.decoding == "parallel":
-            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator)
+            return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator,
+                                 greedy)
         pixels = self._pixels(images)
         b, t = len(instructions), self.tokens_per_call
         idx_all = torch.empty(b, t, dtype=torch.long, device=self.device)
@@ -194,7 +195,8 @@ class OpenVLAPolicy(VLAPolicy):
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[rows],
                              use_cache=True)
             for i in range(t):
-                idx, logp = sample_tokens(self._logits(out)[:, -1], temperature, generator)
+                idx, logp = sample_tokens(self._logits(out)[:, -1], temperature, generator,
+                                          None if greedy is None else greedy[i])
                 idx_all[rows, i], logp_all[rows, i] = idx, logp
                 if i + 1 == t:
                     break
