@@ -344,11 +344,12 @@ class GroupBuffer:
         return sorted(self._by_actor)
 
     # ------------------------------------------------------------------ grants
-    def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None) -> list[str]:
+    def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None, identities: int = 1) -> list[str]:
         """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may start; [] = not now (``Admission.grantable``: pacing, or its
         policy ``tag`` is unusable - whatever it produced would be dropped - ; memory full; or the actor holds
-        ``max_groups_per_actor`` open groups already). A want above what the actor may still hold is trimmed
-        (``grants_capped``); a want < 1 gets nothing; ``tag`` None: not judged by weights."""
+        ``max_groups_per_actor`` open groups already, or its fair share of the budget among ``identities`` live
+        actors). A want above what the actor may still hold is trimmed (``grants_capped``); a want < 1 gets
+        nothing; ``tag`` None: not judged by weights."""
         actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
         room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
         if want > room:
@@ -356,7 +357,8 @@ class GroupBuffer:
         why = self.admission.judge(tag) if tag is not None else ""
         if why:
             self.grants_refused[why] += 1
-        n = self.admission.grantable(tag, min(want, room)) if self.has_room() else 0
+        n = (self.admission.grantable(tag, min(want, room), self.held_by(actor_id), identities)
+             if self.has_room() else 0)
         now = self.clock()
         ids = [self._new_gid() for _ in range(n)]
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too

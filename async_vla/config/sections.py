@@ -500,6 +500,11 @@ class TransportConfig(Section):
     """The learner's credential (batch requests are signed with it; async_vla/learner_secret.py). None =
     <run_dir>/secrets/learner, created mode 0600 by whichever of the buffer and the learner starts first. Set by
     the Ray launcher for ranks whose node does not share the run directory; actors never need it."""
+    actor_secret_file: Optional[str] = None
+    """The actors' credential (each actor's grant requests, heartbeats and stats carry a token derived from it and
+    its actor id; async_vla/learner_secret.py). None = <run_dir>/secrets/actors, created mode 0600 by whichever of
+    the buffer and an actor starts first. Set by the Ray and Slurm launchers for actors whose node does not share
+    the run directory."""
     weights_allowed_peers: List[str] = []
     """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
     transport.host is beyond loopback (required then: the store has no authentication). The store itself always
