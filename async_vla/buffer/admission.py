@@ -89,9 +89,11 @@ class Admission:
             return 0
         if not self.cfg.pacing:
             return max(0, want)
-        capacity = self.capacity(tag)
-        share = max(1, (capacity + self.running) // max(1, identities))
-        return max(0, min(want, capacity, share - held))
+        return max(0, min(want, self.capacity(tag), self.share(identities, tag) - held))
+
+    def share(self, identities: int, tag: Optional[PolicyTag] = None) -> int:
+        """Open groups one of ``identities`` live actors may hold (see "Fair share")."""
+        return max(1, (self.capacity(tag) + self.running) // max(1, identities))
 
     # ------------------------------------------------------------------ the learner
     def follow(self, version: int, lineage: Optional[Lineage] = None) -> bool:

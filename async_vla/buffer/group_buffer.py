@@ -132,7 +132,7 @@ class GroupBuffer:
         self._largest = 0
         self.batches_formed = 0
         self._next_gid = 0              # the ids' counter (the actors' task cycle); the random part makes them unique
-        self.grants_refused: collections.Counter = collections.Counter()   # by Admission.judge: behind / dead
+        self.grants_refused: collections.Counter = collections.Counter()   # behind / dead (judge) / share
         self.grants_capped = 0          # grant requests trimmed to max_groups_per_actor
         self.rollbacks: list[dict] = []  # learner lineages followed after the first (restarts, resumes)
         self._by_actor: dict[int, set[str]] = {}  # actor -> ids of its granted groups still open
@@ -357,8 +357,10 @@ class GroupBuffer:
         why = self.admission.judge(tag) if tag is not None else ""
         if why:
             self.grants_refused[why] += 1
-        n = (self.admission.grantable(tag, min(want, room), self.held_by(actor_id), identities)
-             if self.has_room() else 0)
+        held = self.held_by(actor_id)
+        n = self.admission.grantable(tag, min(want, room), held, identities) if self.has_room() else 0
+        if not why and self.cfg.pacing and 0 < want and self.admission.share(identities, tag) - held < min(want, room):
+            self.grants_refused["share"] += 1        # held back by its fair share (others live want theirs)
         now = self.clock()
         ids = [self._new_gid() for _ in range(n)]
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too
@@ -578,6 +580,7 @@ class GroupBuffer:
             "buffer/pacing_capacity": float(self.admission.capacity()), "buffer/learner_version": float(self.version),
             "buffer/grants_refused_behind": float(self.grants_refused["behind"]),
             "buffer/grants_refused_dead": float(self.grants_refused["dead"]),
+            "buffer/grants_refused_share": float(self.grants_refused["share"]),
             "buffer/grants_capped": float(self.grants_capped),
         })
         return m
@@ -590,7 +593,8 @@ class GroupBuffer:
             "max_staleness": self.max_staleness, "eta_changes": list(self.admission.eta_changes),
             "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
             "grants_refused_behind": self.grants_refused["behind"],
-            "grants_refused_dead": self.grants_refused["dead"], "grants_capped": self.grants_capped,
+            "grants_refused_dead": self.grants_refused["dead"], "grants_refused_share": self.grants_refused["share"],
+            "grants_capped": self.grants_capped,
             "groups_in_flight": len(self._open),
             "actors_holding_grants": len(self._by_actor),
             "most_groups_held_by_one_actor": max(map(len, self._by_actor.values()), default=0),
