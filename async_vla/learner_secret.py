@@ -12,9 +12,10 @@ writes ``<run>/control/max_staleness`` instead). Actors never get it: the
 Slurm actor bundle and the Ray fleet's files hold the actor secret, keys and config only.
 
 Replay: every signed message carries ``session`` (random, one per signing process) and ``seq`` (nanoseconds since
-the epoch at signing, strictly increasing within a session) inside its MAC; the buffer's ``ReplayGuard`` serves a
-session's messages only in increasing ``seq`` order, and none signed more than MAX_CLOCK_SKEW_S before the buffer
-started (a message recorded before a buffer restart). A replayed message is refused like a forged one ("replayed").
+the epoch at signing, strictly increasing within a session) inside its MAC; the buffer's ``ReplayGuard`` takes each
+(session, seq) once, none more than REPLAY_WINDOW_S older than the newest of its session (messages of one session
+on several sockets may arrive out of order within that window), and none signed more than MAX_CLOCK_SKEW_S before
+the buffer started (a message recorded before a buffer restart). A replay is refused like a forgery ("replayed").
 
 Actors: ``<run>/secrets/actors`` (``transport.actor_secret_file`` on a node that does not share the run directory;
 created like the learner's). An actor's token is HMAC-SHA256(actor secret, "actor <id>"); its ``GrantRequest``,
@@ -49,6 +50,7 @@ ACTOR_SECRET_FILE = "secrets/actors"
 SECRET_BYTES = 32
 MAX_CLOCK_SKEW_S = 60.0   # a signed message's seq may be this much older than the buffer's start (other nodes' clocks)
 MAX_SESSIONS = 1024       # signing sessions remembered (learner ranks x starts); older ones leave a floor behind
+REPLAY_WINDOW_S = 60.0    # how far behind its session's newest message a message may arrive (it is remembered)
 
 
 def secret_path(transport_cfg, run_dir) -> Path:
@@ -143,24 +145,29 @@ def verify(secret: bytes, req: Signed) -> str:
 
 
 class ReplayGuard:
-    """The buffer's memory of signed messages: each session's last ``seq`` (at most MAX_SESSIONS sessions; a
-    forgotten session's last seq raises ``floor``, below which no message is taken). Only for messages whose MAC
-    checked (so only the learner makes sessions)."""
+    """The buffer's memory of signed messages: per session its newest ``seq`` and the seqs taken within
+    REPLAY_WINDOW_S of it (at most MAX_SESSIONS sessions; a forgotten session's newest seq raises ``floor``, at or
+    below which no message is taken). Only for messages whose MAC checked (so only the learner makes sessions)."""
 
     def __init__(self, started_ns: Optional[int] = None):
         start = time.time_ns() if started_ns is None else started_ns
         self.floor = start - int(MAX_CLOCK_SKEW_S * 1e9)
-        self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[str, tuple[int, set]] = collections.OrderedDict()
 
     def fresh(self, req: Signed) -> bool:
-        """Is ``req`` newer than everything its session sent before (then it is remembered)? False = a replay."""
-        last = self._last.get(req.session, self.floor)
-        if req.seq <= last:
+        """Is ``req`` a message its session has not sent before, within the window (then it is remembered)?
+        False = a replay."""
+        window = int(REPLAY_WINDOW_S * 1e9)
+        newest, seen = self._sessions.get(req.session, (self.floor, set()))
+        if req.seq <= max(self.floor, newest - window) or req.seq in seen:
             return False
-        self._last[req.session] = req.seq
-        self._last.move_to_end(req.session)
-        while len(self._last) > MAX_SESSIONS:
-            self.floor = max(self.floor, self._last.popitem(last=False)[1])
+        newest = max(newest, req.seq)
+        seen = {s for s in seen if s > newest - window} if len(seen) > 256 else seen
+        seen.add(req.seq)
+        self._sessions[req.session] = (newest, seen)
+        self._sessions.move_to_end(req.session)
+        while len(self._sessions) > MAX_SESSIONS:
+            self.floor = max(self.floor, self._sessions.popitem(last=False)[1][0])
         return True
 
 

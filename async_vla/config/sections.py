@@ -489,9 +489,12 @@ class TransportConfig(Section):
     trajectory_hwm: int = Field(4, ge=1)
     """Trajectories the buffer's socket queues per actor connection before it stops reading that connection
     (the kernel's TCP buffers, then the actor's own queue, take the rest). Bounds the buffer process: about
-    buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
+    buffer.max_bytes + connections x (trajectory_hwm + 1) x transport.max_message_mb (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
-    """Receiving sockets drop any message above this size before allocating it."""
+    """Receiving sockets drop any frame above this size before allocating it, and refuse any message whose frames
+    add up to more (counted "oversize"). A frame below it is allocated whole when its header arrives, however
+    slowly its bytes follow, so the buffer's memory bound counts this size per queued or half-read message: set
+    it near one trajectory (the config check names the least) to keep that bound tight."""
     curve: bool = False
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None

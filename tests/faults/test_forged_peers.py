@@ -247,13 +247,17 @@ def test_replayed_learner_messages_are_refused_and_counted(tmp_path):
         assert s["ledger"]["trained"] == 4 and s["learner_version"] == 1
 
 
-def test_a_replay_guard_takes_each_session_in_order_and_nothing_signed_before_the_buffer_started():
-    from async_vla.learner_secret import MAX_CLOCK_SKEW_S, ReplayGuard
+def test_a_replay_guard_takes_each_message_once_and_nothing_signed_before_the_buffer_started():
+    from async_vla.learner_secret import MAX_CLOCK_SKEW_S, REPLAY_WINDOW_S, ReplayGuard
 
     guard = ReplayGuard(started_ns=10**18)
     first, second = (BatchRequest(rank=0, world=1, version=0, session="a", seq=10**18 + k) for k in (1, 2))
-    assert guard.fresh(first) and guard.fresh(second) and not guard.fresh(first) and not guard.fresh(second)
-    assert guard.fresh(BatchRequest(rank=0, world=1, version=0, session="b", seq=10**18 + 1))   # its own order
+    assert guard.fresh(second) and guard.fresh(first)          # out of order (two sockets): both taken, once
+    assert not guard.fresh(first) and not guard.fresh(second)
+    assert guard.fresh(BatchRequest(rank=0, world=1, version=0, session="b", seq=10**18 + 1))   # its own seqs
+    late = 10**18 + 3 + int(REPLAY_WINDOW_S * 1e9)
+    assert guard.fresh(BatchRequest(rank=0, world=1, version=0, session="a", seq=late))
+    assert not guard.fresh(BatchRequest(rank=0, world=1, version=0, session="a", seq=10**18 + 3))  # out of window
     early = 10**18 - int(2 * MAX_CLOCK_SKEW_S * 1e9)          # signed well before this buffer started
     assert not guard.fresh(BatchRequest(rank=0, world=1, version=0, session="c", seq=early))
     assert ReplayGuard().fresh(sign(b"0" * 64, BatchRequest(rank=0, world=1, version=0)))   # now: fresh
