@@ -251,7 +251,8 @@ class GrantRequest(Message):
 class AdmissionGrant(Message):
     """Buffer -> actor: start these groups (ids issued by the buffer, so it can count them in flight), or none and
     why (``refused``: "wait" = ask again after retry_after_s; "behind" = the actor's weights lag the learner by
-    more than max_staleness, "dead" = they are not the learner's: either way load the learner's newest first)."""
+    more than max_staleness, "dead" = they are not the learner's: either way load the learner's newest first;
+    "unauthenticated" = the request's actor id did not authenticate, ``error`` says why)."""
 
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
@@ -263,7 +264,7 @@ class AdmissionGrant(Message):
     learner_lineage: str = ROOT
     max_staleness: int = 0
     retry_after_s: float = 0.0
-    refused: str = ""               # "" (granted), "wait", "behind" or "dead" (see above)
+    refused: str = ""               # "" (granted), "wait", "behind", "dead" or "unauthenticated" (see above)
     error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
     buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 

@@ -10,7 +10,10 @@ socket, ControlCommand("stats")). Each ``step()``:
      metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
      timeout_s passes (then ready=False); a BatchRequest without the learner's credential (async_vla/learner_secret.py:
      an HMAC with the run's secret) is answered not-ready at once and counted by reason (``learner_refused_*``),
-     moving nothing. A BatchRequest on the control socket is answered
+     moving nothing, and so is a replay of one that has (``learner_refused_replayed``). A GrantRequest, Heartbeat or
+     ActorStats whose actor id does not authenticate (the run's actor credential; with CURVE also the key that
+     first spoke for that id) is counted by reason (``actor_refused_*``) and nothing else: a grant request gets
+     its one reply, refused "unauthenticated". A BatchRequest on the control socket is answered
      not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
@@ -18,7 +21,8 @@ socket, ControlCommand("stats")). Each ``step()``:
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
 Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
-buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
+buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set) and a fair share
+of the pacing budget per live actor (Admission), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered besides those holding grants (newcomers never push out an actor holding a grant); an actor silent
 for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
