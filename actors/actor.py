@@ -342,7 +342,8 @@ class Actor:
             self._grant_sent_at = None
             self._buffer_id = msg.buffer_id or self._buffer_id
             if msg.error:
-                log.warning("actor %d: the buffer answered our grant request with an error: %s", self.actor_id, msg.error)
+                log.warning("actor %d: the buffer answered our grant request with an error: %s", self.actor_id,
+                            msg.error)
             self.learner_version = msg.learner_version   # the buffer's view (status only)
             self._refused = msg.refused
             self.pending.extend(msg.group_ids)

@@ -345,7 +345,8 @@ class GroupBuffer:
 
     # ------------------------------------------------------------------ grants
     def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None, identities: int = 1) -> list[str]:
-        """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may start; [] = not now (``Admission.grantable``: pacing, or its
+        """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may
+        start; [] = not now (``Admission.grantable``: pacing, or its
         policy ``tag`` is unusable - whatever it produced would be dropped - ; memory full; or the actor holds
         ``max_groups_per_actor`` open groups already, or its fair share of the budget among ``identities`` live
         actors). A want above what the actor may still hold is trimmed (``grants_capped``); a want < 1 gets

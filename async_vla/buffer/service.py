@@ -538,7 +538,8 @@ class BufferService:
         docs/ARCHITECTURE.md). Code and interpreter come on top (bin/bench scale measures that margin). Not
         covered: a message of many frames, each under the cap, which libzmq assembles whole before the buffer can
         refuse it (docs/RELIABILITY.md, threats)."""
-        return self.cfg.buffer.max_bytes + connections * (self.cfg.transport.trajectory_hwm + 1) * self.receiver.max_bytes
+        per_connection = (self.cfg.transport.trajectory_hwm + 1) * self.receiver.max_bytes
+        return self.cfg.buffer.max_bytes + connections * per_connection
 
     def metrics(self) -> dict[str, float]:
         """Buffer ledger and pacing, actor throughput and success, service counters, and the process's memory
