@@ -527,11 +527,6 @@ class GroupBuffer:
         return self.held_bytes == 0 or self.held_bytes + self._largest <= self.cfg.max_bytes
 
     @property
-    def largest_trajectory_bytes(self) -> int:
-        """Array bytes of the largest trajectory received so far (0 before the first)."""
-        return self._largest
-
-    @property
     def ready_groups(self) -> int:
         """Admitted groups waiting for a batch (including reuse leftovers)."""
         return len(self._ready)
