@@ -493,9 +493,12 @@ class TransportConfig(Section):
     trajectory_hwm: int = Field(4, ge=1)
     """Trajectories the buffer's socket queues per actor connection before it stops reading that connection
     (the kernel's TCP buffers, then the actor's own queue, take the rest). Bounds the buffer process: about
-    buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
+    buffer.max_bytes + connections x (trajectory_hwm + 1) x transport.max_message_mb (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
-    """Receiving sockets drop any message above this size before allocating it."""
+    """Receiving sockets drop any frame above this size before allocating it, and refuse any message whose frames
+    add up to more (counted "oversize"). A frame below it is allocated whole when its header arrives, however
+    slowly its bytes follow, so the buffer's memory bound counts this size per queued or half-read message: set
+    it near one trajectory (the config check names the least) to keep that bound tight."""
     curve: bool = False
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
@@ -504,6 +507,11 @@ class TransportConfig(Section):
     """The learner's credential (batch requests are signed with it; async_vla/learner_secret.py). None =
     <run_dir>/secrets/learner, created mode 0600 by whichever of the buffer and the learner starts first. Set by
     the Ray launcher for ranks whose node does not share the run directory; actors never need it."""
+    actor_secret_file: Optional[str] = None
+    """The actors' credential (each actor's grant requests, heartbeats and stats carry a token derived from it and
+    its actor id; async_vla/learner_secret.py). None = <run_dir>/secrets/actors, created mode 0600 by whichever of
+    the buffer and an actor starts first. Set by the Ray and Slurm launchers for actors whose node does not share
+    the run directory."""
     weights_allowed_peers: List[str] = []
     """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight-rendezvous store when
     transport.host is beyond loopback (required then: the store has no authentication). The store itself always
