@@ -31,8 +31,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import hmac
+import json
 import os
 import secrets
 import stat
