@@ -31,6 +31,7 @@ from actors.rollout import GroupRollout, GroupSpec, RolloutStats
 from actors.status import sent_log_path, status_path, write_status
 from actors.weight_loading import load_weights
 from actors.vllm_weights import StaleWeights
+from async_vla.learner_secret import actor_secret, actor_secret_path, actor_token
 from async_vla.messages import (
     ROOT, ActorStats, AdmissionGrant, GrantRequest, Heartbeat, Message, PolicyTag, Shutdown, Trajectory, encode,
 )
@@ -232,6 +233,8 @@ class Actor:
         self._stats_mark = RolloutStats()
         self._stats_t = time.monotonic()
         self._status_file = status_path(self.run_dir, self.actor_id)
+        # Our token under the run's actor secret: the buffer takes no grant request, heartbeat or stats without it
+        self._auth = actor_token(actor_secret(actor_secret_path(cfg.transport, self.run_dir)), self.actor_id)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -310,7 +313,7 @@ class Actor:
         try:
             if self.core is not None:
                 self._send_stats()
-            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, "stopped"))
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, "stopped", auth=self._auth))
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.exception("final heartbeat failed")
         self._write_status()
@@ -349,7 +352,8 @@ class Actor:
             self._grant_sent_at = None
             self._buffer_id = msg.buffer_id or self._buffer_id
             if msg.error:
-                log.warning("actor %d: the buffer trimmed our grant request: %s", self.actor_id, msg.error)
+                log.warning("actor %d: the buffer answered our grant request with an error: %s", self.actor_id,
+                            msg.error)
             self.learner_version = msg.learner_version   # the buffer's view (status only)
             self._refused = msg.refused
             self.pending.extend(msg.group_ids)
@@ -380,7 +384,7 @@ class Actor:
         now = time.monotonic()
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.actor.heartbeat_s
-            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, self.state))
+            self.control.send(Heartbeat(self.actor_id, os.getpid(), self._tag().version, self.state, auth=self._auth))
             self._write_status()
         if now >= self._next_stats and self.core is not None:
             self._next_stats = now + self.cfg.actor.stats_every_s
@@ -406,7 +410,7 @@ class Actor:
                 # Never blocks: with the control queue full (buffer unreachable) the request is dropped, counted
                 # in control.dropped, and asked again on the next pass.
                 tag = self._tag()
-                if self.control.send(GrantRequest(self.actor_id, 1, tag.version, tag.lineage)):
+                if self.control.send(GrantRequest(self.actor_id, 1, tag.version, tag.lineage, auth=self._auth)):
                     self._grant_sent_at, self._asked = t0, tag
                 else:
                     self._retry_at = t0 + self.cfg.buffer.grant_retry_s
@@ -446,7 +450,7 @@ class Actor:
             policy_calls=d.policy_calls, phases=self.phases.seconds(), episodes=d.episodes,
             successes_by_task={k: int(v) for k, v in d.successes_by_task.items()},
             episodes_by_task={k: int(v) for k, v in d.episodes_by_task.items()},
-            policy_version=self._tag().version, env_crashes=d.env_crashes))
+            policy_version=self._tag().version, env_crashes=d.env_crashes, auth=self._auth))
         self._stats_mark, self._stats_t = self.core.totals.copy(), now
 
     def _write_status(self) -> None:

@@ -247,11 +247,13 @@ class GrantRequest(Message):
     """Actor -> buffer: may I start ``want`` new groups?"""
 
     KIND: ClassVar[str] = "grant_request"
-    SCALARS: ClassVar[dict] = {"actor_id": _INT, "want": _INT, "policy_version": _INT, "policy_lineage": _STR}
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "want": _INT, "policy_version": _INT, "policy_lineage": _STR,
+                               "auth": _STR}
     actor_id: int
     want: int = 1
     policy_version: int = 0
     policy_lineage: str = ROOT
+    auth: str = ""      # the actor's token under the run's actor secret (async_vla/learner_secret.py)
 
     @property
     def policy(self) -> PolicyTag:
@@ -263,7 +265,8 @@ class GrantRequest(Message):
 class AdmissionGrant(Message):
     """Buffer -> actor: start these groups (ids issued by the buffer, so it can count them in flight), or none and
     why (``refused``: "wait" = ask again after retry_after_s; "behind" = the actor's weights lag the learner by
-    more than max_staleness, "dead" = they are not the learner's: either way load the learner's newest first)."""
+    more than max_staleness, "dead" = they are not the learner's: either way load the learner's newest first;
+    "unauthenticated" = the request's actor id did not authenticate, ``error`` says why)."""
 
     KIND: ClassVar[str] = "admission_grant"
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "group_ids": _LIST, "learner_version": _INT,
@@ -275,7 +278,7 @@ class AdmissionGrant(Message):
     learner_lineage: str = ROOT
     max_staleness: int = 0
     retry_after_s: float = 0.0
-    refused: str = ""               # "" (granted), "wait", "behind" or "dead" (see above)
+    refused: str = ""               # "" (granted), "wait", "behind", "dead" or "unauthenticated" (see above)
     error: str = ""                 # the request itself was out of bounds (want < 1, or above what it may hold)
     buffer_id: str = ""             # the buffer incarnation answering (a restarted buffer has a new one)
 
@@ -289,12 +292,14 @@ class Heartbeat(Message):
     """Actor -> buffer/fleet: alive, with its current policy version and state."""
 
     KIND: ClassVar[str] = "heartbeat"
-    SCALARS: ClassVar[dict] = {"actor_id": _INT, "pid": _INT, "policy_version": _INT, "state": _STR, "t": _FLOAT}
+    SCALARS: ClassVar[dict] = {"actor_id": _INT, "pid": _INT, "policy_version": _INT, "state": _STR, "t": _FLOAT,
+                               "auth": _STR}
     actor_id: int
     pid: int = 0
     policy_version: int = 0
     state: str = "running"
     t: float = field(default_factory=time.time)
+    auth: str = ""      # the actor's token (as GrantRequest.auth)
 
 
 @dataclass
@@ -306,7 +311,7 @@ class ActorStats(Message):
     SCALARS: ClassVar[dict] = {"actor_id": _INT, "interval_s": _FLOAT, "env_steps": _INT, "policy_calls": _INT,
                                "phases": _DICT, "episodes": _INT,
                                "successes_by_task": _DICT, "episodes_by_task": _DICT, "policy_version": _INT,
-                               "env_crashes": _INT}
+                               "env_crashes": _INT, "auth": _STR}
     actor_id: int
     interval_s: float = 0.0
     env_steps: int = 0
@@ -317,6 +322,7 @@ class ActorStats(Message):
     episodes_by_task: dict = field(default_factory=dict)
     policy_version: int = 0
     env_crashes: int = 0
+    auth: str = ""      # the actor's token (as GrantRequest.auth)
 
     def validate(self) -> None:
         for d in (self.successes_by_task, self.episodes_by_task):
@@ -332,12 +338,14 @@ class BatchRequest(Message):
 
     KIND: ClassVar[str] = "batch_request"
     SCALARS: ClassVar[dict] = {"rank": _INT, "world": _INT, "version": _INT, "timeout_s": _FLOAT, "lineage": _STR,
-                               "auth": _STR, "phases": _DICT}
+                               "session": _STR, "seq": _INT, "auth": _STR, "phases": _DICT}
     rank: int
     world: int
     version: int
     timeout_s: float = 1.0
     lineage: str = ""   # the learner's Lineage, encoded ("": not told; the buffer keeps the one it follows)
+    session: str = ""   # the signing process's session and its message counter, inside the MAC (no replays)
+    seq: int = 0
     auth: str = ""      # HMAC of the fields with the run's learner secret (async_vla/learner_secret.py)
     phases: dict = field(default_factory=dict)
 
@@ -364,9 +372,12 @@ class ControlCommand(Message):
     """Operator or learner -> buffer: change a live knob (e.g. max_staleness) or report the learner version."""
 
     KIND: ClassVar[str] = "control"
-    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None)), "auth": _STR}
+    SCALARS: ClassVar[dict] = {"command": _STR, "value": (int, float, str, type(None)), "session": _STR,
+                               "seq": _INT, "auth": _STR}
     command: str
     value: Any = None
+    session: str = ""   # set_max_staleness: signing session and counter (as BatchRequest's)
+    seq: int = 0
     auth: str = ""      # set_max_staleness: HMAC with the run's learner secret (async_vla/learner_secret.py)
 
 

@@ -271,6 +271,10 @@ class ControlServer:
         self.endpoint = bind(self._sock, endpoint)
         self.max_bytes = max_bytes
         self.malformed = MalformedCounter()
+        self._curve = keys is not None
+        self.user_id = ""
+        """The ZAP User-Id (the client's CURVE public key, Z85) of the message ``recv`` returned last; "" without
+        CURVE."""
 
     def recv(self, timeout_s: float = 0.0) -> Optional[tuple[bytes, Message]]:
         deadline = time.monotonic() + timeout_s
@@ -279,6 +283,7 @@ class ControlServer:
             if not self._sock.poll(remaining, zmq.POLLIN):
                 return None
             peer, *frames = self._sock.recv_multipart(copy=False)
+            self.user_id = frames[0].get("User-Id") if self._curve and frames else ""
             try:
                 return bytes(peer.buffer), decode(frames, self.max_bytes)
             except MalformedMessage as exc:

@@ -109,13 +109,15 @@ def service_cost(n: int, calls: int, image: int, B: int = 4) -> dict:
     ctx = mp.get_context("spawn")  # never fork a process that holds ZeroMQ sockets
     with tempfile.TemporaryDirectory() as run_dir:
         svc = BufferService(_config(B), run_dir, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        from async_vla.learner_secret import ACTOR_SECRET_FILE, actor_secret, as_actor
         from async_vla.messages import GrantRequest
         from async_vla.transport import ControlClient
 
         client = ControlClient(svc.control_endpoint)
+        secret = actor_secret(f"{run_dir}/{ACTOR_SECRET_FILE}")
 
         def grant(want: int) -> list[str]:
-            client.send(GrantRequest(actor_id=0, want=want))
+            client.send(as_actor(secret, GrantRequest(actor_id=0, want=want)))
             while (reply := client.recv(0.0)) is None:
                 svc.step(wait_s=0.005)
             return reply.group_ids

@@ -51,15 +51,17 @@ def _config(run_dir: Path, B: int, traj_bytes: int, hwm: int) -> dict:
     }
 
 
-def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent) -> None:
+def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent, run_dir: str) -> None:
     """``conns`` simulated actors, each with its own trajectory (PUSH) and control (DEALER) connection, as
     bin/actors has: ask for a grant, stream the granted group's G members, ask again. Pacing in the buffer bounds
     the groups in flight, as it does for real actors (without it every connection holds a partial group)."""
     import dataclasses
 
+    from async_vla.learner_secret import ACTOR_SECRET_FILE, actor_secret, as_actor
     from async_vla.messages import AdmissionGrant, GrantRequest, encode
     from async_vla.transport import ControlClient, TrajectorySender
 
+    secret = actor_secret(Path(run_dir) / ACTOR_SECRET_FILE)   # the run's actors' credential
     template = make_trajectory(CALLS, IMAGE)
     senders = [TrajectorySender(traj_ep, hwm=2) for _ in range(conns)]
     controls = [ControlClient(ctl_ep) for _ in range(conns)]
@@ -79,8 +81,8 @@ def _produce(traj_ep: str, ctl_ep: str, conns: int, first_actor: int, stop, sent
                     asked[c] = now + (reply.retry_after_s if not reply.group_ids else 0)
             if not groups[c]:
                 if now >= asked[c]:
-                    controls[c].send(GrantRequest(actor_id=actor, want=1, policy_version=version,
-                                                  policy_lineage=lineage))
+                    controls[c].send(as_actor(secret, GrantRequest(actor_id=actor, want=1, policy_version=version,
+                                                                   policy_lineage=lineage)))
                     asked[c] = now + 5.0   # re-ask if no reply comes
                 continue
             k = member[c]
@@ -123,16 +125,19 @@ def _rank(cfg_path: str, run_dir: str, rank: int, batches: int, out, lineage: st
     out.put((rank, lat))
 
 
-def _probe_grants(endpoint: str, stop, out) -> None:
+def _probe_grants(endpoint: str, stop, out, run_dir: str) -> None:
+    from async_vla.learner_secret import ACTOR_SECRET_FILE, actor_secret, as_actor
     from async_vla.messages import GrantRequest
     from async_vla.transport import ControlClient, ControlTimeout
+
+    probe = as_actor(actor_secret(Path(run_dir) / ACTOR_SECRET_FILE), GrantRequest(actor_id=99999, want=0))
 
     client = ControlClient(endpoint)
     lat = []
     while not stop.is_set():
         t0 = time.monotonic()
         try:
-            client.call(GrantRequest(actor_id=99999, want=0), timeout_s=30.0)
+            client.call(probe, timeout_s=30.0)
             lat.append(time.monotonic() - t0)
         except ControlTimeout:
             lat.append(30.0)
@@ -173,13 +178,14 @@ def one(n: int, B: int, batches: int, hwm: int) -> dict:
             base_cpu, _, _ = _proc_stat(buf.pid)
             stop, sent, q = ctx.Event(), ctx.Value("l", 0), ctx.Queue()
             per = [n // PRODUCER_PROCS + (i < n % PRODUCER_PROCS) for i in range(PRODUCER_PROCS)]
-            producers = [ctx.Process(target=_produce, args=(traj_ep, ctl_ep, c, sum(per[:i]), stop, sent))
+            producers = [ctx.Process(target=_produce, args=(traj_ep, ctl_ep, c, sum(per[:i]), stop, sent,
+                                                            str(run_dir)))
                          for i, c in enumerate(per) if c]
             lineage = uuid.uuid4().hex   # the simulated ranks are one learner start
             step = ctx.Barrier(RANKS)
             ranks = [ctx.Process(target=_rank, args=(str(cfg_path), str(run_dir), r, batches, q, lineage, step))
                      for r in range(RANKS)]
-            prober = ctx.Process(target=_probe_grants, args=(ctl_ep, stop, q))
+            prober = ctx.Process(target=_probe_grants, args=(ctl_ep, stop, q, str(run_dir)))
             t_start = time.monotonic()
             for p in ranks + producers + [prober]:
                 p.start()

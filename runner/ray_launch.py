@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from async_vla.config import Config, dump_config, load_config, write_resolved
+from async_vla.learner_secret import actor_secret, actor_secret_path
 from async_vla.transport import endpoints
 from async_vla.placement import placed
 from runner.commands import REPO, component_argv
@@ -145,7 +146,8 @@ def start_ray_children(cfg: Config, run_dir: Path, cfg_path: Path, resume: bool)
                                           ranks=cfg.learner.num_ranks)
             children["learner"] = on_driver("learner", learner_argv, rc.learner_cpus, rc.learner_gpus,
                                             rc.learner_memory_gb, 0, rc.learner_resources)
-        children["actors"] = Fleets(start_fleets(cfg, fleet_cfg, host_cls))
+        secret = actor_secret(actor_secret_path(cfg.transport, run_dir))   # the run's (the buffer reads it there)
+        children["actors"] = Fleets(start_fleets(cfg, fleet_cfg, host_cls, secret))
         if cfg.logging.serve_tensorboard:
             children["tensorboard"] = start_tensorboard(cfg, run_dir)
     except BaseException:
@@ -166,18 +168,20 @@ def placement(children: dict[str, Any]) -> dict:
     return out
 
 
-def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any) -> list[RayProcess]:
+def start_fleets(cfg: Config, fleet_cfg: Config, host_cls: Any, secret: bytes) -> list[RayProcess]:
     """``ray.fleets`` fleets of ``actor.num_actors`` actors (ids i*n ..), each in a node-local directory holding
-    the config and the client side of the CURVE keys."""
+    the config, the run's actor secret (``secret``, async_vla/learner_secret.py; never the learner's) and the
+    client side of the CURVE keys."""
     rc, n = cfg.ray, cfg.actor.num_actors
-    files = {"config.yaml": dump_config(fleet_cfg).encode(), **client_key_files(cfg)}
+    files = {"config.yaml": dump_config(fleet_cfg).encode(), "actor.secret": secret, **client_key_files(cfg)}
     eps = endpoints(fleet_cfg.transport, None, side="connect")
     fleets, token = [], uuid.uuid4().hex[:8]   # this launch's fleets never reuse an earlier one's directory
     for i in range(rc.fleets):
         workdir = f"/tmp/async_vla-{cfg.run.name}-{token}-fleet{i}"   # node-local
         argv = component_argv("actors", f"{workdir}/config.yaml", f"{workdir}/run", python=PYTHON, num=n,
                               first_id=i * n, connect=f"{eps['trajectory']},{eps['control']}",
-                              overrides=[f"transport.curve_dir={workdir}/keys"] if cfg.transport.curve else [])
+                              overrides=[f"transport.actor_secret_file={workdir}/actor.secret"]
+                              + ([f"transport.curve_dir={workdir}/keys"] if cfg.transport.curve else []))
         opts: dict = dict(num_cpus=rc.fleet_cpus or n * cfg.actor.torch_threads, num_gpus=rc.fleet_gpus,
                           resources=dict(rc.fleet_resources), max_restarts=rc.max_restarts, max_task_retries=-1)
         if rc.fleet_memory_gb:

@@ -1,7 +1,7 @@
 """A Slurm heterogeneous-job script for a config (component 0: buffer and learner ranks; component 1: one actor fleet
-per node), the commands of runner/commands.py, no shared filesystem needed (config and actor-side CURVE keys
-streamed over ``srun``'s stdin). ``render_sbatch`` is pure; ``bin/slurm`` writes it. Details: docs/ARCHITECTURE.md
-"Slurm script"."""
+per node), the commands of runner/commands.py, no shared filesystem needed (config, actor-side CURVE keys and the
+actor secret streamed over ``srun``'s stdin). ``render_sbatch`` is pure; ``bin/slurm`` writes it. Details:
+docs/ARCHITECTURE.md "Slurm script"."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def render_sbatch(cfg: Config, layout: SlurmLayout) -> str:
         "actors", "$1/config.yaml", "$1/run", python=None, repo="$0", num=per_node,
         first_id=f"$((SLURM_PROCID * {per_node}))",
         overrides=["transport.connect_host=$2", "transport.curve=true", "transport.curve_dir=$1/keys",
-                   "weights.fetch=true"]))
+                   "transport.actor_secret_file=$1/secrets/actors", "weights.fetch=true"]))
 
     def sbatch(lines: list[str], gpus: int) -> list[str]:
         out = [f"#SBATCH {line}" for line in lines]
@@ -98,8 +98,12 @@ cat > "$CONFIG" <<'{marker}'
 
 LEARNER_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)"
 "$REPO/bin/keys" "$RUN_DIR/keys" --force
-# The config and the actor side of the keys to every actor node, over srun's stdin: no shared filesystem.
-tar -C "$RUN_DIR" -cf "$RUN_DIR/actor-bundle.tar" config.yaml keys/server.key keys/client.key keys/client.key_secret
+# The run's actor secret (async_vla/learner_secret.py: 32 random bytes, hex, 0600 in a 0700 folder), made here
+# since the actor bundle needs it before the buffer starts; the learner's secret never leaves this node.
+(umask 077 && mkdir -p "$RUN_DIR/secrets" && if [ ! -s "$RUN_DIR/secrets/actors" ]; then
+    od -An -N32 -tx1 /dev/urandom | tr -d ' \\n' > "$RUN_DIR/secrets/actors"; fi)
+# The config, the actor secret and the actor side of the keys to every actor node, over srun's stdin.
+tar -C "$RUN_DIR" -cf "$RUN_DIR/actor-bundle.tar" config.yaml secrets/actors keys/server.key keys/client.key keys/client.key_secret
 # shellcheck disable=SC2016  # $1 is expanded by the bash on each actor node
 srun --het-group=1 --ntasks-per-node=1 --input=all \\
     bash -c 'mkdir -p "$1" && tar -xf - -C "$1"' _ "$ACTOR_DIR" < "$RUN_DIR/actor-bundle.tar"

@@ -225,6 +225,21 @@ def test_pacing_arithmetic():
     assert len(unpaced.grant(0, want=50)) == 14 and unpaced.grants_capped == 1   # 64 open per actor at most
 
 
+def test_each_live_identity_keeps_its_fair_share_of_the_pacing_budget():
+    buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=3, max_groups_per_actor=8), RUN)
+    assert buf.admission.capacity() == (3 + 0 + 1) * 2 == 8
+    assert len(buf.grant(1, want=8, identities=4)) == 2            # 4 live actors: 8 // 4 each
+    assert buf.grant(1, want=8, identities=4) == [] and buf.grants_refused["share"] == 2
+    assert [len(buf.grant(a, want=8, identities=4)) for a in (2, 3)] == [2, 2]
+    assert len(buf.grant(4, want=1, identities=4)) == 1            # the last one's share is still there
+    assert len(buf.grant(4, want=8, identities=4)) == 1 and buf.admission.capacity() == 0
+    assert len(buf.grant(5, want=8, identities=1)) == 0            # a share, never more than the budget
+    alone = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=3, max_groups_per_actor=8), RUN)
+    assert len(alone.grant(1, want=8)) == 8 and alone.grants_refused["share"] == 0   # one identity: all of it
+    crowd = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=3, max_groups_per_actor=8), RUN)
+    assert [len(crowd.grant(a, want=8, identities=100)) for a in range(10)] == [1] * 8 + [0, 0]   # at least 1
+
+
 def test_pacing_counts_from_resumed_learner_version():
     buf = GroupBuffer.from_config(make_cfg(groups_per_batch=2, max_staleness=0), RUN)
     buf.set_learner_version(57)                   # resumed learner, no batch formed yet: v_rel = 0

@@ -15,7 +15,7 @@ import zmq
 from test_buffer import make_traj
 
 from async_vla.buffer.service import BufferService
-from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
+from async_vla.learner_secret import ACTOR_SECRET_FILE, SECRET_FILE, actor_secret, as_actor, learner_secret, sign
 from async_vla.config import BufferConfig, Config, RunConfig, TransportConfig, write_resolved
 from async_vla.messages import (ROOT, ActorStats, AdmissionGrant, BatchRequest, ControlCommand, GrantRequest, Lineage,
                                 Trajectory, decode)
@@ -52,6 +52,12 @@ def learner_request(run_dir, **fields) -> BatchRequest:
     return sign(learner_secret(Path(run_dir) / SECRET_FILE), BatchRequest(**fields))
 
 
+def as_run_actor(run_dir, msg):
+    """``msg`` (a GrantRequest, Heartbeat or ActorStats) with its actor's token under the run's actor secret, as
+    an actor sends it."""
+    return as_actor(actor_secret(Path(run_dir) / ACTOR_SECRET_FILE), msg)
+
+
 def stats(client: ControlClient) -> dict:
     client.send(ControlCommand("stats"))
     reply = client.recv(10)
@@ -79,7 +85,7 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         actor = ControlClient(svc.control_endpoint, identity=b"actor-1")
         ranks = [ControlClient(svc.batch_endpoint, identity=f"rank-{r}".encode()) for r in range(2)]
         sender = TrajectorySender(svc.trajectory_endpoint)
-        actor.send(GrantRequest(actor_id=1, want=8))
+        actor.send(as_run_actor(tmp_path, GrantRequest(actor_id=1, want=8)))
         grant = actor.recv(10)
         assert isinstance(grant, AdmissionGrant) and grant.max_staleness == 1 and grant.learner_version == 0
         assert len(grant.group_ids) == (1 + 0 + 1) * 2                       # pacing: (eta + v + 1) * B
@@ -104,13 +110,14 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         assert actor.recv(10).command == "error" and stats(actor)["service"]["control_refused_no_credential"] == 1
         actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", 3)))
         assert actor.recv(10) == ControlCommand("ok", 3)
-        actor.send(GrantRequest(actor_id=2, want=8))
+        actor.send(as_run_actor(tmp_path, GrantRequest(actor_id=2, want=8)))
         grant2 = actor.recv(10)
-        # running = ids[3]; accepted = 2: (3 + 0 + 1) * 2 - 1 - 2 = 5 (with eta 1 it would have been 1), but one
-        # actor holds at most max_groups_per_actor=4 open groups, and it is told why it got fewer than it asked for
-        assert grant2.max_staleness == 3 and len(grant2.group_ids) == 4 and "max_groups_per_actor" in grant2.error
-        actor.send(GrantRequest(actor_id=3, want=8))
-        assert len(actor.recv(10).group_ids) == 1
+        # running = ids[3]; accepted = 2: (3 + 0 + 1) * 2 - 1 - 2 = 5 free (with eta 1 it would have been 1); one
+        # actor holds at most max_groups_per_actor=4 open groups (it is told why it got fewer than it asked for),
+        # and its fair share of the 5 + 1 slots for running groups among 2 live actors is 3
+        assert grant2.max_staleness == 3 and len(grant2.group_ids) == 3 and "max_groups_per_actor" in grant2.error
+        actor.send(as_run_actor(tmp_path, GrantRequest(actor_id=3, want=8)))
+        assert len(actor.recv(10).group_ids) == 2          # 2 free, its share of 6 among 3 live actors: 2
         s = stats(actor)
         assert s["metrics"]["buffer/max_staleness"] == 3.0 and s["eta_changes"][-1]["source"] == "control"
         actor.send(sign(learner_secret(tmp_path / SECRET_FILE), ControlCommand("set_max_staleness", "x")))
@@ -120,8 +127,8 @@ def test_grants_batches_to_two_ranks_and_live_eta(tmp_path):
         header, members = ranks[0].recv_bundle(10)
         assert not header.ready and members == []
 
-        actor.send(ActorStats(actor_id=1, interval_s=2.0, env_steps=300, episodes=4,
-                              successes_by_task={"0": 1, "1": 2}, episodes_by_task={"0": 2, "1": 2}))
+        actor.send(as_run_actor(tmp_path, ActorStats(actor_id=1, interval_s=2.0, env_steps=300, episodes=4,
+                              successes_by_task={"0": 1, "1": 2}, episodes_by_task={"0": 2, "1": 2})))
         raw = zmq.Context.instance().socket(zmq.PUSH)
         raw.linger = 0
         raw.connect(svc.trajectory_endpoint)
@@ -142,7 +149,7 @@ def test_batches_travel_on_their_own_socket_and_a_batch_request_on_the_control_s
         assert len({svc.trajectory_endpoint, svc.control_endpoint, svc.batch_endpoint}) == 3
         control, rank = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        (a,) = control.call(GrantRequest(actor_id=0, want=1), 10).group_ids
+        (a,) = control.call(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=1)), 10).group_ids
         send_group(sender, a, (1, 0))
         wait_stats(control, lambda s: s["groups_ready"] == 1)
         control.send(BatchRequest(rank=0, world=1, version=0, timeout_s=10))   # its one reply, not the batch
@@ -167,7 +174,7 @@ def test_memory_metrics_count_trajectory_connections_against_the_bound(tmp_path)
         for k, snd in enumerate(senders):
             assert snd.send(make_traj(f"m{k}", 0, True, run_id=RUN), timeout_s=5)
         m = wait_stats(control, lambda s: s["metrics"]["buffer/trajectory_connections"] == 2)["metrics"]
-        per_connection = (cfg.transport.trajectory_hwm + 1) * cfg.trajectory_bytes   # make_traj's are smaller
+        per_connection = (cfg.transport.trajectory_hwm + 1) * int(cfg.transport.max_message_mb * 2**20)   # the cap
         assert m["buffer/memory_bound_bytes"] == cfg.buffer.max_bytes + 2 * per_connection
         assert m["buffer/rss_bytes"] > 10 * 2**20          # this interpreter, its numpy and ZeroMQ at least
         senders[0].close()
@@ -191,7 +198,7 @@ def test_eta_file_watch(tmp_path):
         (tmp_path / "control" / "max_staleness").write_bytes(b"\xff\xfe\x00")   # not text: ignored, still serving
         time.sleep(0.3)
         assert stats(client)["max_staleness"] == 5
-        client.send(GrantRequest(actor_id=0, want=100))
+        client.send(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=100)))
         assert client.recv(10).max_staleness == 5
         client.close()
 
@@ -202,7 +209,7 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
     with running(tmp_path, cfg) as svc:
         client, learner = ControlClient(svc.control_endpoint), ControlClient(svc.batch_endpoint)
         sender = TrajectorySender(svc.trajectory_endpoint)
-        a, u, partial = client.call(GrantRequest(actor_id=0, want=3), 10).group_ids
+        a, u, partial = client.call(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=3)), 10).group_ids
         send_group(sender, a, (1, 0, 1, 0))
         send_group(sender, u, (1, 1))
         sender.send(make_traj(partial, 0, True, run_id=RUN))                    # its actor "dies"
@@ -210,7 +217,8 @@ def test_recording_and_replay_reproduce_the_ledger(tmp_path):
         sender.send(make_traj(a, 1, False, run_id=RUN))                         # duplicate
         learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))     # "a" is too old now
         assert not learner.recv_bundle(10)[0].ready
-        (c,) = client.call(GrantRequest(actor_id=0, want=1, policy_version=3), 10).group_ids   # now: grants expire in 0.3 s
+        (c,) = client.call(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=1, policy_version=3)),
+                           10).group_ids   # now: grants expire in 0.3 s
         send_group(sender, c, (0, 1), bv=3)
         learner.send(learner_request(tmp_path, rank=0, world=1, version=3, timeout_s=5))
         assert learner.recv_bundle(10)[0].ready
@@ -259,7 +267,7 @@ def test_a_parked_batch_request_is_served_by_the_last_trajectory_even_when_it_co
     with _stepped(tmp_path, FakeClock(100.0), groups_per_batch=1, pacing=False) as svc:
         learner, sender = ControlClient(svc.batch_endpoint), TrajectorySender(svc.trajectory_endpoint)
         actor = ControlClient(svc.control_endpoint)
-        actor.send(GrantRequest(actor_id=0, want=1))
+        actor.send(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=1)))
         (a,) = _step_until(svc, lambda: actor.recv(0.0), "the grant").group_ids
         assert sender.send(make_traj(a, 0, True, G=2, run_id=RUN), timeout_s=5)
         learner.send(learner_request(tmp_path, rank=0, world=1, version=0, timeout_s=60))
@@ -288,7 +296,8 @@ def test_a_grant_says_why_it_is_empty_and_whose_learner_it_answers_for(tmp_path)
         assert not _step_until(svc, lambda: learner.recv_bundle(0.0), "the learner's request")[0].ready
         replies = []
         for n, (lineage, version) in enumerate((("l", 2), ("l", 2), ("l", 1), ("gone", 2))):
-            actor.send(GrantRequest(actor_id=n, want=1, policy_version=version, policy_lineage=lineage))
+            actor.send(as_run_actor(tmp_path, GrantRequest(actor_id=n, want=1, policy_version=version,
+                                                           policy_lineage=lineage)))
             replies.append(_step_until(svc, lambda: actor.recv(0.0), f"grant reply {n}"))
         assert [(len(g.group_ids), g.refused) for g in replies] == [(1, ""), (0, "wait"), (0, "behind"), (0, "dead")]
         assert all((g.learner_lineage, g.learner_version) == ("l", 2) for g in replies)

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = r"""
 import json, sys
-from test_buffer_service import learner_request, running, send_group, service_cfg, wait_stats
+from test_buffer_service import as_run_actor, learner_request, running, send_group, service_cfg, wait_stats
 from async_vla.messages import GrantRequest
 from async_vla.metrics import Monitor
 from async_vla.transport import ControlClient, TrajectorySender
@@ -25,7 +25,7 @@ tb_dir = sys.argv[1]
 with running(tb_dir, service_cfg(groups_per_batch=1, record=True)) as svc, Monitor(tb_dir) as monitor:
     sender = TrajectorySender(svc.trajectory_endpoint)
     learner, control = ControlClient(svc.batch_endpoint, identity=b"rank-0"), ControlClient(svc.control_endpoint)
-    mixed, uniform = control.call(GrantRequest(actor_id=0, want=2), 10).group_ids
+    mixed, uniform = control.call(as_run_actor(tb_dir, GrantRequest(actor_id=0, want=2)), 10).group_ids
     send_group(sender, mixed, (1, 0, 1, 0))              # admitted (the outcome filter ran)
     send_group(sender, uniform, (1, 1, 1, 1))            # dropped by dynamic sampling
     learner.send(learner_request(tb_dir, rank=0, world=1, version=0, timeout_s=10))

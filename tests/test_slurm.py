@@ -65,6 +65,8 @@ def test_rendered_script_is_a_heterogeneous_job_of_the_configs_run(script):
     # Only the actor side of the keys leaves the learner node.
     bundle = next(line for line in text.splitlines() if "actor-bundle.tar" in line and "tar -C" in line)
     assert "keys/client.key_secret" in bundle and "server.key_secret" not in bundle
+    assert "secrets/actors" in bundle and "secrets/learner" not in bundle   # the actors' credential, never the learner's
+    assert '"transport.actor_secret_file=$1/secrets/actors"' in text
 
 
 def test_a_learner_count_that_does_not_divide_the_batch_is_refused(tmp_path):

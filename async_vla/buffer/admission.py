@@ -25,6 +25,12 @@ The race: the learner publishes v + 1 right after its step, then asks for batch 
 the learner's own lineage can ask for work before that request arrives; its tag shows the learner reached v + 1,
 so it is judged at v + 1 (never further, and only its own grant: the version moves by batch requests alone).
 
+Fair share: an actor is an identity (its id, authenticated by the buffer before it asks: the run's actor
+credential). With n live identities (those heard from lately, the asker included), one may hold at most
+    share = max(1, (capacity + running) // n)
+granted-unfinished groups, so whatever the others ask for, each keeps its slice of the budget: a greedy actor's
+grants stop at its share and the rest stay free for the others (who ask in turn).
+
 The owner (``GroupBuffer``) reports every group's start, finish, acceptance and later drop (``on_*``).
 """
 
@@ -76,11 +82,18 @@ class Admission:
             version += 1      # the race: the learner published v + 1, its request for it is on the way
         return (self.eta + version - self.v_base + 1) * self.B - self.running - self.accepted
 
-    def grantable(self, tag: Optional[PolicyTag], want: int) -> int:
-        """How many of ``want`` groups an actor holding ``tag`` may start now (None: not judged by weights)."""
+    def grantable(self, tag: Optional[PolicyTag], want: int, held: int = 0, identities: int = 1) -> int:
+        """How many of ``want`` groups an actor holding ``tag`` (None: not judged by weights) and ``held`` open
+        groups may start now, with ``identities`` live actors (itself included) sharing the budget."""
         if tag is not None and self.judge(tag):
             return 0
-        return max(0, min(want, self.capacity(tag))) if self.cfg.pacing else max(0, want)
+        if not self.cfg.pacing:
+            return max(0, want)
+        return max(0, min(want, self.capacity(tag), self.share(identities, tag) - held))
+
+    def share(self, identities: int, tag: Optional[PolicyTag] = None) -> int:
+        """Open groups one of ``identities`` live actors may hold (see "Fair share")."""
+        return max(1, (self.capacity(tag) + self.running) // max(1, identities))
 
     # ------------------------------------------------------------------ the learner
     def follow(self, version: int, lineage: Optional[Lineage] = None) -> bool:

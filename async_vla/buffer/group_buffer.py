@@ -132,7 +132,7 @@ class GroupBuffer:
         self._largest = 0
         self.batches_formed = 0
         self._next_gid = 0              # the ids' counter (the actors' task cycle); the random part makes them unique
-        self.grants_refused: collections.Counter = collections.Counter()   # by Admission.judge: behind / dead
+        self.grants_refused: collections.Counter = collections.Counter()   # behind / dead (judge) / share
         self.grants_capped = 0          # grant requests trimmed to max_groups_per_actor
         self.rollbacks: list[dict] = []  # learner lineages followed after the first (restarts, resumes)
         self._by_actor: dict[int, set[str]] = {}  # actor -> ids of its granted groups still open
@@ -344,11 +344,13 @@ class GroupBuffer:
         return sorted(self._by_actor)
 
     # ------------------------------------------------------------------ grants
-    def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None) -> list[str]:
-        """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may start; [] = not now (``Admission.grantable``: pacing, or its
+    def grant(self, actor_id: int, want: int = 1, tag: Optional[PolicyTag] = None, identities: int = 1) -> list[str]:
+        """New group ids (capabilities: "<run>-<32 random hex digits>-g<n>", never issued twice) the actor may
+        start; [] = not now (``Admission.grantable``: pacing, or its
         policy ``tag`` is unusable - whatever it produced would be dropped - ; memory full; or the actor holds
-        ``max_groups_per_actor`` open groups already). A want above what the actor may still hold is trimmed
-        (``grants_capped``); a want < 1 gets nothing; ``tag`` None: not judged by weights."""
+        ``max_groups_per_actor`` open groups already, or its fair share of the budget among ``identities`` live
+        actors). A want above what the actor may still hold is trimmed (``grants_capped``); a want < 1 gets
+        nothing; ``tag`` None: not judged by weights."""
         actor_id, want = int(actor_id), max(0, min(int(want), MAX_WANT))
         room = max(0, self.cfg.max_groups_per_actor - self.held_by(actor_id))
         if want > room:
@@ -356,7 +358,10 @@ class GroupBuffer:
         why = self.admission.judge(tag) if tag is not None else ""
         if why:
             self.grants_refused[why] += 1
-        n = self.admission.grantable(tag, min(want, room)) if self.has_room() else 0
+        held = self.held_by(actor_id)
+        n = self.admission.grantable(tag, min(want, room), held, identities) if self.has_room() else 0
+        if not why and self.cfg.pacing and 0 < want and self.admission.share(identities, tag) - held < min(want, room):
+            self.grants_refused["share"] += 1        # held back by its fair share (others live want theirs)
         now = self.clock()
         ids = [self._new_gid() for _ in range(n)]
         if ids:  # journaled: a late first member of an expired grant must replay as expired_partial too
@@ -522,11 +527,6 @@ class GroupBuffer:
         return self.held_bytes == 0 or self.held_bytes + self._largest <= self.cfg.max_bytes
 
     @property
-    def largest_trajectory_bytes(self) -> int:
-        """Array bytes of the largest trajectory received so far (0 before the first)."""
-        return self._largest
-
-    @property
     def ready_groups(self) -> int:
         """Admitted groups waiting for a batch (including reuse leftovers)."""
         return len(self._ready)
@@ -576,6 +576,7 @@ class GroupBuffer:
             "buffer/pacing_capacity": float(self.admission.capacity()), "buffer/learner_version": float(self.version),
             "buffer/grants_refused_behind": float(self.grants_refused["behind"]),
             "buffer/grants_refused_dead": float(self.grants_refused["dead"]),
+            "buffer/grants_refused_share": float(self.grants_refused["share"]),
             "buffer/grants_capped": float(self.grants_capped),
         })
         return m
@@ -588,7 +589,8 @@ class GroupBuffer:
             "max_staleness": self.max_staleness, "eta_changes": list(self.admission.eta_changes),
             "batches_formed": self.batches_formed, "rollbacks": list(self.rollbacks),
             "grants_refused_behind": self.grants_refused["behind"],
-            "grants_refused_dead": self.grants_refused["dead"], "grants_capped": self.grants_capped,
+            "grants_refused_dead": self.grants_refused["dead"], "grants_refused_share": self.grants_refused["share"],
+            "grants_capped": self.grants_capped,
             "groups_in_flight": len(self._open),
             "actors_holding_grants": len(self._by_actor),
             "most_groups_held_by_one_actor": max(map(len, self._by_actor.values()), default=0),

@@ -10,7 +10,10 @@ socket, ControlCommand("stats")). Each ``step()``:
      metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
      timeout_s passes (then ready=False); a BatchRequest without the learner's credential (async_vla/learner_secret.py:
      an HMAC with the run's secret) is answered not-ready at once and counted by reason (``learner_refused_*``),
-     moving nothing. A BatchRequest on the control socket is answered
+     moving nothing, and so is a replay of one that has (``learner_refused_replayed``). A GrantRequest, Heartbeat or
+     ActorStats whose actor id does not authenticate (the run's actor credential; with CURVE also the key that
+     first spoke for that id) is counted by reason (``actor_refused_*``) and nothing else: a grant request gets
+     its one reply, refused "unauthenticated". A BatchRequest on the control socket is answered
      not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
   2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
      fill and actors' sends block (back-pressure, nothing dropped);
@@ -18,7 +21,8 @@ socket, ControlCommand("stats")). Each ``step()``:
      rewrites <run>/ledger.json and reports status.
 Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
 Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
-buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set), at most MAX_PARKED
+buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set) and a fair share
+of the pacing budget per live actor (Admission), at most MAX_PARKED
 parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
 actors remembered besides those holding grants (newcomers never push out an actor holding a grant); an actor silent
 for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
@@ -45,7 +49,8 @@ from async_vla.buffer.group_buffer import GroupBuffer
 from async_vla.messages import (ActorStats, AdmissionGrant, BatchHeader, BatchRequest, ControlCommand, GrantRequest,
                                 Heartbeat, Lineage, Shutdown, Trajectory, frames_of)
 from async_vla.buffer.recording import Recorder, recording_info
-from async_vla.learner_secret import learner_secret, secret_path, verify
+from async_vla.learner_secret import (ReplayGuard, actor_secret, actor_secret_path, check_actor, learner_secret,
+                                      secret_path, verify)
 from async_vla.phases import PhaseClock, phase_scalars, phase_table
 from async_vla.transport import Authenticator, ControlServer, CurveKeys, TrajectoryReceiver
 
@@ -89,6 +94,8 @@ class BufferService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.previous_ledger = archive_ledger(self.run_dir)
         self._secret = learner_secret(secret_path(cfg.transport, self.run_dir))
+        self._actor_secret = actor_secret(actor_secret_path(cfg.transport, self.run_dir))
+        self._replay = ReplayGuard()
         self.clock = clock
         bc = cfg.buffer
         self.recorder: Optional[Recorder] = None
@@ -233,6 +240,8 @@ class BufferService:
 
     # ------------------------------------------------------------------ control channel
     def _handle(self, peer: bytes, msg) -> None:
+        if isinstance(msg, (GrantRequest, Heartbeat, ActorStats)) and not self._actor_speaks(peer, msg):
+            return
         if isinstance(msg, GrantRequest):
             self._grant(peer, msg)
         elif isinstance(msg, BatchRequest):   # its one reply, at once; the bundle would queue grants behind it
@@ -244,6 +253,7 @@ class BufferService:
             self.counters["actor_stats_refused"] += 1     # kept per actor: its size must be bounded too
         elif isinstance(msg, (Heartbeat, ActorStats)):
             entry = self._touch(msg.actor_id)
+            entry.setdefault("key", self.control.user_id)
             entry["heartbeat" if isinstance(msg, Heartbeat) else "stats"] = msg
             if isinstance(msg, ActorStats):   # the run's env steps so far (summary throughput in async mode)
                 self.counters["env_steps_reported"] += max(0, int(msg.env_steps))
@@ -255,9 +265,37 @@ class BufferService:
         else:
             self.counters["control_unexpected"] += 1
 
+    def _actor_speaks(self, peer: bytes, msg) -> bool:
+        """Does ``msg`` speak for its actor id? Its token must check (the run's actor credential) and, with CURVE,
+        it must come from the key (ZAP User-Id) that first spoke for that id. Otherwise it is counted by reason
+        (``actor_refused_*``) and nothing else happens: no tracking, no grant (a GrantRequest gets its one reply,
+        refused "unauthenticated")."""
+        why = check_actor(self._actor_secret, msg)
+        user = self.control.user_id
+        entry = self._actors.get(msg.actor_id)
+        if not why and user and entry is not None and entry.setdefault("key", user) != user:
+            why = "other_key"
+        if not why:
+            return True
+        self.counters[f"actor_refused_{why}"] += 1
+        self._warn("actor_refused", "buffer: a %s for actor %d that does not authenticate (%s): refused",
+                   msg.KIND, msg.actor_id, why)
+        if isinstance(msg, GrantRequest):
+            self.control.reply(peer, AdmissionGrant(
+                actor_id=msg.actor_id, refused="unauthenticated", retry_after_s=self.cfg.buffer.grant_retry_s,
+                error=f"actor {msg.actor_id} does not authenticate ({why}): the actor's token comes from the run's "
+                      "actor secret (transport.actor_secret_file; async_vla/learner_secret.py)",
+                buffer_id=self.incarnation))
+        return False
+
+    def _learner_speaks(self, msg) -> str:
+        """Why ``msg`` is not the learner's: its MAC (``verify``), or "replayed" (a MAC that checks on a message
+        its session already sent or outdid: ``ReplayGuard``); "" = it is, and is remembered."""
+        return verify(self._secret, msg) or ("" if self._replay.fresh(msg) else "replayed")
+
     def _handle_batch(self, peer: bytes, msg) -> None:
         if isinstance(msg, BatchRequest):
-            why = verify(self._secret, msg)
+            why = self._learner_speaks(msg)
             if why:   # not the learner's: nothing moves (version, lineage, batches); its one reply, not ready
                 self.counters[f"learner_refused_{why}"] += 1
                 self._warn("learner_refused", "buffer: a batch request without the learner's credential (%s) on %s: "
@@ -295,6 +333,11 @@ class BufferService:
         entry["t"] = self.clock()
         return entry
 
+    def _live_identities(self) -> int:
+        """Actors (authenticated ids) heard from within actor.hung_after_s: who shares the pacing budget."""
+        since = self.clock() - self.cfg.actor.hung_after_s
+        return sum(1 for e in self._actors.values() if e["t"] >= since)
+
     def _reclaim(self, actor_id: int, why: str) -> None:
         n = self.buffer.reclaim(actor_id)
         if n:
@@ -316,7 +359,7 @@ class BufferService:
 
     def _grant(self, peer: bytes, req: GrantRequest) -> None:
         self.counters["grant_requests"] += 1
-        self._touch(req.actor_id)
+        self._touch(req.actor_id).setdefault("key", self.control.user_id)
         bc, error = self.cfg.buffer, ""
         room = bc.max_groups_per_actor - self.buffer.held_by(req.actor_id)
         if req.want < 1:
@@ -324,7 +367,7 @@ class BufferService:
         elif req.want > room:
             error = (f"want {req.want} trimmed to {max(room, 0)}: an actor holds at most buffer.max_groups_per_actor="
                      f"{bc.max_groups_per_actor} open groups (it holds {self.buffer.held_by(req.actor_id)})")
-        ids = self.buffer.grant(req.actor_id, req.want, req.policy) if req.want >= 1 else []
+        ids = self.buffer.grant(req.actor_id, req.want, req.policy, self._live_identities()) if req.want >= 1 else []
         if error:
             self.counters["grant_requests_out_of_bounds"] += 1
         self.counters["groups_granted"] += len(ids)
@@ -386,7 +429,7 @@ class BufferService:
     def _command(self, cmd: ControlCommand) -> ControlCommand:
         try:
             if cmd.command == "set_max_staleness":
-                why = verify(self._secret, cmd)
+                why = self._learner_speaks(cmd)
                 if why:
                     self.counters[f"control_refused_{why}"] += 1
                     raise ValueError(f"set_max_staleness needs the learner credential ({why}; "
@@ -505,11 +548,14 @@ class BufferService:
 
     def memory_bound(self, connections: int) -> int:
         """What this process may hold in trajectories: buffer.max_bytes, plus, per trajectory connection, the
-        transport.trajectory_hwm trajectories its socket queue holds and the one being read, each as large as the
-        longest trajectory the config allows or the largest received (docs/ARCHITECTURE.md). Code and interpreter
-        come on top (bin/bench scale measures that margin)."""
-        traj = max(self.cfg.trajectory_bytes, self.buffer.largest_trajectory_bytes)
-        return self.cfg.buffer.max_bytes + connections * (self.cfg.transport.trajectory_hwm + 1) * traj
+        transport.trajectory_hwm messages its socket queue holds and the one being read, each as large as the
+        socket lets a message be (transport.max_message_mb: ZeroMQ allocates a frame whole when its header
+        declares its size, however slowly its bytes follow, so a slow sender reserves that much per connection;
+        docs/ARCHITECTURE.md). Code and interpreter come on top (bin/bench scale measures that margin). Not
+        covered: a message of many frames, each under the cap, which libzmq assembles whole before the buffer can
+        refuse it (docs/RELIABILITY.md, threats)."""
+        per_connection = (self.cfg.transport.trajectory_hwm + 1) * self.receiver.max_bytes
+        return self.cfg.buffer.max_bytes + connections * per_connection
 
     def metrics(self) -> dict[str, float]:
         """Buffer ledger and pacing, actor throughput and success, service counters, and the process's memory

@@ -452,9 +452,12 @@ class TransportConfig(Section):
     """ZeroMQ high-water mark in messages (back-pressure on actors): what an actor's trajectory socket queues."""
     trajectory_hwm: int = Field(4, ge=1)
     """Trajectories the buffer's socket queues per actor connection before it stops reading it. Bounds the buffer:
-    about buffer.max_bytes + connections x (trajectory_hwm + 1) x one trajectory (docs/ARCHITECTURE.md)."""
+    about buffer.max_bytes + connections x (trajectory_hwm + 1) x transport.max_message_mb (docs/ARCHITECTURE.md)."""
     max_message_mb: float = Field(64.0, gt=0)
-    """Receiving sockets drop any message above this size before allocating it."""
+    """Receiving sockets drop any frame above this size before allocating it, and refuse any message whose frames
+    add up to more (counted "oversize"). A frame below it is allocated whole when its header arrives, however
+    slowly its bytes follow, so the buffer's memory bound counts this size per queued or half-read message: set
+    it near one trajectory (the config check names the least) to keep that bound tight."""
     curve: bool = False
     """Require ZeroMQ CURVE authentication + encryption (required when transport.host is not loopback)."""
     curve_dir: Optional[str] = None
@@ -462,6 +465,9 @@ class TransportConfig(Section):
     learner_secret_file: Optional[str] = None
     """The learner's credential for signing batch requests. None = <run_dir>/secrets/learner, created mode 0600 by
     whichever of buffer and learner starts first (the Ray launcher sets it for ranks without the run directory)."""
+    actor_secret_file: Optional[str] = None
+    """The actors' credential (each actor's messages carry a token derived from it and its id). None =
+    <run_dir>/secrets/actors, mode 0600; the Ray and Slurm launchers set it for actors without the run directory."""
     weights_allowed_peers: List[str] = []
     """Addresses or CIDR networks (e.g. 10.0.0.0/24) allowed to reach the learner's weight store when transport.host is
     beyond loopback (required then: the store has no authentication). Loopback peers are always allowed."""

@@ -127,8 +127,11 @@ class _FloodActor(threading.Thread):
     def run(self) -> None:
         import zmq
 
+        from async_vla.learner_secret import ACTOR_SECRET_FILE, actor_secret, as_actor
         from async_vla.messages import AdmissionGrant, GrantRequest, encode
         from async_vla.transport import ControlClient, ControlTimeout, TrajectorySender
+
+        secret = actor_secret(self.sys.run_dir / ACTOR_SECRET_FILE)   # the run's actors' credential: it is one
 
         ctx = zmq.Context()
         ctl = ControlClient(self.sys.control, identity=f"flood-{self.actor_id}-{os.getpid()}".encode(), ctx=ctx,
@@ -139,8 +142,9 @@ class _FloodActor(threading.Thread):
             while not self.stop.is_set():
                 t0 = time.monotonic()
                 try:  # an unpaced actor asks for nothing: the reply only tells it the learner's version
-                    grant = ctl.call(GrantRequest(self.actor_id, want=4 if self.paced else 0, policy_version=version,
-                                                  policy_lineage=lineage), timeout_s=5)
+                    grant = ctl.call(as_actor(secret, GrantRequest(
+                        self.actor_id, want=4 if self.paced else 0, policy_version=version, policy_lineage=lineage)),
+                        timeout_s=5)
                 except ControlTimeout:
                     continue
                 if not isinstance(grant, AdmissionGrant):
@@ -266,7 +270,8 @@ def _forge_groups(sys_: LiveSystem, stop: threading.Event, sent: collections.Cou
 
 
 def _churn_actors(sys_: LiveSystem, stop: threading.Event, sent: collections.Counter, rng) -> None:
-    """Heartbeats from ever new made-up actor ids (to churn the tracked-actor table)."""
+    """Heartbeats from ever new made-up actor ids (to churn the tracked-actor table), without the run's actor
+    credential (or with a made-up token, every other one)."""
     from async_vla.messages import Heartbeat
     from async_vla.transport import ControlClient
 
@@ -274,7 +279,7 @@ def _churn_actors(sys_: LiveSystem, stop: threading.Event, sent: collections.Cou
     k = 0
     try:
         while not stop.is_set():
-            if client.send(Heartbeat(actor_id=10**7 + k), timeout_s=0.2):
+            if client.send(Heartbeat(actor_id=10**7 + k, auth=rng.bytes(32).hex() if k % 2 else ""), timeout_s=0.2):
                 sent["fake_heartbeats"] += 1
             k += 1
             if k % 100 == 0:
@@ -308,9 +313,9 @@ def hostile_peers(sys_: LiveSystem, seconds: float = 15.0, seed: int = 0) -> dic
         p.join(30)
     after, s2 = window()
     svc0, svc2 = s0["service"], s2["service"]
-    refused = {k: svc2.get(k, 0) - svc0.get(k, 0) for k in ("learner_refused_bad_credential",
-                                                            "learner_refused_no_credential", "actors_forgotten",
-                                                            "groups_reclaimed")}
+    refused = {k: svc2.get(k, 0) - svc0.get(k, 0) for k in (
+        "learner_refused_bad_credential", "learner_refused_no_credential", "actor_refused_no_credential",
+        "actor_refused_bad_credential", "actors_forgotten", "groups_reclaimed")}
     refused["ungranted_group"] = (s2["malformed_by_reason"].get("ungranted_group", 0)
                                   - s0["malformed_by_reason"].get("ungranted_group", 0))
     pids2 = _alive_pids(sys_)

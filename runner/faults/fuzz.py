@@ -12,6 +12,7 @@ import numpy as np
 import zmq
 
 from async_vla import messages as M
+from async_vla.learner_secret import as_actor
 
 KINDS = ("random_bytes", "truncated", "bit_flip", "frame_count", "oversize_header", "schema_version", "unknown_kind",
          "dtype", "shape_lie", "huge_shape", "nan_logprob", "inf_logprob", "positive_logprob", "negative_version",
@@ -151,10 +152,13 @@ CONTROL_KINDS = ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "grant
                  "batch_forged_learner", "heartbeat_forged", "stats_forged", "unknown_command", "garbage")
 
 
-def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tuple[str, list[bytes]]:
+def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int,
+                   actor_secret: Optional[bytes] = None) -> tuple[str, list[bytes]]:
     """(kind, frames) of one forged control message: it decodes, but is out of bounds or pretends to be someone else
     ("garbage": random bytes). No batch request or eta change carries a valid learner credential: the buffer must
-    refuse each before it looks at its fields."""
+    refuse each before it looks at its fields. With ``actor_secret`` (the run's) grant requests, heartbeats and stats
+    carry a valid actor token (an insider whose made-up ids and wants must still stay within the bounds); without
+    it each is refused for the missing credential."""
     kind = CONTROL_KINDS[int(rng.integers(0, len(CONTROL_KINDS)))]
     actor = int(rng.integers(0, 10**9))
     msg: M.Message
@@ -194,11 +198,13 @@ def forged_control(rng: np.random.Generator, run_id: str, eta_limit: int) -> tup
         msg = M.ControlCommand("".join(map(chr, rng.integers(97, 123, 20))), None)
     else:
         return kind, [rng.bytes(int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 4)))]
+    if actor_secret is not None and isinstance(msg, (M.GrantRequest, M.Heartbeat, M.ActorStats)):
+        msg = as_actor(actor_secret, msg)
     return kind, _frames(msg)
 
 
 def forge_control(endpoint: str, batch_endpoint: str, n: int, run_id: str, eta_limit: int, seed: int = 0,
-                  curve_keys=None) -> dict[str, int]:
+                  curve_keys=None, actor_secret: Optional[bytes] = None) -> dict[str, int]:
     """Send ``n`` forged control messages, the batch requests to ``batch_endpoint`` (where the learner's go) and
     the rest to ``endpoint``, one DEALER each (replies are read and dropped as they come, so the buffer's replies
     never back up); returns how many of each kind were sent."""
@@ -211,7 +217,7 @@ def forge_control(endpoint: str, batch_endpoint: str, n: int, run_id: str, eta_l
     sent: dict[str, int] = {}
     try:
         for _ in range(n):
-            kind, frames = forged_control(rng, run_id, eta_limit)
+            kind, frames = forged_control(rng, run_id, eta_limit, actor_secret)
             socks["batch" if kind.startswith("batch_") else "control"].send_multipart(frames)
             sent[kind] = sent.get(kind, 0) + 1
             for sock in socks.values():

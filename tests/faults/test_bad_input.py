@@ -5,7 +5,7 @@ during training (buffer as its own process, RSS measured): test_live_faults.py."
 
 import time
 
-from test_buffer_service import running, service_cfg, stats
+from test_buffer_service import as_run_actor, running, service_cfg, stats
 
 from async_vla.messages import GrantRequest
 from async_vla.transport import ControlClient, TrajectorySender
@@ -26,7 +26,7 @@ def test_fuzz_buffer_service_10000_frames(tmp_path):
         assert set(sent) == set(KINDS) and sum(sent.values()) == 10_000
         assert send_oversize(svc.trajectory_endpoint, 4 * 2**20, count=2) == 2   # 4 MiB > 1 MiB: never read
         good = TrajectorySender(svc.trajectory_endpoint)
-        (ok,) = client.call(GrantRequest(actor_id=0, want=1), 10).group_ids
+        (ok,) = client.call(as_run_actor(tmp_path, GrantRequest(actor_id=0, want=1)), 10).group_ids
         for i in range(2):
             assert good.send(make_traj(ok, i, i == 0, G=2, run_id=RUN), timeout_s=5)
         deadline = time.monotonic() + 120

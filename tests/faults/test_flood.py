@@ -14,7 +14,7 @@ import time
 
 import pytest
 from test_buffer import make_traj
-from test_buffer_service import RUN, learner_request, running, service_cfg, stats
+from test_buffer_service import RUN, as_run_actor, learner_request, running, service_cfg, stats
 
 from async_vla.messages import GrantRequest
 from async_vla.transport import ControlClient, TrajectorySender
@@ -66,8 +66,8 @@ def test_flood_back_pressure(tmp_path):
         sampling = threading.Event()
         sampling.set()
         grants = ControlClient(svc.control_endpoint)   # ids for far more groups than the run takes (unpaced)
-        pools = [[gid for _ in range(3) for gid in grants.call(GrantRequest(actor_id=p, want=1024), 10).group_ids]
-                 for p in range(2)]
+        pools = [[gid for _ in range(3) for gid in grants.call(
+            as_run_actor(tmp_path, GrantRequest(actor_id=p, want=1024)), 10).group_ids] for p in range(2)]
         grants.close()
         assert all(len(pool) == 3 * 1024 for pool in pools)
         threads = [threading.Thread(target=producer, args=(p, svc.trajectory_endpoint, pools[p]))

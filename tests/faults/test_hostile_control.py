@@ -12,11 +12,11 @@ import psutil
 import pytest
 from buffer_process import live_buffer
 from test_buffer import FakeClock, make_traj
-from test_buffer_service import RUN, learner_request, running, service_cfg, stats, wait_stats
+from test_buffer_service import RUN, as_run_actor, learner_request, running, service_cfg, stats, wait_stats
 
 from async_vla.buffer.service import MAX_PARKED, BufferService
 from async_vla.config import write_resolved
-from async_vla.learner_secret import SECRET_FILE, learner_secret, sign
+from async_vla.learner_secret import ACTOR_SECRET_FILE, SECRET_FILE, actor_secret, learner_secret, sign
 from async_vla.messages import ControlCommand, GrantRequest, Heartbeat
 from async_vla.transport import ControlClient, TrajectorySender
 from runner.faults.fuzz import CONTROL_KINDS, forge_control, fuzz
@@ -40,12 +40,13 @@ def test_silent_actor_loses_its_grants_and_a_late_member_is_counted(tmp_path):
                     return got
             raise AssertionError("no reply")
 
-        g_quiet = call(quiet, GrantRequest(actor_id=2, want=1)).group_ids
-        g_live = call(actor, GrantRequest(actor_id=1, want=5))
+        g_quiet = call(quiet, as_run_actor(tmp_path, GrantRequest(actor_id=2, want=1))).group_ids
+        g_live = call(actor, as_run_actor(tmp_path, GrantRequest(actor_id=1, want=5)))
         assert len(g_live.group_ids) == 2 and "max_groups_per_actor" in g_live.error and len(g_quiet) == 1
-        assert call(actor, GrantRequest(actor_id=1, want=0)).error.startswith("want must be >= 1")
+        assert call(actor, as_run_actor(tmp_path, GrantRequest(actor_id=1, want=0))).error.startswith(
+            "want must be >= 1")
         clock.t += 40
-        actor.send(Heartbeat(actor_id=1))            # actor 1 keeps talking, actor 2 is silent
+        actor.send(as_run_actor(tmp_path, Heartbeat(actor_id=1)))   # actor 1 keeps talking, actor 2 is silent
         for _ in range(4000):                         # until the service has taken it in (order, not time)
             svc.step(0.005)
             if svc._actors.get(1, {}).get("t") == clock.t:
@@ -126,7 +127,8 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         sent = fuzz(eps["trajectory"], 3000, "hostile", seed=5,
                     until=lambda: stats(client)["ledger"]["malformed"] >= 3000)   # then disconnect
         peak.append(psutil.Process(proc.pid).memory_info().rss)
-        forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6)
+        forged = forge_control(eps["control"], eps["batch"], 4000, "hostile", eta_limit=4, seed=6,
+                               actor_secret=actor_secret(run_dir / ACTOR_SECRET_FILE))   # an insider's actor ids
         assert set(forged) == set(CONTROL_KINDS)
         refused = sum(forged[k] for k in ("eta_huge", "eta_negative", "eta_type", "eta_in_bounds", "unknown_command"))
         s1 = wait_stats(client, lambda s: s["ledger"]["malformed"] >= 3000 and s["service"].get(
@@ -151,7 +153,7 @@ def test_live_buffer_under_hostile_input_stays_bounded_then_serves_honest_peers(
         # The forged actors fall silent: their grants come back, and an honest actor and learner are served.
         s2 = wait_stats(client, lambda s: s["groups_in_flight"] == 0, timeout=60)
         assert s2["groups"].get("reclaimed", 0) > 0
-        grant = client.call(GrantRequest(actor_id=77, want=2, policy_version=0), 10)
+        grant = client.call(as_run_actor(run_dir, GrantRequest(actor_id=77, want=2, policy_version=0)), 10)
         assert len(grant.group_ids) == 2 and not grant.error
         sender = TrajectorySender(eps["trajectory"])
         for gid in grant.group_ids:

@@ -62,6 +62,8 @@ def test_hostile_peers_are_counted_and_the_honest_system_keeps_training(live):
     assert r["sent"]["forged_batch_requests"] > 0
     assert r["counted"]["learner_refused_bad_credential"] == r["sent"]["forged_batch_requests"]
     assert r["counted"]["ungranted_group"] >= r["sent"]["ungranted_trajectories"] > 0
+    refused_ids = r["counted"]["actor_refused_no_credential"] + r["counted"]["actor_refused_bad_credential"]
+    assert refused_ids == r["sent"]["fake_heartbeats"] > 0 and r["counted"]["actors_forgotten"] == 0
     assert r["learner_versions"][2] > r["learner_versions"][0] and after > 0   # the learner moved by itself
 
 

@@ -5,6 +5,7 @@ msgpack decoding, nothing on the wire unpickled, TensorBoard from bin/train on l
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import stat
 import subprocess
@@ -18,7 +19,7 @@ import psutil
 import pytest
 import zmq
 from test_buffer import make_traj
-from test_buffer_service import learner_request
+from test_buffer_service import as_run_actor, learner_request
 
 from async_vla import messages as M
 from async_vla.buffer.service import BufferService
@@ -185,7 +186,8 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
             assert time.monotonic() - t0 < slack(3.0)
         good = TrajectorySender(svc.trajectory_endpoint, keys=client_keys)
         closing.callback(good.close)
-        (gid,) = ok.call(M.GrantRequest(actor_id=0, want=1), timeout_s=10).group_ids
+        (gid,) = ok.call(as_run_actor(tmp_path / "run", M.GrantRequest(actor_id=0, want=1)),
+                         timeout_s=10).group_ids
         assert good.send(make_traj(gid, 0, True, run_id=RUN), timeout_s=5)
         deadline = time.monotonic() + 10
         while svc.buffer.received < 1 and time.monotonic() < deadline:
@@ -193,6 +195,33 @@ def test_curve_admits_the_key_holder_and_rejects_everyone_else(tmp_path, keys):
         time.sleep(0.5)
         assert svc.buffer.received == 1                        # only the key holder's trajectory got in
         assert svc.buffer.ledger["pending"] == 1 and svc.buffer.ledger["malformed"] == 0
+
+
+def test_with_curve_an_actor_id_belongs_to_the_key_that_first_spoke_for_it(tmp_path, keys):
+    import shutil
+
+    import zmq.auth
+
+    mine = tmp_path / "curve"
+    shutil.copytree(keys, mine)
+    public, _ = zmq.auth.create_certificates(str(mine), "host2")      # a second actor host, authorized too
+    shutil.copy(public, mine / "authorized" / "host2.key")
+    first = CurveKeys.load(str(mine), "client")
+    pub, sec = zmq.auth.load_certificate(mine / "host2.key_secret")
+    second = CurveKeys(first.server_public, None, pub, sec, None)
+    with curve_service(tmp_path / "run", mine) as svc, contextlib.ExitStack() as closing:
+        a, b = ControlClient(svc.control_endpoint, keys=first), ControlClient(svc.control_endpoint, keys=second)
+        closing.callback(a.close)
+        closing.callback(b.close)
+        grant = a.call(as_run_actor(tmp_path / "run", M.GrantRequest(actor_id=0, want=1)), timeout_s=10)
+        assert len(grant.group_ids) == 1
+        # the other key, with actor 0's valid token: not actor 0 (counted); for an id of its own it is served
+        taken = b.call(as_run_actor(tmp_path / "run", M.GrantRequest(actor_id=0, want=1)), timeout_s=10)
+        assert taken.group_ids == [] and taken.refused == "unauthenticated" and "other_key" in taken.error
+        own = b.call(as_run_actor(tmp_path / "run", M.GrantRequest(actor_id=1, want=1)), timeout_s=10)
+        assert len(own.group_ids) == 1 and own.refused == ""
+        s = json.loads(a.call(M.ControlCommand("stats"), timeout_s=10).value)
+        assert s["service"]["actor_refused_other_key"] == 1 and s["actors_holding_grants"] == 2
 
 
 # ---------------------------------------------------------------------------------------------- decoding
