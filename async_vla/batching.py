@@ -19,7 +19,7 @@ from async_vla.messages import Trajectory
 
 @dataclass
 class TrainBatch:
-    """Tensors of one learner batch (see the module docstring for the layout)."""
+    """Tensors of one learner batch (the layout: docs/LEARNER.md "Batch layout")."""
 
     # ---- per policy call (C rows)
     images: Tensor

@@ -51,7 +51,8 @@ def apply_lora(policy: torch.nn.Module, rank: int, alpha: float) -> torch.nn.Mod
 
 
 def enable_checkpointing(policy: torch.nn.Module) -> torch.nn.Module:
-    """Recompute each decoder layer in the backward pass (see the module docstring). In place; idempotent."""
+    """Recompute each decoder layer in the backward pass (docs/LEARNER.md "LoRA and activation checkpointing"). In
+    place; idempotent."""
     from torch.utils.checkpoint import checkpoint
 
     for layer in decoder_layers(language_model(policy)):

@@ -56,7 +56,7 @@ def resolve_precision(cfg: Config, on_gpu: bool) -> str:
 
 
 def make_ds_config(cfg: Config, world: int, on_gpu: Optional[bool] = None) -> dict:
-    """The DeepSpeed JSON generated from our config (see the module docstring)."""
+    """The DeepSpeed JSON generated from our config (docs/LEARNER.md "DeepSpeed engine")."""
     lc = cfg.learner
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     bf16 = resolve_precision(cfg, on_gpu) == "bf16"

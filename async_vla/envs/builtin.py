@@ -76,7 +76,7 @@ class Thing:
 
 
 def split_of(init_state_id: int) -> str:
-    """The split an init state id belongs to (ids encode it: see the module docstring)."""
+    """The split an init state id belongs to (ids encode it: docs/ARCHITECTURE.md "The built-in task family")."""
     for name in ("confirm", "eval", "val"):
         if init_state_id >= SPLIT_OFFSETS[name]:
             return name
@@ -133,7 +133,7 @@ def layout(task_id: int, init_state_id: int) -> tuple[list[Thing], np.ndarray]:
 
 
 class TabletopEnv(Env):
-    """The built-in task family (see the module docstring)."""
+    """The built-in task family (docs/ARCHITECTURE.md "The built-in task family")."""
 
     def __init__(self, task_ids: Optional[list[int]] = None, image_size: int = 32, num_train_init_states: int = 40,
                  num_eval_init_states: int = 10, max_steps: Optional[int] = None, seed: int = 0,

@@ -39,7 +39,7 @@ def quat2axisangle(quat: np.ndarray) -> np.ndarray:
 
 
 def to_libero_action(action: np.ndarray, gripper_convention: str = "openvla") -> np.ndarray:
-    """Our 7-DoF action -> the float64 [7] LIBERO's OSC_POSE controller takes (see the module docstring)."""
+    """Our 7-DoF action -> the float64 [7] LIBERO's OSC_POSE controller takes (docs/LIBERO.md "Conventions")."""
     a = np.asarray(action, dtype=np.float64).reshape(-1)
     if a.shape[0] != 7:
         raise ValueError(f"LIBERO actions have 7 entries (xyz, rpy, gripper), got {a.shape[0]}")

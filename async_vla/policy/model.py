@@ -33,7 +33,8 @@ def word_ids(instruction: str, max_tokens: int, buckets: int) -> tuple[list[int]
 
 
 class TinyVLA(VLAPolicy):
-    """See the module docstring. ``policy_cfg`` is kept for saving; ``tokenizer`` for ids and un-normalising."""
+    """Design: docs/ARCHITECTURE.md "The tiny policy". ``policy_cfg`` is kept for saving; ``tokenizer`` for ids and
+    un-normalising."""
 
     def __init__(self, policy_cfg: PolicyConfig, tokenizer: ActionTokenizer):
         super().__init__()
@@ -53,7 +54,7 @@ class TinyVLA(VLAPolicy):
             bos_token_id=BOS_ID, pad_token_id=PAD_ID, eos_token_id=EOS_ID, attn_implementation="sdpa")
         self.llm = LlamaForCausalLM(self.llm_config)
         p, k = policy_cfg.patch_size, policy_cfg.keypoints
-        # Vision (see the module docstring): stem, patch tokens, keypoints, language keypoints.
+        # Vision (docs/ARCHITECTURE.md "The tiny policy"): stem, patch tokens, keypoints, language keypoints.
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU())
         self.patch = nn.Conv2d(32, h, p, stride=p)
         self.max_patches = 256
