@@ -26,17 +26,7 @@ CLOSE_STEPS = 12
 LIFT_CHECK_STEPS = 8  # lift this long, then the bowl must have risen LIFTED, else the pinch missed: re-grasp
 LIFTED = 0.02
 MAX_GRASPS = 3
-OPEN_STEPS = 10
 SUPPORTED_SUITES = ("spatial",)
-
-
-def _quat_to_mat(q: np.ndarray) -> np.ndarray:
-    """robosuite (x, y, z, w) quaternion -> rotation matrix."""
-    x, y, z, w = q
-    return np.array([
-        [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
-        [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
-        [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
 
 
 def _rotation_error(target: np.ndarray, current: np.ndarray) -> np.ndarray:

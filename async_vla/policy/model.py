@@ -204,6 +204,3 @@ class TinyVLA(VLAPolicy):
             out = self.llm.model(inputs_embeds=x, past_key_values=out.past_key_values, use_cache=True)
         return torch.stack(idxs, 1), torch.stack(logps, 1)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-

@@ -112,15 +112,10 @@ class _Planner:
         self.placed.append((spec, place[0], place[1]))
         return place
 
-    def base(self) -> dict[str, int]:
-        """Global index of each dtype's first bucket."""
-        out, n = {}, 0
-        for d in self.order:
-            out[d], n = n, n + len(self.used[d])
-        return out
-
     def finish(self, cap_bytes: int) -> "Layout":
-        base = self.base()
+        base, n = {}, 0                  # global index of each dtype's first bucket
+        for d in self.order:
+            base[d], n = n, n + len(self.used[d])
         entries = tuple(Entry(s, base[s.dtype] + b, off // DTYPES[s.dtype].itemsize) for s, b, off in self.placed)
         buckets = tuple(BucketSpec(d, u // DTYPES[d].itemsize) for d in self.order for u in self.used[d])
         return Layout(tuple(s for s, _, _ in self.placed), cap_bytes, entries, buckets)
@@ -150,11 +145,6 @@ class Layout:
         doc = {"schema": MANIFEST_SCHEMA, "cap": self.cap_bytes, "align": ALIGN,
                "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.specs]}
         return json.dumps(doc, separators=(",", ":")).encode()
-
-    @functools.cached_property
-    def entry_of(self) -> dict[str, Entry]:
-        """Entry by tensor name."""
-        return {e.spec.name: e for e in self.entries}
 
     @functools.cached_property
     def digest(self) -> int:
