@@ -174,9 +174,10 @@ class EpisodeResult:
 
 def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int, int]], temperature: float,
             generator: Optional[torch.Generator] = None, keep_data: bool = False,
-            record: Sequence[bool] = ()) -> list[EpisodeResult]:
+            record: Sequence[bool] = (), greedy: Optional[np.ndarray] = None) -> list[EpisodeResult]:
     """Run ``len(envs)`` episodes ``(task_id, init_state_id)`` in lock-step, one batched ``act`` per chunk;
-    ``record[k]``: keep episode k's frames (at reset and after each chunk) for a video."""
+    ``record[k]``: keep episode k's frames (at reset and after each chunk) for a video; ``greedy``: the positions
+    ``act`` takes by argmax (``actor.sampled_dims``)."""
     if len(episodes) != len(envs):
         raise ValueError(f"{len(episodes)} episodes for {len(envs)} envs")
     if len(envs) > 1 and all(hasattr(env, "reset_async") for env in envs):
@@ -195,7 +196,7 @@ def rollout(policy: VLAPolicy, envs: Sequence[Env], episodes: Sequence[tuple[int
     while live:
         images = np.stack([obs[k].image for k in live])
         proprio = np.stack([obs[k].proprio for k in live])
-        tokens, logp = policy.act(images, proprio, [instr[k] for k in live], temperature, generator)
+        tokens, logp = policy.act(images, proprio, [instr[k] for k in live], temperature, generator, greedy)
         chunks = policy.decode_actions(tokens)
         # Env workers (actors.env_worker.SubprocessEnv) step their chunks in parallel: start all, then collect.
         parallel = len(live) > 1 and all(hasattr(envs[k], "step_chunk_async") for k in live)
@@ -238,9 +239,11 @@ def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
                     split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
                     videos: int = 0, temperature: float = 0.0, repeats: int = 1,
-                    generator: Optional[torch.Generator] = None, progress: Optional[str] = None) -> dict:
+                    generator: Optional[torch.Generator] = None, progress: Optional[str] = None,
+                    sampled_dims: Optional[Sequence[int]] = None) -> dict:
     """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``);
-    ``temperature`` > 0 samples instead, ``repeats`` episodes per init state. ``env``: one env or a list of one
+    ``temperature`` > 0 samples instead (only ``sampled_dims`` if given, the others greedily, as the actors do),
+    ``repeats`` episodes per init state. ``env``: one env or a list of one
     family (episodes run batched). Returns success_rate, successes, by_task, episodes, split, env_steps, wall_s,
     outcomes ([task_id, init_state_id, success] per episode) and, with ``videos`` > 0, "videos" (task_id,
     init_state_id, success, frames uint8 [chunks + 1, H, W, 3])."""
@@ -255,17 +258,21 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     policy.eval()
     results: list[EpisodeResult] = []
     width = max(1, min(batch_size, len(envs)))
+    greedy = None
+    if sampled_dims is not None and temperature > 0:
+        dof = policy.tokenizer.action_dim
+        greedy = ~np.isin(np.arange(policy.tokens_per_call) % dof, list(sampled_dims))
     with Progress(progress, len(episodes), "episodes") as bar:
         for start in range(0, len(episodes), width):
             part = episodes[start:start + width]
             results += rollout(policy, envs[:len(part)], part, temperature=temperature, generator=generator,
-                               record=[ep in film for ep in part])
+                               record=[ep in film for ep in part], greedy=greedy)
             bar.update(len(results), f"{sum(r.success for r in results)} successes")
     policy.train(was_training)
     by_task = {t: float(np.mean([r.success for r in results if r.task_id == t])) for t in task_ids}
     out = {"success_rate": float(np.mean([r.success for r in results])) if results else 0.0, "by_task": by_task,
            "successes": int(sum(r.success for r in results)), "episodes": len(results), "split": split,
-           "temperature": float(temperature),
+           "temperature": float(temperature), "sampled_dims": None if greedy is None else list(sampled_dims),
            "env_steps": int(sum(r.env_steps for r in results)), "wall_s": time.perf_counter() - t0,
            "outcomes": [[r.task_id, r.init_state_id, bool(r.success)] for r in results]}
     if film:

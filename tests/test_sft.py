@@ -291,6 +291,11 @@ def test_sampled_evaluation_repeats_each_init_state_and_bin_eval_checks_its_opti
     assert sampled["episodes"] == 3 * greedy["episodes"] and sampled["temperature"] == 1.6
     counts = Counter((t, i) for t, i, _ in sampled["outcomes"])
     assert set(counts) == {(t, i) for t, i, _ in greedy["outcomes"]} and set(counts.values()) == {3}
+    # actor.sampled_dims: every dimension listed is the plain sampled readout, episode for episode
+    every = evaluate_greedy(policy, envs, split="eval", temperature=1.6, repeats=3,
+                            generator=torch.Generator().manual_seed(0), sampled_dims=range(7))
+    assert every["outcomes"] == sampled["outcomes"] and every["sampled_dims"] == list(range(7))
+    assert sampled["sampled_dims"] is None
     with pytest.raises(ValueError, match="repeats"):
         evaluate_greedy(policy, envs, split="eval", repeats=0)
     repo = Path(__file__).resolve().parent.parent
