@@ -63,7 +63,6 @@ _STR = (str,)
 _BOOL = (bool,)
 _DICT = (dict,)
 _LIST = (list,)
-_OPT_INT = (int, type(None))
 
 
 @dataclass(frozen=True)

@@ -526,8 +526,3 @@ class TorchLearner(Learner):
 
         with merged_view(self.policy, self.lora_scale):
             return save_policy_dir(self.policy, Path(directory))
-
-
-def finite_params(items: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]]) -> bool:
-    """True when every tensor is finite (tests and sanity checks)."""
-    return all(bool(torch.isfinite(t).all()) for _, t in items)

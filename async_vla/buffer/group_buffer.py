@@ -531,10 +531,6 @@ class GroupBuffer:
         """Admitted groups waiting for a batch (including reuse leftovers)."""
         return len(self._ready)
 
-    def ready_group_ids(self) -> list[str]:
-        """Ids of admitted groups waiting for a batch, in queue order (tests, stats)."""
-        return [g.gid for g in self._ready]
-
     @property
     def groups_in_flight(self) -> int:
         """Started and unfinished groups (granted or partially received)."""
