@@ -1,19 +1,8 @@
-"""Small ZeroMQ wrappers (and an in-process twin with the same interface) for every channel.
-
-Channels
-- trajectories: actors PUSH (connect) -> buffer PULL (bind). High-water marks on both ends give
-  back-pressure: when the buffer stops reading, actors' sends block (we poll with a timeout so a
-  stopping actor is never stuck).
-- control: buffer ROUTER (bind) <-> actors / operators DEALER (connect). Requests and replies are typed
-  messages. Control sends never block: heartbeats and stats are dropped (and counted) when the queue is full,
-  requests raise ControlTimeout.
-- batch: buffer ROUTER (bind) <-> learner ranks DEALER (connect), the same classes as control on a socket (and,
-  in the buffer, a ZeroMQ context and I/O thread) of its own: a bundle (header + trajectories, hundreds of MB)
-  answers a rank's BatchRequest without queueing grants behind it.
-
-Receivers never raise on bad input: they count it in ``malformed`` by reason and carry on.
-Sockets bind to 127.0.0.1 unless configured otherwise, set linger so close() never hangs, and cap
-message size with MAXMSGSIZE so oversize frames are dropped by ZeroMQ before allocation.
+"""Small ZeroMQ wrappers (and an in-process twin with the same interface) for every channel: trajectories (actors
+PUSH -> buffer PULL, back-pressure through high-water marks), control (buffer ROUTER <-> actors and operators DEALER)
+and batch (the same classes on a socket and I/O thread of its own). Receivers count bad input in ``malformed`` by
+reason and never raise; sockets bind to 127.0.0.1 unless configured otherwise, linger so close() never hangs and cap
+message size (MAXMSGSIZE). The channels: docs/CONTRACTS.md "Protocol".
 """
 
 from __future__ import annotations
@@ -107,15 +96,10 @@ def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context], extra: tuple = 
 
 def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx: bool,
                       extra: tuple = ()) -> weakref.finalize:
-    """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close().
-
-    Without this, a leaked socket and its context collected together in a reference cycle deadlock the garbage
-    collector: weakrefs are cleared before finalisers run, so pyzmq's Context.__del__ no longer sees the socket
-    and its term() waits for it for ever (seen: a test that failed before its close() hung a later test). A
-    weakref.finalize callback runs before any __del__, and holding the socket it keeps both out of that cycle.
-    ``close()`` detaches it; at interpreter exit it does nothing (an explicit close decides what is flushed).
-    ``extra``: sockets of the same context to close first (a socket monitor), or term() would wait for them.
-    """
+    """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close(): a leaked socket
+    and its context collected together in a reference cycle would deadlock the garbage collector (pyzmq's
+    Context.__del__ no longer sees the socket; a weakref.finalize runs before it). ``close()`` detaches it; at
+    interpreter exit it does nothing. ``extra``: sockets of the same context to close first (a socket monitor)."""
     fin = weakref.finalize(owner, _close_quietly, sock, ctx if own_ctx else None, extra)
     fin.atexit = False
     return fin
@@ -180,10 +164,8 @@ class TrajectorySender:
 
     def close(self, flush_s: float = 5.0) -> None:
         """Close after giving queued trajectories up to ``flush_s`` to leave (a plain close would drop them).
-
-        Terminating our own context blocks until the queue is flushed: with zero-copy sends, exiting the
-        process while ZeroMQ's I/O thread still reads the arrays would crash it (seen: SIGSEGV at exit).
-        """
+        Terminating our own context waits for the flush: with zero-copy sends, exiting while ZeroMQ's I/O thread
+        still reads the arrays would crash the process."""
         self._collect_guard.detach()
         self._sock.close(linger=int(flush_s * 1000))
         if self._own_ctx:
@@ -314,13 +296,9 @@ class ControlTimeout(TimeoutError):
 
 
 class ControlClient:
-    """Actor / learner side of the control channel (DEALER, connects).
-
-    Sends never block for longer than asked: a DEALER queues up to its high-water mark while the buffer is
-    unreachable and then would block forever (an actor stuck in a heartbeat send looks hung and is restarted).
-    ``send`` drops a message whose queue stays full and counts it in ``dropped`` by kind (right for heartbeats
-    and stats: the next one supersedes it); ``request`` / ``call`` raise ``ControlTimeout`` instead.
-    """
+    """Actor / learner side of the control channel (DEALER, connects). Sends never block for longer than asked
+    (a DEALER whose queue is full would block forever): ``send`` drops a message whose queue stays full and counts
+    it in ``dropped`` by kind (heartbeats, stats); ``request`` / ``call`` raise ``ControlTimeout`` instead."""
 
     def __init__(self, endpoint: str, identity: Optional[bytes] = None, hwm: int = 1024,
                  max_bytes: int = 1024**3, ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
@@ -430,11 +408,8 @@ def endpoints(transport_cfg, run_directory: Optional[Path] = None, side: str = "
 
 
 class LocalPipe:
-    """In-process twin of the trajectory channel (serial mode and tests): same send/recv interface.
-
-    Messages still go through encode/decode so serial mode exercises the wire schema; ``capacity``
-    plays the role of the high-water mark (send returns False when full and nobody drains it).
-    """
+    """In-process twin of the trajectory channel (serial mode and tests): same send/recv interface. Messages still
+    go through encode/decode; ``capacity`` plays the high-water mark (send returns False when full)."""
 
     def __init__(self, capacity: int = 64, max_bytes: int = 64 * 1024**2):
         self._queue: Deque[list] = collections.deque()
