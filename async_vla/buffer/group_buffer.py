@@ -56,13 +56,10 @@ class _Batch:
 
 
 class GroupBuffer:
-    """Streaming group assembly, filters, the ready queue and batches; the counts go to ``books`` (a ``Ledger``),
-    pacing and staleness to ``admission`` (an ``Admission``). Not thread-safe.
-
-    ``cfg``: the ``buffer`` config section. ``token_range``: the (first, last) action token id the policy can
-    score (anything else would make the learner's token_logprobs raise on every retry of that batch).
-    ``max_staleness``: eta at the start (default ``cfg.max_staleness``; ``Config.max_staleness`` is the run's,
-    0 in sync mode). ``from_config`` derives both from the root config."""
+    """Streaming group assembly, filters, the ready queue and batches; counts in ``books`` (a ``Ledger``), pacing
+    and staleness in ``admission`` (an ``Admission``). Not thread-safe. ``cfg``: the ``buffer`` section;
+    ``token_range``: the (first, last) action token id the policy can score; ``max_staleness``: eta at the start
+    (default ``cfg.max_staleness``). ``from_config`` derives both from the root config."""
 
     def __init__(self, cfg, run_id: str, *, token_range: tuple[int, int], max_staleness: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic, valid_task_ids: Optional[Iterable[int]] = None,

@@ -94,12 +94,7 @@ class BufferService:
             built.append(self.control)
             self.batches = ControlServer(batch_endpoint, ctx=self._delivery_ctx, keys=keys)
         except BaseException:
-            for part in built:
-                part.close()
-            for auth in self._auths:
-                auth.stop()
-            self._ingest_ctx.term()
-            self._delivery_ctx.term()
+            self._release(built)
             raise
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
@@ -570,9 +565,11 @@ class BufferService:
         self.write_ledger()
         if self.recorder is not None:
             self.recorder.close()
-        self.receiver.close()
-        self.control.close()
-        self.batches.close()
+        self._release([self.receiver, self.control, self.batches])
+
+    def _release(self, sockets: list) -> None:
+        for sock in sockets:
+            sock.close()
         for auth in self._auths:
             auth.stop()
         self._ingest_ctx.term()
