@@ -1,15 +1,8 @@
 """One actor: a policy, G simulators, and the loop grant -> group rollout -> stream trajectories.
 
-``SerialActor`` is the socket-free core (serial mode calls ``run_one_group`` directly and feeds a
-``GroupBuffer``/``LocalPipe``); ``Actor`` wraps it with the control protocol of docs/CONTRACTS.md:
-
-    GrantRequest -> AdmissionGrant (empty = wait retry_after_s, counted idle) -> pick (task, init state)
-    deterministically from (group id, run seed) -> GroupRollout -> send every trajectory as it finishes
-    (a full buffer pushes back; the wait is idle time) -> heartbeats, stats, new weights between calls.
-
-Everything socket-related runs on the main thread (ZeroMQ sockets are not thread-safe) and is driven
-from ``tick()``, which the rollout calls before every policy call; a hung simulator therefore also
-stops the heartbeats, which is exactly what lets the fleet detect and restart it.
+``SerialActor`` is the socket-free core (serial mode calls it directly); ``Actor`` wraps it with the control protocol
+of docs/CONTRACTS.md. Every socket is used on the main thread, driven from ``tick()``, which the rollout calls before
+every policy call: a hung simulator also stops the heartbeats, which is how the fleet detects and restarts it.
 """
 
 from __future__ import annotations
@@ -70,15 +63,11 @@ def default_env_factory(cfg: Any, seed: int) -> Any:
 
 
 class SerialActor:
-    """Policy + envs + group rollouts, without sockets.
-
-    ``run_one_group(grant)`` rolls out every group of an ``AdmissionGrant`` (or one group id) and returns
-    its trajectories; ``iter_group(group_id)`` streams them. New weights come in through
-    ``set_weights`` (serial mode) or the ``weights_source`` callback, polled at the swap points of
-    ``cfg.actor.swap``; it returns None or (tag, state). Weights of another lineage (a new learner) wait for the
-    group to end: every trajectory of a group carries one lineage. ``tag``: the policy's at the start.
-    ``phases``: the owner's PhaseClock (rollout phases, and ``weights`` for polling and installing weights).
-    """
+    """Policy + envs + group rollouts, without sockets. ``run_one_group(grant)`` rolls out every group of an
+    ``AdmissionGrant`` (or one group id); ``iter_group(group_id)`` streams its trajectories. New weights come through
+    ``set_weights`` or the ``weights_source`` callback (None or (tag, state)), polled at ``cfg.actor.swap``'s swap
+    points; another lineage's wait for the group to end (a group carries one lineage). ``tag``: the policy's at the
+    start; ``phases``: the owner's PhaseClock."""
 
     def __init__(self, cfg: Any, actor_id: int, policy: Any, envs: Sequence[Any], *,
                  tag: PolicyTag = PolicyTag(ROOT, 0),
@@ -150,12 +139,9 @@ class SerialActor:
         return self._train_ids[task_id]
 
     def spec_for(self, group_id: str) -> GroupSpec:
-        """Task and init state of a group: a pure function of (group id, run seed).
-
-        Nothing here depends on the actor: a group re-run elsewhere gets the same spec. Buffer ids end in a global
-        counter (``<run>-<token>-g<n>``): tasks cycle with it so every task gets an equal share of groups; other ids fall
-        back to a hash.
-        """
+        """Task and init state of a group: a pure function of (group id, run seed), whichever actor runs it. Tasks
+        cycle with the counter that ends buffer ids (``<run>-<token>-g<n>``), so each gets an equal share; other
+        ids fall back to a hash."""
         m = COUNTER_RE.search(group_id)
         counter = int(m.group(1)) if m else stable_hash("task", group_id)
         task_id = self.task_ids[counter % len(self.task_ids)]

@@ -1,29 +1,8 @@
-"""The run's credentials: the learner's (a per-run secret only the learner ranks and the buffer read) and the
-actors' (a second per-run secret the actors and the buffer read).
-
-Whoever first needs it (the buffer, a learner rank, or a launcher before it starts ranks on other nodes) creates
-``<run>/secrets/learner`` (``transport.learner_secret_file`` where a rank's run directory is not the buffer's):
-32 random bytes, hex, mode 0600 in a 0700 folder, written whole before any reader can see it. Learner ranks sign
-every ``BatchRequest`` with it (HMAC-SHA256 over the request's fields, ``BatchRequest.auth``); the buffer serves
-only requests whose signature checks, so a peer that cannot read the run directory's secret (an actor on another
-node, another user) cannot move the learner version, start a new lineage or take a batch. A live eta change on the
-control socket (``ControlCommand("set_max_staleness")``) is signed the same way (an operator without the secret
-writes ``<run>/control/max_staleness`` instead). Actors never get it: the
-Slurm actor bundle and the Ray fleet's files hold the actor secret, keys and config only.
-
-Replay: every signed message carries ``session`` (random, one per signing process) and ``seq`` (nanoseconds since
-the epoch at signing, strictly increasing within a session) inside its MAC; the buffer's ``ReplayGuard`` takes each
-(session, seq) once, none more than REPLAY_WINDOW_S older than the newest of its session (messages of one session
-on several sockets may arrive out of order within that window), and none signed more than MAX_CLOCK_SKEW_S before
-the buffer started (a message recorded before a buffer restart). A replay is refused like a forgery ("replayed").
-
-Actors: ``<run>/secrets/actors`` (``transport.actor_secret_file`` on a node that does not share the run directory;
-created like the learner's). An actor's token is HMAC-SHA256(actor secret, "actor <id>"); its ``GrantRequest``,
-``Heartbeat`` and ``ActorStats`` carry it (``auth``), and the buffer takes none for an actor id whose token does
-not check: a peer that cannot read the secret cannot speak for any actor id, nor invent new ones. (Trajectories
-need no token: a group id is a capability bound to the actor it was granted to, sent to that actor alone.) Every
-actor holds the same secret, so one actor could speak for another: the boundary is who can read the run's
-secrets, as for the learner.
+"""The run's credentials: the learner's (``<run>/secrets/learner``, read by the learner ranks and the buffer only) and
+the actors' (``<run>/secrets/actors``, read by the actors and the buffer): 32 random bytes each, 0600 in a 0700
+folder, created by whoever needs one first. Learner ranks sign every ``BatchRequest`` and live eta change with an
+HMAC-SHA256 over its fields, ``session`` and ``seq`` (replays are refused by the buffer's ``ReplayGuard``); an actor's
+token is HMAC-SHA256(actor secret, "actor <id>"). Threats and what each stops: docs/RELIABILITY.md "Threats".
 """
 
 from __future__ import annotations

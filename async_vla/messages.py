@@ -1,18 +1,7 @@
-"""The one message schema: every message that crosses a process boundary.
-
-Wire format (ZeroMQ multipart): frame 0 is a small msgpack header
-``{"v": SCHEMA_VERSION, "k": kind, "f": {scalar fields}, "a": [[name, dtype, shape], ...]}``;
-each following frame is the raw bytes of one numpy array, in header order (zero-copy on send).
-
-Decoding trusts nothing: frame count, header size, msgpack, kind, schema version, every scalar's type,
-every array's dtype (from a fixed allow-list), rank and shape, and ``prod(shape) * itemsize == len(frame)``
-are checked *before* ``np.frombuffer``; then the message's own ``validate()`` checks cross-field facts
-(consistent N and T, finite log-probs, non-negative versions). Any failure raises ``MalformedMessage``
-with a short machine-readable ``reason`` that receivers count. Nothing is ever unpickled or executed.
-
-A decoded message keeps the frames it arrived as (``frames_of``): a relay (the buffer, which never changes a
-trajectory) forwards those, not a re-encoding, and the next receiver checks them again. Arrays are views of the
-received frames, never copies.
+"""The one message schema: every message that crosses a process boundary, and its wire format (a msgpack header
+frame, then one raw frame per numpy array). Decoding trusts nothing: every field, dtype, shape and size is checked
+before ``np.frombuffer``, then the message's ``validate()``; any failure raises ``MalformedMessage(reason)``.
+Nothing is unpickled. Details: docs/CONTRACTS.md "Messages".
 """
 
 from __future__ import annotations
@@ -63,7 +52,6 @@ _STR = (str,)
 _BOOL = (bool,)
 _DICT = (dict,)
 _LIST = (list,)
-_OPT_INT = (int, type(None))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,7 @@
-"""The one path to TensorBoard: ``Monitor(run_dir)`` writes event files under ``<run>/tb`` (through
-``async_vla.tb_events``, which needs no torch: the buffer process logs through it too).
-
-Every process that logs (learner rank 0, buffer service, fleet) opens its own Monitor on the same run
-directory; each writer creates its own event file (the file name carries host, pid and a counter), and
-TensorBoard / ``read_tags`` merge every file of the directory. ``REQUIRED_TAGS`` lists the tags a run must
-contain; a test reads a run's events back and checks them.
-
-A disabled Monitor (``logging.tensorboard=false``, or learner ranks other than 0) accepts every call and
-writes nothing, so callers never branch on it.
+"""The one path to TensorBoard: ``Monitor(run_dir)`` writes event files under ``<run>/tb`` through
+``async_vla.tb_events`` (no torch). Each process opens its own Monitor (one event file per writer) and readers merge
+every file of the directory; a disabled Monitor accepts every call and writes nothing (docs/LEARNER.md "TensorBoard").
 """
-
 from __future__ import annotations
 
 import math
@@ -23,24 +15,6 @@ if TYPE_CHECKING:
     from async_vla.tb_events import EventFileWriter
 
 TB_SUBDIR = "tb"
-
-REQUIRED_TAGS: tuple[str, ...] = (
-    "rollout/success_rate",
-    "eval/success_rate",
-    "buffer/received", "buffer/trained", "buffer/filtered_uniform", "buffer/filtered_difficulty",
-    "buffer/stale", "buffer/expired_partial", "buffer/malformed",
-    "buffer/lag_mean", "buffer/lag_max",
-    "loss/policy", "loss/clip_frac_low", "loss/clip_frac_high", "loss/nsr_rescued_frac", "loss/kl",
-    "offpolicy/is_weight_mean", "offpolicy/is_weight_max", "offpolicy/mis_masked_frac", "offpolicy/behav_kl",
-    "perf/learner_step_s", "perf/learner_idle_frac", "perf/trajectories_per_s", "perf/env_steps_per_s",
-    "perf/tokens_per_s",
-    "weights/sync_s", "weights/bytes", "weights/version",
-)
-"""Scalar tags every run must write (besides rollout/success_rate_by_task/* and lag histograms)."""
-
-REQUIRED_TAG_PREFIXES: tuple[str, ...] = ("rollout/success_rate_by_task/", "time/actor/", "time/learner/",
-                                           "time/buffer/")
-"""Tag families of which at least one member must exist (one tag per task id; per phase, async_vla/phases.py)."""
 
 # TensorBoard names a verl user knows -> the learner metric of ours they are copied from (docs/LEARNER.md has
 # the table with what each means and how it differs from verl's). Written next to our own tags, which stay.
@@ -151,11 +125,8 @@ class Monitor:
         self._writer.histogram(tag, arr, int(step))
 
     def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
-        """An episode (uint8 [T, H, W, 3]) as an animated GIF in TensorBoard's Images tab.
-
-        The same record ``SummaryWriter.add_video`` writes (an image summary holding a GIF), encoded with Pillow
-        instead: add_video goes through ``moviepy.editor``, which moviepy 2.x no longer has, and when that
-        import fails it prints a line and writes nothing. Pillow is installed with matplotlib."""
+        """An episode (uint8 [T, H, W, 3]) as an animated GIF in TensorBoard's Images tab: the record
+        ``SummaryWriter.add_video`` writes, encoded with Pillow (docs/LEARNER.md "Eval videos" says why)."""
         if self._writer is None:
             return
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -181,19 +152,12 @@ class Monitor:
         self.close()
 
 
-def _event_files(tb_dir: Union[str, Path]) -> list[Path]:
-    root = Path(tb_dir)
-    if not root.exists():
-        return []
-    return sorted(p for p in root.rglob("*") if p.is_file() and "tfevents" in p.name)
-
-
 def _accumulators(tb_dir: Union[str, Path]) -> Iterable[Any]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # One accumulator per file: a directory accumulator follows a single "current" file and can skip
     # files written concurrently by other processes.
-    for path in _event_files(tb_dir):
+    for path in sorted(p for p in Path(tb_dir).rglob("*") if p.is_file() and "tfevents" in p.name):
         acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0})
         acc.Reload()
         yield acc
@@ -209,19 +173,6 @@ def read_tags(tb_dir: Union[str, Path]) -> set[str]:
     return tags
 
 
-def read_images(tb_dir: Union[str, Path], tag: str) -> list[tuple[int, bytes]]:
-    """(step, encoded image: PNG, or GIF for videos) pairs of one image tag, sorted by step."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: list[tuple[int, bytes]] = []
-    for path in _event_files(tb_dir):
-        acc = EventAccumulator(str(path), size_guidance={"images": 0})
-        acc.Reload()
-        if tag in acc.Tags().get("images", []):
-            out.extend((e.step, e.encoded_image_string) for e in acc.Images(tag))
-    return sorted(out, key=lambda si: si[0])
-
-
 def read_scalars(tb_dir: Union[str, Path], tag: str) -> list[tuple[int, float]]:
     """(step, value) pairs of one scalar tag over every event file, sorted by step (for tests and reports)."""
     out: list[tuple[int, float]] = []
@@ -229,17 +180,3 @@ def read_scalars(tb_dir: Union[str, Path], tag: str) -> list[tuple[int, float]]:
         if tag in acc.Tags().get("scalars", []):
             out.extend((e.step, e.value) for e in acc.Scalars(tag))
     return sorted(out, key=lambda sv: sv[0])
-
-
-def missing_required(tags: Iterable[str], required: Optional[Iterable[str]] = None) -> list[str]:
-    """Required tags (and tag families, as ``prefix*``) absent from ``tags``."""
-    tags = set(tags)
-    missing = [t for t in (REQUIRED_TAGS if required is None else required) if t not in tags]
-    if required is None:
-        missing += [p + "*" for p in REQUIRED_TAG_PREFIXES if not any(t.startswith(p) for t in tags)]
-    return missing
-
-
-def is_finite_number(value: Any) -> bool:
-    """True for a real, finite number (helper for callers filtering metrics)."""
-    return isinstance(value, numbers.Real) and math.isfinite(float(value))

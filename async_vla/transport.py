@@ -1,19 +1,8 @@
-"""Small ZeroMQ wrappers (and an in-process twin with the same interface) for every channel.
-
-Channels
-- trajectories: actors PUSH (connect) -> buffer PULL (bind). High-water marks on both ends give
-  back-pressure: when the buffer stops reading, actors' sends block (we poll with a timeout so a
-  stopping actor is never stuck).
-- control: buffer ROUTER (bind) <-> actors / operators DEALER (connect). Requests and replies are typed
-  messages. Control sends never block: heartbeats and stats are dropped (and counted) when the queue is full,
-  requests raise ControlTimeout.
-- batch: buffer ROUTER (bind) <-> learner ranks DEALER (connect), the same classes as control on a socket (and,
-  in the buffer, a ZeroMQ context and I/O thread) of its own: a bundle (header + trajectories, hundreds of MB)
-  answers a rank's BatchRequest without queueing grants behind it.
-
-Receivers never raise on bad input: they count it in ``malformed`` by reason and carry on.
-Sockets bind to 127.0.0.1 unless configured otherwise, set linger so close() never hangs, and cap
-message size with MAXMSGSIZE so oversize frames are dropped by ZeroMQ before allocation.
+"""Small ZeroMQ wrappers (and an in-process twin with the same interface) for every channel: trajectories (actors
+PUSH -> buffer PULL, back-pressure through high-water marks), control (buffer ROUTER <-> actors and operators DEALER)
+and batch (the same classes on a socket and I/O thread of its own). Receivers count bad input in ``malformed`` by
+reason and never raise; sockets bind to 127.0.0.1 unless configured otherwise, linger so close() never hangs and cap
+message size (MAXMSGSIZE). The channels: docs/CONTRACTS.md "Protocol".
 """
 
 from __future__ import annotations
@@ -107,15 +96,10 @@ def _close_quietly(sock: zmq.Socket, ctx: Optional[zmq.Context], extra: tuple = 
 
 def _guard_collection(owner: object, sock: zmq.Socket, ctx: zmq.Context, own_ctx: bool,
                       extra: tuple = ()) -> weakref.finalize:
-    """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close().
-
-    Without this, a leaked socket and its context collected together in a reference cycle deadlock the garbage
-    collector: weakrefs are cleared before finalisers run, so pyzmq's Context.__del__ no longer sees the socket
-    and its term() waits for it for ever (seen: a test that failed before its close() hung a later test). A
-    weakref.finalize callback runs before any __del__, and holding the socket it keeps both out of that cycle.
-    ``close()`` detaches it; at interpreter exit it does nothing (an explicit close decides what is flushed).
-    ``extra``: sockets of the same context to close first (a socket monitor), or term() would wait for them.
-    """
+    """Close ``sock`` (and term an owned ``ctx``) when ``owner`` is collected without close(): a leaked socket
+    and its context collected together in a reference cycle would deadlock the garbage collector (pyzmq's
+    Context.__del__ no longer sees the socket; a weakref.finalize runs before it). ``close()`` detaches it; at
+    interpreter exit it does nothing. ``extra``: sockets of the same context to close first (a socket monitor)."""
     fin = weakref.finalize(owner, _close_quietly, sock, ctx if own_ctx else None, extra)
     fin.atexit = False
     return fin
@@ -144,14 +128,41 @@ class MalformedCounter:
         self.total += 1
 
 
-class TrajectorySender:
+def _decode_counted(frames: list, max_bytes: int, malformed: MalformedCounter, decoder=decode):
+    """``decoder(frames)``, or None with the reason counted in ``malformed``."""
+    try:
+        return decoder(frames, max_bytes)
+    except MalformedMessage as exc:
+        malformed.add(exc.reason)
+        return None
+
+
+class _Endpoint:
+    """One socket of ``kind`` in ``ctx`` (or in a context of its own, termed on close), closed if collected."""
+
+    def __init__(self, kind: int, hwm: int, max_bytes: Optional[int], ctx: Optional[zmq.Context],
+                 monitor_events: int = 0):
+        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
+        self._sock = _socket(self._ctx, kind, hwm, max_bytes)
+        extra = ()
+        if monitor_events:
+            self._monitor = self._sock.get_monitor_socket(monitor_events)
+            extra = (self._monitor,)
+        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx, extra)
+
+    def close(self, linger_ms: Optional[int] = None) -> None:
+        self._collect_guard.detach()
+        self._sock.close(linger=linger_ms)
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class TrajectorySender(_Endpoint):
     """Actor side of the trajectory channel (PUSH, connects)."""
 
     def __init__(self, endpoint: str, hwm: int = 64, ctx: Optional[zmq.Context] = None,
                  keys: Optional[CurveKeys] = None):
-        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
-        self._sock = _socket(self._ctx, zmq.PUSH, hwm, None)
-        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
+        super().__init__(zmq.PUSH, hwm, None, ctx)
         secure_client(self._sock, keys)
         self._sock.connect(endpoint)
         self.endpoint = endpoint
@@ -180,27 +191,19 @@ class TrajectorySender:
 
     def close(self, flush_s: float = 5.0) -> None:
         """Close after giving queued trajectories up to ``flush_s`` to leave (a plain close would drop them).
-
-        Terminating our own context blocks until the queue is flushed: with zero-copy sends, exiting the
-        process while ZeroMQ's I/O thread still reads the arrays would crash it (seen: SIGSEGV at exit).
-        """
-        self._collect_guard.detach()
-        self._sock.close(linger=int(flush_s * 1000))
-        if self._own_ctx:
-            self._ctx.term()
+        Terminating our own context waits for the flush: with zero-copy sends, exiting while ZeroMQ's I/O thread
+        still reads the arrays would crash the process."""
+        super().close(int(flush_s * 1000))
 
 
-class TrajectoryReceiver:
+class TrajectoryReceiver(_Endpoint):
     """Buffer side of the trajectory channel (PULL, binds). Bad frames are counted, never raised."""
 
     def __init__(self, endpoint: str, hwm: int = 64, max_bytes: int = 64 * 1024**2,
                  ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
-        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
-        self._sock = _socket(self._ctx, zmq.PULL, hwm, max_bytes)
         # Connection events only (a handful per actor lifetime): what the memory bound counts (each connection may
         # hold up to hwm trajectories in its queue).
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx, (self._monitor,))
+        super().__init__(zmq.PULL, hwm, max_bytes, ctx, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
         self._connections = 0
@@ -241,31 +244,25 @@ class TrajectoryReceiver:
                     return None
                 continue
             self.received += 1
-            try:
-                return decode(frames, self.max_bytes)
-            except MalformedMessage as exc:
-                self.malformed.add(exc.reason)
+            msg = _decode_counted(frames, self.max_bytes, self.malformed)
+            if msg is not None:
+                return msg
             if time.monotonic() >= deadline:
                 return None
 
     def close(self) -> None:
-        self._collect_guard.detach()
         self.connections  # noqa: B018 (empty the monitor queue: disable_monitor waits while it is full)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close()
-        if self._own_ctx:
-            self._ctx.term()
+        super().close()
 
 
-class ControlServer:
+class ControlServer(_Endpoint):
     """Buffer side of the control channel (ROUTER, binds): requests from many peers, replies by identity."""
 
     def __init__(self, endpoint: str, hwm: int = 1024, max_bytes: int = 1024**2,
                  ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
-        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
-        self._sock = _socket(self._ctx, zmq.ROUTER, hwm, max_bytes)
-        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
+        super().__init__(zmq.ROUTER, hwm, max_bytes, ctx)
         self._sock.router_mandatory = False  # a vanished peer's reply is dropped, never an error
         _secure_server(self._sock, keys)
         self.endpoint = bind(self._sock, endpoint)
@@ -284,10 +281,9 @@ class ControlServer:
                 return None
             peer, *frames = self._sock.recv_multipart(copy=False)
             self.user_id = frames[0].get("User-Id") if self._curve and frames else ""
-            try:
-                return bytes(peer.buffer), decode(frames, self.max_bytes)
-            except MalformedMessage as exc:
-                self.malformed.add(exc.reason)
+            msg = _decode_counted(frames, self.max_bytes, self.malformed)
+            if msg is not None:
+                return bytes(peer.buffer), msg
             if time.monotonic() >= deadline:
                 return None
 
@@ -302,31 +298,19 @@ class ControlServer:
     def reply_bundle(self, peer: bytes, header: Message, members: Sequence[Message]) -> None:
         self._sock.send_multipart([peer, *encode_bundle(header, members)], copy=False)
 
-    def close(self) -> None:
-        self._collect_guard.detach()
-        self._sock.close()
-        if self._own_ctx:
-            self._ctx.term()
-
 
 class ControlTimeout(TimeoutError):
     """A control request could not be queued, or got no reply, in time (the buffer is down or unreachable)."""
 
 
-class ControlClient:
-    """Actor / learner side of the control channel (DEALER, connects).
-
-    Sends never block for longer than asked: a DEALER queues up to its high-water mark while the buffer is
-    unreachable and then would block forever (an actor stuck in a heartbeat send looks hung and is restarted).
-    ``send`` drops a message whose queue stays full and counts it in ``dropped`` by kind (right for heartbeats
-    and stats: the next one supersedes it); ``request`` / ``call`` raise ``ControlTimeout`` instead.
-    """
+class ControlClient(_Endpoint):
+    """Actor / learner side of the control channel (DEALER, connects). Sends never block for longer than asked
+    (a DEALER whose queue is full would block forever): ``send`` drops a message whose queue stays full and counts
+    it in ``dropped`` by kind (heartbeats, stats); ``request`` / ``call`` raise ``ControlTimeout`` instead."""
 
     def __init__(self, endpoint: str, identity: Optional[bytes] = None, hwm: int = 1024,
                  max_bytes: int = 1024**3, ctx: Optional[zmq.Context] = None, keys: Optional[CurveKeys] = None):
-        self._ctx, self._own_ctx = (ctx, False) if ctx is not None else (zmq.Context(), True)
-        self._sock = _socket(self._ctx, zmq.DEALER, hwm, max_bytes)
-        self._collect_guard = _guard_collection(self, self._sock, self._ctx, self._own_ctx)
+        super().__init__(zmq.DEALER, hwm, max_bytes, ctx)
         if identity is not None:
             self._sock.identity = identity
         secure_client(self._sock, keys)
@@ -372,35 +356,15 @@ class ControlClient:
         return reply
 
     def recv(self, timeout_s: float = 0.0) -> Optional[Message]:
-        frames = self._recv_frames(timeout_s)
-        if frames is None:
-            return None
-        try:
-            return decode(frames, self.max_bytes)
-        except MalformedMessage as exc:
-            self.malformed.add(exc.reason)
-            return None
+        return self._recv(timeout_s, decode)
 
     def recv_bundle(self, timeout_s: float = 0.0) -> Optional[tuple[Message, list[Message]]]:
-        frames = self._recv_frames(timeout_s)
-        if frames is None:
-            return None
-        try:
-            return decode_bundle(frames, self.max_bytes)
-        except MalformedMessage as exc:
-            self.malformed.add(exc.reason)
-            return None
+        return self._recv(timeout_s, decode_bundle)
 
-    def _recv_frames(self, timeout_s: float) -> Optional[list]:
+    def _recv(self, timeout_s: float, decoder):
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
-        return self._sock.recv_multipart(copy=False)
-
-    def close(self) -> None:
-        self._collect_guard.detach()
-        self._sock.close()
-        if self._own_ctx:
-            self._ctx.term()
+        return _decode_counted(self._sock.recv_multipart(copy=False), self.max_bytes, self.malformed, decoder)
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -430,11 +394,8 @@ def endpoints(transport_cfg, run_directory: Optional[Path] = None, side: str = "
 
 
 class LocalPipe:
-    """In-process twin of the trajectory channel (serial mode and tests): same send/recv interface.
-
-    Messages still go through encode/decode so serial mode exercises the wire schema; ``capacity``
-    plays the role of the high-water mark (send returns False when full and nobody drains it).
-    """
+    """In-process twin of the trajectory channel (serial mode and tests): same send/recv interface. Messages still
+    go through encode/decode; ``capacity`` plays the high-water mark (send returns False when full)."""
 
     def __init__(self, capacity: int = 64, max_bytes: int = 64 * 1024**2):
         self._queue: Deque[list] = collections.deque()
@@ -466,10 +427,9 @@ class LocalPipe:
                 frames = self._queue.popleft()
                 self._lock.notify_all()
                 self.received += 1
-                try:
-                    return decode(frames, self.max_bytes)
-                except MalformedMessage as exc:
-                    self.malformed.add(exc.reason)
+                msg = _decode_counted(frames, self.max_bytes, self.malformed)
+                if msg is not None:
+                    return msg
 
     def __len__(self) -> int:
         return len(self._queue)

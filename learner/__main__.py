@@ -1,29 +1,11 @@
 """Learner process: ``bin/learner CONFIG [section.field=value ...] --run-dir DIR [--resume] [--ranks N]``.
 
-What one rank does: build the policy (same seed on every rank) -> ``DeepSpeedLearner`` (or ``TorchLearner``
-with ``learner.backend=torch``, one rank) -> optionally resume from ``DIR/checkpoints`` -> publish the current
-weights -> loop { ``BatchRequest(rank, world, version)`` to the buffer's batch endpoint -> this rank's share
-of the batch -> ``train_step`` -> (rank 0) publish weights (``learner/publish.py``) every
-``weights.publish_every`` versions (all ranks join the ZeRO-3 gathers) -> metrics to TensorBoard (rank 0) ->
-checkpoint every ``run.checkpoint_every`` versions } until ``run.max_versions`` or ``run.max_wall_s`` or
-SIGTERM/SIGINT, then a final checkpoint and an exported policy in ``DIR/policy``.
-
-Ranks stay in lock-step: after every poll of the buffer they all-reduce (have-my-share, stop) flags, so
-they enter each step together and stop together (a rank stopping alone would hang the others' ZeRO-3
-collectives).
-
-Launching N ranks (all equivalent; each rank reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT):
-
-    bin/learner CONFIG --run-dir DIR --ranks 2                       # this script starts the ranks itself
-    torchrun --nproc_per_node 2 bin/learner CONFIG learner.num_ranks=2 --run-dir DIR
-    deepspeed --num_gpus 8 bin/learner CONFIG learner.num_ranks=8 --run-dir DIR
-    # multi-node: the same launcher's hostfile / rendezvous, e.g.
-    deepspeed --hostfile hosts.txt bin/learner CONFIG learner.num_ranks=16 --run-dir DIR   # "host slots=8" lines
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29500 \\
-        bin/learner CONFIG learner.num_ranks=16 --run-dir DIR
-
-Without launcher variables and without ``--ranks`` (or ``learner.num_ranks``) > 1, this is a world of one.
-The config is parsed (and rejected with a readable message) before torch or DeepSpeed is imported.
+One rank: build the policy -> ``DeepSpeedLearner`` (``TorchLearner`` with ``learner.backend=torch``) -> resume from
+``DIR/checkpoints`` if asked -> publish the weights -> loop { this rank's share of a batch from the buffer ->
+``train_step`` -> publish every ``weights.publish_every`` versions -> checkpoint every ``run.checkpoint_every`` }
+until ``run.max_versions``, ``run.max_wall_s`` or SIGTERM/SIGINT, ranks in lock-step; then a final checkpoint and the
+policy in ``DIR/policy``. ``--ranks N`` starts N local ranks; torchrun, deepspeed and multi-node launches:
+docs/LEARNER.md "Launching". The config is checked before torch or DeepSpeed is imported.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """The learner step (shared by every backend) and ``TorchLearner`` (single process, plain AdamW).
 
-One ``train_step(groups)``:
-
-1. ``collate`` the groups (advantages from ``grpo.group_advantages``; ``loss.adv_norm=batch`` with the
-   statistics of the whole batch over every rank), split the rows into ``learner.minibatches`` PPO
-   mini-batches of whole groups (``batching.minibatch_rows``) and each of those into micro-batches of whole
-   trajectories (``learner.micro_batch_trajectories``).
-2. Proximal log-probs: one no-grad pass over every micro-batch with the weights as they are at batch start,
-   at the rollout temperature (``actor.temperature``; 0 = greedy -> log-probs at T = 1), plus the per-token
-   entropy of that policy. Decoupled PPO: pi_prox stays these batch-start weights for every optimizer step of
-   the batch, so from the second mini-batch on the PPO ratio pi_theta / pi_prox moves and the clip binds.
-3. ``steps_per_batch`` passes over the mini-batches, one optimizer step per mini-batch: forward +
-   ``grpo.policy_loss`` (with ``loss.correction``) + backward per micro-batch, each loss weighted by its share
-   of its mini-batch's aggregation units (``grpo.micro_batch_weight``: the accumulated gradient is exactly
-   that mini-batch's gradient, and across data-parallel ranks the global mini-batch's), then one optimizer
-   step. After the last, ``version += 1``: one version per batch (docs/LEARNER.md "Versions").
-4. A non-finite loss or gradient skips the step and the rest of the batch: no parameter or optimizer state
-   changes in that step, ``learner/skipped_steps`` counts it, the version still moves on (the batch is
-   consumed). TorchLearner checks the loss, then the global gradient norm, before ``optimizer.step()``;
-   DeepSpeedLearner: see its module.
-
-Metrics returned use the TensorBoard tag names (``loss/*``, ``offpolicy/*``, ``perf/*``, ``learner/*``, and their
-verl-named copies, ``async_vla.metrics.VERL_TAGS``); in a multi-rank learner they are reduced over ranks, so every rank returns the
-global-batch values. Per-token and loss metrics average over every optimizer step of the batch.
+``train_step(groups)``: collate, proximal log-probs at the batch-start weights, ``learner.steps_per_batch`` passes of
+one optimizer step per mini-batch of whole groups (micro-batches weighted to the exact mini-batch gradient), then
+``version += 1``; a non-finite loss or gradient skips the rest of the batch and the version still moves on. Metrics
+use the TensorBoard tag names (and verl's copies), reduced over ranks. The step in full: docs/LEARNER.md "The step".
 """
 
 from __future__ import annotations
@@ -344,11 +325,9 @@ class Learner(abc.ABC):
         return t
 
     def start_lineage(self) -> Lineage:
-        """Mint this learner start's lineage (after any checkpoint load): a new id, the same on every rank whoever
-        launched them (rank 0 draws it, an all-reduce hands it to the others), descending from the lineage of the
-        weights held now at the current version (a fresh learner's: the initial policy's). It tags the versions
-        this learner publishes and its batch requests; checkpoints keep it, so a resumed learner descends from
-        it. A collective: every rank calls it."""
+        """Mint this learner start's lineage (after any checkpoint load; a collective, every rank calls it): a new
+        id rank 0 draws and an all-reduce hands to the others, descending from the lineage of the weights held now
+        at the current version. It tags published versions and batch requests; checkpoints keep it."""
         import secrets
 
         draw = [float(secrets.randbits(52) | 1) for _ in range(2)] if self.rank == 0 else [0.0, 0.0]
@@ -526,8 +505,3 @@ class TorchLearner(Learner):
 
         with merged_view(self.policy, self.lora_scale):
             return save_policy_dir(self.policy, Path(directory))
-
-
-def finite_params(items: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]]) -> bool:
-    """True when every tensor is finite (tests and sanity checks)."""
-    return all(bool(torch.isfinite(t).all()) for _, t in items)

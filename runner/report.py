@@ -17,12 +17,9 @@ SAVE_EVERY_S = 5.0
 
 
 class RunRecorder:
-    """Collects rollout and eval success as the run goes, logs them, and writes the end-of-run report.
-
-    With ``resume`` it picks up ``<run>/progress.json`` (written as the run goes, so a kill -9 loses at most a few
-    seconds of train points): wall times continue from where the previous part stopped and summary.json /
-    success.png describe the whole run. Throughput is per part (this process's own counts over its own time).
-    """
+    """Collects rollout and eval success as the run goes, logs them, and writes the end-of-run report. With
+    ``resume`` it continues ``<run>/progress.json`` (written as the run goes), so summary.json and success.png
+    describe the whole run; throughput is per part (this process's own counts over its own time)."""
 
     def __init__(self, cfg: Any, run_dir: Path, monitor: Monitor, resume: bool = False):
         self.cfg, self.run_dir, self.monitor = cfg, Path(run_dir), monitor
@@ -198,15 +195,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> dict:
     """Add an evaluation of version ``version``'s export, made after the run (``bin/eval RUN --versions N
-    --record``), to the run's record: progress.json, summary.json's ``eval`` list, TensorBoard's
-    ``eval/success_rate`` at that version and success.png. Returns the point.
-
-    Why: on a CPU-bound simulator an evaluation during the run takes the actors' cores (a 50-episode LIBERO
-    eval is thousands of env steps); a run with ``run.eval_every=0`` and ``weights.export_keep`` large enough trains
-    on the whole machine and its curve is filled in afterwards. The point's ``wall_s`` is the run's wall time
-    at its first train point at or past that version (within a status interval of when the learner made it), so
-    the curve is drawn against training time; it is marked ``after_run``. ``final_eval`` stays the run's own evaluation of its final policy.
-    """
+    --record``, docs/ARCHITECTURE.md "Follow one trajectory" step 5 says why), to the run's record: progress.json,
+    summary.json's ``eval`` list, TensorBoard's ``eval/success_rate`` at that version and success.png; returns the
+    point, marked ``after_run``. Its ``wall_s`` is the run's wall time at its first train point at or past that
+    version, so the curve is drawn against training time. ``final_eval`` stays the run's own evaluation."""
     run_dir = Path(run_dir)
     split = res.get("split", "eval")
     progress = _run_progress(run_dir)

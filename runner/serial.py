@@ -1,10 +1,6 @@
-"""Serial mode (``run.mode=serial``): actor, buffer and learner in one process and one thread.
-
-The same objects the multi-process system uses — ``SerialActor`` (policy + envs + group rollouts),
-``GroupBuffer`` (assembly, filters, staleness, ledger), ``TorchLearner`` (the GRPO step) — wired by direct
-calls: trajectories still go through the wire encoding (``LocalPipe``) so the schema is exercised. The
-actor shares the learner's policy object, so a "weight swap" is only a version bump. Useful for tests,
-debugging and ablations; throughput comes from the async mode.
+"""Serial mode (``run.mode=serial``): actor, buffer and learner in one process and one thread: ``SerialActor``,
+``GroupBuffer`` and ``TorchLearner`` wired by direct calls, trajectories still through the wire encoding
+(``LocalPipe``), the actor sharing the learner's policy object (a weight swap is a version bump).
 """
 
 from __future__ import annotations
@@ -66,13 +62,9 @@ def run_serial(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict:
 
 class SerialRun:
     """The pieces of a serial run and the loop's counters. Built in the order that fixes the random streams (the
-    seed, the policy, the envs, the learner, the actor), so a serial run of a seed repeats exactly.
-
-    Where the time goes: actor, learner and buffer each keep a PhaseClock as in async mode, over the one thread.
-    While one works the others wait, and the clocks say on what: the learner's ``wait_batch`` is the rollouts
-    (with the buffer's work), the actor's ``wait_grant`` the buffer's grants and batches, its ``send`` the buffer
-    taking its trajectories, its ``weights`` the learner's turn (step, report, checkpoint); the buffer is ``idle``
-    whenever it is not called. Building the run is every clock's ``startup``, evaluations every clock's ``eval``."""
+    seed, the policy, the envs, the learner, the actor), so a serial run of a seed repeats exactly. Actor, learner
+    and buffer each keep a PhaseClock over the one thread (docs/BENCHMARKS.md "Where each process's time
+    goes")."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool):
         import torch

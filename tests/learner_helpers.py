@@ -32,6 +32,11 @@ T = CHUNK * DOF
 FIRST = VOCAB - BINS
 
 
+def finite_params(items) -> bool:
+    """True when every tensor of (name, tensor) pairs is finite."""
+    return all(bool(torch.isfinite(t).all()) for _, t in items)
+
+
 def small_cfg(*overrides: str) -> Config:
     base = [f"policy.vocab_size={VOCAB}", f"policy.num_bins={BINS}", f"policy.chunk_size={CHUNK}",
             f"policy.action_dim={DOF}", "learner.lr=0.01", "actor.temperature=1.0", "run.seed=3",

@@ -71,6 +71,12 @@ def add_group(buf: GroupBuffer, gid: str, pattern, bv: int = 0, **kw) -> list[st
     return [buf.add(make_traj(gid, i, s, bv=bv, G=len(pattern), **kw)) for i, s in enumerate(pattern)]
 
 
+def ready_group_ids(buf: GroupBuffer) -> list[str]:
+    """Untrained admitted groups waiting for a batch, in queue order (group ids from make_traj's traj ids)."""
+    ready = (t for t, where in buf.in_flight().items() if where == "ready")
+    return list(dict.fromkeys(t.rsplit("-t", 1)[0] for t in ready))
+
+
 MIXED = (1, 0, 1, 0)
 
 
@@ -83,9 +89,9 @@ def test_assembly_streams_interleaved_groups():
         assert buf.add(t) == "pending"
     assert buf.ready_groups == 0 and buf.groups_in_flight == 2
     buf.add(a[2])
-    assert buf.ready_group_ids() == [g["a"]] and buf.groups_in_flight == 1
+    assert ready_group_ids(buf) == [g["a"]] and buf.groups_in_flight == 1
     buf.add(b[1]), buf.add(b[3])
-    assert buf.ready_group_ids() == [g["a"], g["b"]]
+    assert ready_group_ids(buf) == [g["a"], g["b"]]
     groups = buf.next_batch(0)
     assert [len(g) for g in groups] == [4, 4]
     assert {t.traj_id for t in groups[0]} == {t.traj_id for t in a}
@@ -98,7 +104,7 @@ def test_group_size_comes_from_trajectory():
     g = Granted(buf)
     add_group(buf, g["g2"], (1, 0))
     add_group(buf, g["g3"], (1, 0, 0))
-    assert buf.ready_group_ids() == [g["g2"], g["g3"]]
+    assert ready_group_ids(buf) == [g["g2"], g["g3"]]
 
 
 def test_duplicates_and_stragglers():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_buffer import FakeClock, make_cfg, make_traj
+from test_buffer import FakeClock, make_cfg, make_traj, ready_group_ids
 
 from async_vla.buffer import GroupBuffer
 from async_vla.messages import ROOT, Lineage, PolicyTag
@@ -134,7 +134,7 @@ def test_buffer_properties(sc):
         assert v - min(t.behaviour_version for t in members) <= eta_then, "an emitted group exceeded eta"
         emitted_ids[gid] = emitted_ids.get(gid, 0) + 1
     assert all(n <= sc["reuse"] for n in emitted_ids.values())
-    pending = set(buf.ready_group_ids())
+    pending = set(ready_group_ids(buf))
     for k, (succ, bvs, sent) in enumerate(sc["groups"]):
         gid = gids[k]
         if sent == G and 0 < sum(succ) < G and k not in ever_stale:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from async_vla.metrics import read_scalars, read_tags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +52,7 @@ def test_a_started_buffer_service_logging_to_tensorboard_leaves_no_torch_in_sys_
     assert got["torch"] == [], f"the buffer process imported torch: {got['torch'][:5]}"
     logged = {tag: v for tag, v in got["metrics"].items() if isinstance(v, (int, float))}
     assert logged["buffer/trained"] == 4
-    assert {tag: read_scalars(tmp_path / "tb", tag) for tag in logged} == {tag: [(3, float(v))]
+    # TensorBoard stores scalars as float32
+    assert {tag: read_scalars(tmp_path / "tb", tag) for tag in logged} == {tag: [(3, float(np.float32(v)))]
                                                                           for tag, v in logged.items()}
     assert "buffer/trained_lag" in read_tags(tmp_path / "tb")

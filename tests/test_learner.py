@@ -7,8 +7,8 @@ import torch
 
 from async_vla.batching import collate
 from learner.checkpoint_files import tensors_digest
-from learner.core import TorchLearner, finite_params
-from tests.learner_helpers import StandInPolicy, make_groups, small_cfg
+from learner.core import TorchLearner
+from tests.learner_helpers import StandInPolicy, finite_params, make_groups, small_cfg
 
 
 def _logp_rows(policy, groups, cfg):

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from async_vla.metrics import (REQUIRED_TAG_PREFIXES, REQUIRED_TAGS, Monitor, missing_required, read_scalars,
-                               read_tags)
+from async_vla.metrics import Monitor, read_scalars, read_tags
+from tests.tb_helpers import REQUIRED_TAG_PREFIXES, REQUIRED_TAGS, missing_required
 
 
 def test_monitor_writes_and_read_tags_reads_back(tmp_path):

@@ -149,7 +149,8 @@ def test_eval_videos_of_the_builtin_env_reach_tensorboard(tmp_path):
 
     from PIL import Image
 
-    from async_vla.metrics import VIDEO_MIN_SIDE, Monitor, read_images
+    from async_vla.metrics import VIDEO_MIN_SIDE, Monitor
+    from tests.tb_helpers import read_images
     from runner.report import RunRecorder, eval_videos
 
     cfg, _, policy = setup(tasks="[4,7]")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from async_vla.hosts import free_port
-from async_vla.metrics import missing_required, read_scalars, read_tags
+from async_vla.metrics import read_scalars, read_tags
+from tests.tb_helpers import missing_required
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [

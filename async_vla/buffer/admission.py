@@ -1,37 +1,10 @@
 """Admission: the buffer's one pacing and staleness rule (AReaL's staleness manager, in the buffer's terms).
 
-The learner is what its batch requests say: a version and a ``Lineage`` (``follow``). A policy tag outside that
-lineage's history is *dead*: a dead learner's versions past the checkpoint its successor resumed from. Before any
-learner spoke, no tag is dead.
-
-Staleness: data whose oldest policy is version b has lag = version - b; a group whose lag exceeds eta is *stale*
-and never trained (checked when it completes and again while it waits: the version moves on).
-
-Pacing: ``capacity`` new groups may be granted now, where
-    capacity = (eta + v_rel + 1) * B - running - accepted
-    running  = groups granted and unfinished: not complete, expired, reclaimed or dropped;
-    accepted = groups that completed, passed the filters and were fresh, counted once for the run (trained ones
-               stay counted), minus those dropped later (stale or dead: a dropped group frees its slot); filtered
-               groups never count, so actors get replacements;
-    v_rel    = version - v_base, v_base = the version of the learner's first request (a learner resumed at 57
-               paces like a fresh one), moved along when a new lineage is followed, so pacing keeps the credit of
-               the batches consumed so far;
-    B        = groups per batch.
-The learner consumes B groups per version, so accepted - v_rel * B is the admitted backlog: at most (eta + 1) * B
-groups are being produced or waiting beyond what it consumed, and a group granted at version v is trained by
-v + eta + 1 at the latest. The version moves one per batch (docs/LEARNER.md "Versions").
-
-The race: the learner publishes v + 1 right after its step, then asks for batch v + 1. An actor holding v + 1 of
-the learner's own lineage can ask for work before that request arrives; its tag shows the learner reached v + 1,
-so it is judged at v + 1 (never further, and only its own grant: the version moves by batch requests alone).
-
-Fair share: an actor is an identity (its id, authenticated by the buffer before it asks: the run's actor
-credential). With n live identities (those heard from lately, the asker included), one may hold at most
-    share = max(1, (capacity + running) // n)
-granted-unfinished groups, so whatever the others ask for, each keeps its slice of the budget: a greedy actor's
-grants stop at its share and the rest stay free for the others (who ask in turn).
-
-The owner (``GroupBuffer``) reports every group's start, finish, acceptance and later drop (``on_*``).
+A tag outside the followed learner lineage's history is dead; a group whose lag (version - its oldest policy) exceeds
+eta is stale. ``capacity = (eta + version - v_base + 1) * B - running - accepted`` groups may be granted now, an
+actor holding the learner's own v + 1 is judged at v + 1 (the race), and each of n live identities may hold at most
+``max(1, (capacity + running) // n)`` groups. The owner reports every group's start, finish, acceptance and later
+drop (``on_*``). The rule in full: docs/CONTRACTS.md "The buffer".
 """
 
 from __future__ import annotations

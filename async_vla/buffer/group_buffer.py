@@ -1,53 +1,8 @@
 """Group-assembling replay buffer: pure logic, no sockets, no threads (the service wraps it; serial mode calls it).
 
-A trajectory's life
-    grant(actor) -> an unguessable group id (a capability: "<run>-<32 hex digits from secrets>-g<n>", never issued
-    twice; the counter n lets actors cycle tasks evenly) bound to that actor
-    add(traj) -> validated (run id, task id, its group granted to its actor, duplicate, group consistency)
-    -> joins its group (by group_id)
-    -> the group completes at G = traj.group_size members -> filters -> staleness -> the ready queue
-    -> a learner batch (B groups, FIFO by default, split across learner ranks) -> "trained".
-
-Ledger: every received trajectory is in exactly one state; ``received == sum(ledger.values())`` always.
-    trained             in a batch handed to the learner (formed by next_batch; reuse does not count it twice;
-                        the batch a learner died training returns to pending when its successor is followed)
-    filtered_uniform    its complete group had 0 or G successes (dynamic sampling)
-    filtered_difficulty its complete group's success rate was outside the (lo, hi) difficulty mask
-    stale               its group's lag exceeded eta, when the group completed or later, while it waited for a batch
-    expired_partial     its group stayed incomplete for group_timeout_s (an actor died), or it arrived after that
-    duplicate           a trajectory id already seen in its group
-    malformed           failed validation here (wrong_run, unknown_task, bad_action_token, ungranted_group: a
-                        group id this buffer never granted, or forgot; not_granted_to_actor: a group granted
-                        to another actor; group_mismatch, group_overfull) or was reported by the receiver via count_malformed(reason) (bad frames
-                        never become messages)
-    ahead               its group holds data of a dead policy: a tag outside the learner's lineage (a dead
-                        learner's versions past the checkpoint its successor resumed from); the whole group goes,
-                        now and when its members arrive later
-    pending             in an incomplete group, or in an admitted group not yet put in a batch
-``received`` counts every add() and every count_malformed() call.
-
-Pacing and staleness: ``Admission`` (admission.py) holds the rule; this buffer tells it what happens to groups and
-asks it before granting, admitting and batching. Nothing is granted while has_room() is False. With reuse > 1
-groups are consumed more than once, which only loosens pacing; the eta check still holds.
-
-The learner: each batch request carries its version and ``Lineage``. A new lineage (a learner restarted, resumed
-from a checkpoint or started over) is followed: the version moves to the request's, a batch formed for a later
-version goes back to the front of the ready queue untrained (the update died with its learner), and every group
-holding a dead policy is dropped as "ahead". A lineage left behind is not followed again.
-
-Bounds on control input: eta never exceeds ``max_staleness_limit``; one actor holds at most
-``max_groups_per_actor`` granted-unfinished groups (a request gets at most the difference); ``reclaim(actor)`` takes
-back the grants of an actor that went silent (the service calls it; counted as groups "reclaimed").
-
-Memory: held bytes = every trajectory still referenced (open groups, ready queue, formed batches).
-has_room() is False when ready groups >= max_groups or held_bytes + (largest trajectory seen) > max_bytes,
-so held_bytes never exceeds max_bytes unless a trajectory larger than any before arrives (or one alone does).
-
-Journal: an optional ``journal(t, msg)`` callback receives every state-changing input (trajectories and
-ControlCommand events "j.*") so a recording replays into a fresh buffer with the same ledger (recording.py).
-
-Collaborators: the counts live in a ``Ledger`` (ledger.py) this buffer tells of every transition; pacing and
-staleness in ``Admission`` (admission.py); the outcome filters are the pure functions of filters.py.
+Grants group ids, assembles trajectories into groups, filters them, keeps the ready queue and forms batches; the
+counts go to a ``Ledger``, pacing and staleness to ``Admission``. The ledger states, the learner's lineage and the
+bounds on control input and memory: docs/CONTRACTS.md "The buffer".
 """
 
 from __future__ import annotations
@@ -101,13 +56,10 @@ class _Batch:
 
 
 class GroupBuffer:
-    """Streaming group assembly, filters, the ready queue and batches; the counts go to ``books`` (a ``Ledger``),
-    pacing and staleness to ``admission`` (an ``Admission``). Not thread-safe.
-
-    ``cfg``: the ``buffer`` config section. ``token_range``: the (first, last) action token id the policy can
-    score (anything else would make the learner's token_logprobs raise on every retry of that batch).
-    ``max_staleness``: eta at the start (default ``cfg.max_staleness``; ``Config.max_staleness`` is the run's,
-    0 in sync mode). ``from_config`` derives both from the root config."""
+    """Streaming group assembly, filters, the ready queue and batches; counts in ``books`` (a ``Ledger``), pacing
+    and staleness in ``admission`` (an ``Admission``). Not thread-safe. ``cfg``: the ``buffer`` section;
+    ``token_range``: the (first, last) action token id the policy can score; ``max_staleness``: eta at the start
+    (default ``cfg.max_staleness``). ``from_config`` derives both from the root config."""
 
     def __init__(self, cfg, run_id: str, *, token_range: tuple[int, int], max_staleness: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic, valid_task_ids: Optional[Iterable[int]] = None,
@@ -399,8 +351,8 @@ class GroupBuffer:
 
     def set_learner_version(self, version: int, lineage: Optional[Lineage] = None) -> None:
         """The learner is at ``version``, as ``lineage`` (None: the one followed so far). Within one lineage the
-        version only moves forward (an older one: ValueError); a new lineage is followed wherever it starts (see
-        the module docstring), a lineage left behind is refused (ValueError)."""
+        version only moves forward (an older one: ValueError); a new lineage is followed wherever it starts
+        (docs/CONTRACTS.md "The buffer"), a lineage left behind is refused (ValueError)."""
         old, was, heard = self.version, self.admission.lineage, self.admission.heard
         new = self.admission.follow(version, lineage)
         if not new and self.version == old and heard:
@@ -530,10 +482,6 @@ class GroupBuffer:
     def ready_groups(self) -> int:
         """Admitted groups waiting for a batch (including reuse leftovers)."""
         return len(self._ready)
-
-    def ready_group_ids(self) -> list[str]:
-        """Ids of admitted groups waiting for a batch, in queue order (tests, stats)."""
-        return [g.gid for g in self._ready]
 
     @property
     def groups_in_flight(self) -> int:

@@ -1,9 +1,7 @@
-"""The buffer's ledger: where every received trajectory is. ``GroupBuffer`` owns one and tells it each transition
-(received, joined a group, group dropped / admitted / trained, ...); everyone else reads it. Invariant:
-``received == sum(counts().values())`` - every trajectory is in exactly one of ``STATES`` (docs in group_buffer.py).
-
-A subclass that overrides the transition methods sees each trajectory's fate as it happens (``runner/audit.py``
-does, replaying a recording)."""
+"""The buffer's ledger: where every received trajectory is. ``GroupBuffer`` owns one and tells it each transition;
+everyone else reads it. Invariant: ``received == sum(counts().values())``, every trajectory in exactly one of
+``STATES`` (docs/CONTRACTS.md "The buffer"). A subclass that overrides the transition methods sees each trajectory's
+fate as it happens (``runner/faults/audit.py`` does, replaying a recording)."""
 
 from __future__ import annotations
 

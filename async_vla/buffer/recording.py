@@ -1,16 +1,6 @@
-"""Recording of the buffer's input stream in the wire format, and its replay.
-
-What is recorded (``buffer.record=true``): every received trajectory exactly as it travels (encode() frames),
-interleaved with the buffer's other state-changing inputs as ControlCommand messages "j.*" (learner version,
-eta, expiry sweeps, batch formation, grants, malformed frames; see group_buffer.py). Replaying the records in order into a
-fresh GroupBuffer reproduces its ledger exactly; for SFT or inspection keep only the Trajectory records.
-
-File format (little-endian), files ``rec-<index of first record, 12 digits>.bin`` in ``<run>/recording/``:
-    magic b"AVLAREC1", then records: float64 t (buffer clock at the input), uint32 n_frames,
-    n_frames x (uint64 length, bytes)
-Files rotate at ``record_file_bytes``; at most ``record_max_files`` are kept (oldest deleted), so a long run
-keeps its tail; ``recording_info`` says whether the start was dropped. ``meta.json`` holds run id and task ids.
-A restarted buffer moves an existing ``recording/`` aside to ``recording-<n>/`` and starts a new stream.
+"""Recording of the buffer's input stream in the wire format (``buffer.record=true``: every received trajectory as
+it travels, interleaved with the other state-changing inputs as ``ControlCommand("j.*")``), and its replay into a
+fresh GroupBuffer, which reproduces the ledger exactly. File format and rotation: docs/CONTRACTS.md "The buffer".
 """
 
 from __future__ import annotations
@@ -157,10 +147,8 @@ class ReplayClock:
 def replay(rec_dir, cfg, limit: Optional[int] = None, ledger=None,
            each: Optional[Callable[[int, "GroupBuffer"], None]] = None) -> "GroupBuffer":
     """Feed the recording in ``rec_dir`` (its first ``limit`` records) into a fresh GroupBuffer; return it.
-
-    ``ledger``: the buffer's ``Ledger`` (a subclass sees every trajectory's fate: runner/audit.py);
-    ``each(n, buffer)`` is called after the n-th record (1-based) is applied.
-    """
+    ``ledger``: the buffer's ``Ledger`` (a subclass sees every trajectory's fate: runner/faults/audit.py);
+    ``each(n, buffer)`` is called after the n-th record (1-based) is applied."""
     from async_vla.buffer.group_buffer import GroupBuffer
     from async_vla.messages import decode
 
@@ -179,10 +167,8 @@ def replay(rec_dir, cfg, limit: Optional[int] = None, ledger=None,
 
 
 def replay_recording(run_dir, cfg=None, limit: Optional[int] = None) -> "GroupBuffer":
-    """Replay ``<run_dir>/recording`` (the current buffer's) into a fresh GroupBuffer; return it.
-
-    ``cfg`` defaults to ``<run_dir>/config.yaml`` (the resolved config the service wrote).
-    """
+    """Replay ``<run_dir>/recording`` (the current buffer's) into a fresh GroupBuffer; return it. ``cfg`` defaults
+    to ``<run_dir>/config.yaml`` (the resolved config the service wrote)."""
     from async_vla.config import load_config
 
     run_dir = Path(run_dir)

@@ -1,35 +1,8 @@
-"""The buffer as a service: GroupBuffer behind a TrajectoryReceiver (PULL) and two ControlServers (ROUTER): control
+"""The buffer as a service: GroupBuffer behind a TrajectoryReceiver (PULL) and two ControlServers (ROUTER), control
 (actors' grants, heartbeats and stats, commands) and batch (learner ranks' BatchRequests and their bundles), each
-socket with a ZeroMQ context and I/O thread of its own.
-
-``serve(stop_event)`` runs in the caller's thread (``bin/buffer``'s main thread, or a learner thread); one thread
-owns the GroupBuffer, so it needs no locks: other threads read only ``latest_metrics`` (or ask over the control
-socket, ControlCommand("stats")). Each ``step()``:
-  1. answers control messages (small, latency-sensitive): GrantRequest -> AdmissionGrant (GroupBuffer.grant, the
-     refusal's reason from its Admission); ControlCommand; Heartbeat and ActorStats are kept (latest per actor) for
-     metrics; then batch requests (batch socket): BatchRequest -> bundle, or parked until a batch is ready or its
-     timeout_s passes (then ready=False); a BatchRequest without the learner's credential (async_vla/learner_secret.py:
-     an HMAC with the run's secret) is answered not-ready at once and counted by reason (``learner_refused_*``),
-     moving nothing, and so is a replay of one that has (``learner_refused_replayed``). A GrantRequest, Heartbeat or
-     ActorStats whose actor id does not authenticate (the run's actor credential; with CURVE also the key that
-     first spoke for that id) is counted by reason (``actor_refused_*``) and nothing else: a grant request gets
-     its one reply, refused "unauthenticated". A BatchRequest on the control socket is answered
-     not-ready at once and counted (``batch_requests_on_control``): batches travel on the batch socket only;
-  2. reads trajectories only while ``has_room()``: when full it stops reading, the socket's high-water marks
-     fill and actors' sends block (back-pressure, nothing dropped);
-  3. retries parked batch requests, and on timers expires partial groups, re-reads <run>/control/max_staleness,
-     rewrites <run>/ledger.json and reports status.
-Every BatchRequest gets exactly one reply. Malformed frames counted by the receiver enter the ledger.
-Control input is bounded: eta changes (socket or file) within buffer.max_staleness_limit, grants per actor within
-buffer.max_groups_per_actor (an out-of-bounds request gets an AdmissionGrant with ``error`` set) and a fair share
-of the pacing budget per live actor (Admission), at most MAX_PARKED
-parked batch requests (one per learner peer and rank: a newer one answers the older), at most MAX_ACTORS_TRACKED
-actors remembered besides those holding grants (newcomers never push out an actor holding a grant); an actor silent
-for buffer.reclaim_after_s loses its open groups (GroupBuffer.reclaim).
-Restarts: a new BufferService moves the previous ``ledger.json`` aside (``ledger-<n>.json``) and, on a clean stop,
-takes in the trajectories already queued on its socket first (``_drain``). A batch request from a new learner
-lineage (a learner restarted) is followed (GroupBuffer.set_learner_version); one from a lineage left behind is
-answered not-ready (counted in bad_batch_requests).
+socket with a ZeroMQ context and I/O thread of its own. One thread owns the GroupBuffer (``serve``); every
+BatchRequest gets exactly one reply; trajectories are read only while the buffer has room (back-pressure). What
+each ``step()`` does and the bounds on control input: docs/CONTRACTS.md "The buffer".
 """
 
 from __future__ import annotations
@@ -70,11 +43,9 @@ ALLOCATOR_MMAP_THRESHOLD = 32 * 1024**2   # glibc's largest allowed value
 
 
 def keep_trajectory_memory() -> bool:
-    """Have glibc serve trajectory-sized allocations (ZeroMQ's receive buffers: ~4 MB per LIBERO trajectory) from
-    the heap, reusing freed ones, instead of a fresh mmap each: a fresh mapping page-faults and zeroes every page
-    the socket read then overwrites (measured: ~40% fewer page faults and ~10% less buffer CPU per trajectory,
-    docs/BENCHMARKS.md). Process-wide; bin/buffer calls it once. False where the C library has no ``mallopt`` (not
-    glibc): the buffer works the same, with that cost."""
+    """Have glibc serve trajectory-sized allocations (ZeroMQ's receive buffers) from the heap, reusing freed ones,
+    instead of a fresh, page-faulting mmap each (docs/BENCHMARKS.md has the gain). Process-wide; bin/buffer calls it
+    once. False where the C library has no ``mallopt`` (not glibc): the buffer works the same, with that cost."""
     import ctypes
 
     try:
@@ -123,12 +94,7 @@ class BufferService:
             built.append(self.control)
             self.batches = ControlServer(batch_endpoint, ctx=self._delivery_ctx, keys=keys)
         except BaseException:
-            for part in built:
-                part.close()
-            for auth in self._auths:
-                auth.stop()
-            self._ingest_ctx.term()
-            self._delivery_ctx.term()
+            self._release(built)
             raise
         self.trajectory_endpoint = self.receiver.endpoint
         self.control_endpoint = self.control.endpoint
@@ -315,11 +281,9 @@ class BufferService:
             log.warning(fmt + ("" if n <= 10 else f" ({n} such so far)"), *args)
 
     def _touch(self, actor_id: int) -> dict:
-        """The entry of an actor that just spoke. Bounded: past MAX_ACTORS_TRACKED the longest-silent actor that
-        holds no open group is forgotten; an actor holding a grant is never pushed out by newcomers (made-up ids
-        cannot churn it out of the table and have its groups reclaimed: only its own silence,
-        buffer.reclaim_after_s, does that), so the table holds at most MAX_ACTORS_TRACKED + the actors holding
-        grants (bounded by the groups open)."""
+        """The entry of an actor that just spoke. Past MAX_ACTORS_TRACKED the longest-silent actor that holds no
+        open group is forgotten; an actor holding a grant is never pushed out by newcomers (only its own silence,
+        buffer.reclaim_after_s, reclaims its groups)."""
         entry = self._actors.pop(actor_id, None)
         if entry is None:
             entry = {}
@@ -547,13 +511,9 @@ class BufferService:
         return m
 
     def memory_bound(self, connections: int) -> int:
-        """What this process may hold in trajectories: buffer.max_bytes, plus, per trajectory connection, the
-        transport.trajectory_hwm messages its socket queue holds and the one being read, each as large as the
-        socket lets a message be (transport.max_message_mb: ZeroMQ allocates a frame whole when its header
-        declares its size, however slowly its bytes follow, so a slow sender reserves that much per connection;
-        docs/ARCHITECTURE.md). Code and interpreter come on top (bin/bench scale measures that margin). Not
-        covered: a message of many frames, each under the cap, which libzmq assembles whole before the buffer can
-        refuse it (docs/RELIABILITY.md, threats)."""
+        """What this process may hold in trajectories: buffer.max_bytes plus, per trajectory connection,
+        trajectory_hwm + 1 messages as large as transport.max_message_mb (docs/ARCHITECTURE.md says why; what it
+        does not cover: docs/RELIABILITY.md, threats). Code and interpreter come on top."""
         per_connection = (self.cfg.transport.trajectory_hwm + 1) * self.receiver.max_bytes
         return self.cfg.buffer.max_bytes + connections * per_connection
 
@@ -605,9 +565,11 @@ class BufferService:
         self.write_ledger()
         if self.recorder is not None:
             self.recorder.close()
-        self.receiver.close()
-        self.control.close()
-        self.batches.close()
+        self._release([self.receiver, self.control, self.batches])
+
+    def _release(self, sockets: list) -> None:
+        for sock in sockets:
+            sock.close()
         for auth in self._auths:
             auth.stop()
         self._ingest_ctx.term()

@@ -1,18 +1,8 @@
 """Fault-injection scenarios against a live local system (``runner/faults/live.py``): bin/chaos and tests/faults.
 
-Each scenario runs on an already training system, injects its fault, waits for the system to recover, and returns
-a dict of what it measured (nothing is asserted here: tests assert, bin/chaos tabulates). ``final_report`` runs
-after a clean stop and audits every buffer incarnation: ledgers balance, nothing trained beyond eta, no trajectory
-admitted twice.
-
-bad_input       10,000 hostile frames (runner/faults/fuzz.py) into the trajectory socket + garbage into the control
-                socket + messages over transport.max_message_mb, while training
-flood           protocol-following synthetic actors that produce instantly (>= 10x the learner's rate)
-actor_kills     kill -9 a random actor every ``every_s`` for ``duration_s``
-learner_kill    kill -9 the learner, wait, ``--resume`` it; actors are not restarted
-buffer_restart  kill -9 (or SIGTERM) the buffer, start a new one on the same ports
-hostile_peers   peers that pretend to be someone else (forged learner batch requests, trajectories for groups
-                nobody granted them, made-up actor ids), with the honest trained rate before, during and after
+Each scenario (bad_input, flood, actor_kills, learner_kill, buffer_restart, hostile_peers; docs/RELIABILITY.md) runs
+on an already training system, injects its fault, waits for recovery and returns what it measured (tests assert,
+bin/chaos tabulates). ``final_report`` audits every buffer incarnation after a clean stop.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import torch
 
 from async_vla import messages as M
 from learner.checkpoint_files import tensors_digest
-from learner.core import TorchLearner, finite_params
-from learner_helpers import StandInPolicy, make_groups, small_cfg
+from learner.core import TorchLearner
+from learner_helpers import StandInPolicy, finite_params, make_groups, small_cfg
 
 
 class _Poison(torch.autograd.Function):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from test_buffer import RUN, Granted, add_group, make_cfg, make_traj
+from test_buffer import RUN, Granted, add_group, make_cfg, make_traj, ready_group_ids
 from test_buffer_service import RUN as SVC_RUN
 from test_buffer_service import learner_request, running, service_cfg, stats, wait_stats
 
@@ -103,7 +103,7 @@ def test_two_ranks_of_a_resumed_learner_are_followed_once():
     first = [buf.take_batch(3, r, 2, lineage=resumed) for r in range(2)]
     assert len(buf.rollbacks) == 1 and buf.rollbacks[-1]["to"] == 3   # once, not per rank
     assert [f[0] for f in first] == [3, 3]            # batch 3 (formed at that very version) served again
-    assert buf.ledger["ahead"] == 4 and buf.ready_group_ids() == [g["live"]]
+    assert buf.ledger["ahead"] == 4 and ready_group_ids(buf) == [g["live"]]
     assert buf.grant(9, 1, tag=PolicyTag("a", 4)) == [] and buf.grants_refused["dead"] == 1
     assert all(buf.take_batch(3, r, 2, lineage=resumed)[0] == 3 for r in range(2))      # retries: nothing new
     assert len(buf.rollbacks) == 1
