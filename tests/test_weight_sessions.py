@@ -13,6 +13,7 @@ from actors.actor import SerialActor
 from actors.vllm_weights import VersionGuard
 from async_vla.config import Config
 from async_vla.messages import PolicyTag
+from async_vla.phases import PhaseClock
 from tests.weight_helpers import weights_cfg
 from async_vla.weights.buckets import checksum
 from async_vla.weights.export import export_weights, read_latest
@@ -97,7 +98,7 @@ def test_a_swap_point_takes_another_lineages_version_even_with_the_same_number()
     installed = []
     offer = (PolicyTag("resumed", 42), {"w": 0})
     actor = SimpleNamespace(tag=PolicyTag("dead", 42), weights_source=lambda: offer, _in_group=False, _held=None,
-                            set_weights=lambda *args: installed.append(args))
+                            set_weights=lambda *args: installed.append(args), phases=PhaseClock())
     SerialActor.maybe_swap(actor)                          # the resumed learner trained its own v42
     assert installed == [offer]
     actor.tag = offer[0]
