@@ -125,12 +125,7 @@ class GroupRollout:
         self.phases = phases if phases is not None else PhaseClock()
         self.crash_types = env_crash_types() if crash_types is None else crash_types
         self.max_steps_override = max_steps
-        self._sampled: Optional[np.ndarray] = None   # bool [tokens per call]: the positions sampled
-        if sampled_dims is not None:
-            dof = policy.tokenizer.action_dim
-            if not sampled_dims or not all(0 <= int(d) < dof for d in sampled_dims):
-                raise ValueError(f"sampled_dims {list(sampled_dims)} must be action dimensions in 0..{dof - 1}")
-            self._sampled = np.isin(np.arange(policy.tokens_per_call) % dof, [int(d) for d in sampled_dims])
+        self._greedy = policy.tokenizer.greedy_positions(sampled_dims)  # bool [tokens per call] or None
         if parallel is None:
             parallel = len(self.envs) > 1 and all(_is_isolated(e) for e in self.envs)
         # Isolated envs step in their own processes: issuing the G calls at once overlaps them (threads wait
@@ -206,8 +201,8 @@ class GroupRollout:
                     continue
                 obs, done, success, n = res
                 ep.masks[-1][:n * dof] = True  # tokens of the steps that were executed
-                if self._sampled is not None:
-                    ep.masks[-1] &= self._sampled  # greedy tokens carry no exploration: not trained
+                if self._greedy is not None:
+                    ep.masks[-1] &= ~self._greedy  # greedy tokens carry no exploration: not trained
                 ep.obs, ep.steps = obs, ep.steps + n
                 self.stats.env_steps += n
                 if done or success or ep.steps >= limit:
@@ -245,9 +240,8 @@ class GroupRollout:
         tag = self.policy_tag()  # read right before the forward: the weights this call really uses
         images = np.stack([ep.obs.image for ep in live])
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
-        greedy = None if self._sampled is None else ~self._sampled
         tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
-                                           generator=self.generator, greedy=greedy)
+                                           generator=self.generator, greedy=self._greedy)
         actions = self.policy.decode_actions(tokens)
         self.stats.policy_calls += 1
         tokens = np.asarray(tokens, dtype=np.int64)

@@ -258,10 +258,7 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     policy.eval()
     results: list[EpisodeResult] = []
     width = max(1, min(batch_size, len(envs)))
-    greedy = None
-    if sampled_dims is not None and temperature > 0:
-        dof = policy.tokenizer.action_dim
-        greedy = ~np.isin(np.arange(policy.tokens_per_call) % dof, list(sampled_dims))
+    greedy = policy.tokenizer.greedy_positions(sampled_dims if temperature > 0 else None)
     with Progress(progress, len(episodes), "episodes") as bar:
         for start in range(0, len(episodes), width):
             part = episodes[start:start + width]

@@ -83,6 +83,16 @@ class ActionTokenizer:
     def bin_width(self) -> float:
         return 2.0 / (self.num_bins - 1)
 
+    def greedy_positions(self, sampled_dims) -> Optional[np.ndarray]:
+        """bool [tokens per call]: the positions taken greedily when only ``sampled_dims`` are sampled
+        (``actor.sampled_dims``); None when every dimension is (``sampled_dims`` None)."""
+        if sampled_dims is None:
+            return None
+        dims = [int(d) for d in sampled_dims]
+        if not dims or not all(0 <= d < self.action_dim for d in dims):
+            raise ValueError(f"sampled_dims {dims} must be action dimensions in 0..{self.action_dim - 1}")
+        return ~np.isin(np.arange(self.chunk_size * self.action_dim) % self.action_dim, dims)
+
     def token_to_index(self, tokens):
         """Token id -> column of the restricted ``num_bins`` logits (works on numpy and torch)."""
         return tokens - self.first_action_id
