@@ -64,6 +64,41 @@ def test_an_actor_started_on_a_dead_learners_export_follows_the_resumed_learner(
         pub.close()
 
 
+def test_an_actor_that_reaches_the_learner_while_reading_its_export_starts_on_that_export(tmp_path, monkeypatch):
+    """A restarted actor reads ``latest`` while its weight thread registers with the running learner (a loaded
+    machine): the export it read is that learner's, so it is kept, not dropped for the initial checkpoint."""
+    import threading
+
+    from async_vla.weights import subscriber as subscriber_mod
+
+    cfg = _cfg(export_async=False)
+    pub = WeightPublisher(cfg, tmp_path, lineage="running")
+    pub.publish(7, _model(7).items())
+    reading = threading.Event()
+    real_read, real_port_open = subscriber_mod.read_latest, subscriber_mod.port_open
+
+    def read_then_registered(*args, **kwargs):    # the read starts before the learner is reached, ends after
+        reading.set()
+        got = real_read(*args, **kwargs)
+        assert pub.wait_for_actors(1, 20) == 1
+        return got
+
+    def port_open_once_reading(*args, **kwargs):
+        reading.wait(20)
+        return real_port_open(*args, **kwargs)
+
+    monkeypatch.setattr(subscriber_mod, "read_latest", read_then_registered)
+    monkeypatch.setattr(subscriber_mod, "port_open", port_open_once_reading)
+    sub = WeightSubscriber(cfg, 1, tmp_path)
+    try:
+        got = sub.fetch_latest()
+        assert got is not None and got[0] == PolicyTag("running", 7) and checksum(got[1]) == checksum(_model(7))
+        assert sub.version == 7
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_catch_up_never_reads_the_dead_learners_export_once_the_resumed_one_is_followed(tmp_path):
     cfg = _cfg()
     pub = WeightPublisher(cfg, tmp_path, lineage="dead")

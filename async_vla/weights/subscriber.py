@@ -29,6 +29,7 @@ from async_vla.weights.wire import WIRE_VERSION, port_open, td
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
+FETCH_TRIES = 3          # reads of the newest export while the learner followed keeps changing under us
 
 
 class _Bye(Exception):    # the learner is closing its store: let go of it first, then look for the next learner
@@ -83,22 +84,24 @@ class WeightSubscriber:
 
     def fetch_latest(self, newer_than: Optional[PolicyTag] = None
                      ) -> Optional[tuple[PolicyTag, dict[str, torch.Tensor]]]:
-        """The newest export in ``<run>/weights`` as (tag, tensors), or None if not newer than ``newer_than`` (decided
-        before any tensor is read). Once a learner was reached, only its lineage's exports count."""
-        with self._lock:
-            live = self._live
-        got = read_latest(self.weights_dir, newer_than=newer_than, lineage=live)
-        if got is None:
-            return None
-        tag, tensors, _ = got
-        with self._lock:
-            if self._live != live:     # we moved on to another learner while reading
+        """The newest export in ``<run>/weights`` as (tag, tensors), or None if there is none or it is not newer than
+        ``newer_than`` (decided before any tensor is read). Once a learner was reached, only its lineage's exports count;
+        reaching one while reading (an actor's start) reads again when the export was another learner's."""
+        for _ in range(FETCH_TRIES):
+            with self._lock:
+                live = self._live
+            got = read_latest(self.weights_dir, newer_than=newer_than, lineage=live)
+            if got is None:
                 return None
-            if live is None or tag.lineage == live:   # (before any learner was reached: reset when one is)
+            tag, tensors, _ = got
+            with self._lock:
+                if self._live is not None and tag.lineage != self._live:   # we moved on to another learner
+                    continue
                 self._delivered = max(self._delivered, tag.version)
                 if self._latest is not None and self._latest[0].version <= tag.version:
                     self._latest = None
-        return tag, tensors
+            return tag, tensors
+        return None
 
     @property
     def version(self) -> int:

@@ -71,7 +71,7 @@ def test_actor_kill9_every_8s(live):
     r = chaos.actor_kills(live, every_s=8, duration_s=40)
     assert r["kills"] == 5 and r["learner_alive"]
     assert r["versions"][1] > r["versions"][0]
-    assert r["rejoined"] == r["kills"] == r["rejoined_with_current_weights"]
+    assert r["rejoined"] == r["kills"] == r["rejoined_with_current_weights"], r["rejoin"]
     assert r["restarts_logged"] >= r["kills"]
     assert r["expired_groups"] >= 1                                   # the killed actors' groups, counted
     assert r["balanced"]
