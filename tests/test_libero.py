@@ -260,3 +260,28 @@ def test_single_forward_step_loop_is_bit_identical_to_robosuites():
             np.testing.assert_array_equal(x, y)
     substeps = 120 * 25   # 20 Hz control over a 500 Hz simulation
     assert forwards[False] == [2 * substeps] * 2 and forwards[True] == [substeps] * 2
+
+
+def test_bin_eval_json_prints_only_json_on_stdout_with_libero(tmp_path):
+    """LIBERO prints notes on stdout (its task order, from the env worker processes too): `bin/eval --json` keeps
+    stdout for the result alone, so `bin/eval ... --json > result.json` is a JSON file."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from async_vla.policy import build_policy, save_policy
+
+    repo = Path(__file__).resolve().parent.parent
+    overrides = ["env.task_ids=[0]", "env.num_eval_init_states=1", "env.max_steps=8", "run.eval_envs=1"]
+    cfg = _cfg(*overrides)
+    save_policy(build_policy(cfg), tmp_path / "policy")
+    (tmp_path / "config.yaml").write_text("env: {kind: libero, suite: spatial, image_size: 64, render_mode: cheap, "
+                                          "wrist_camera: true}\n")
+    proc = subprocess.run([sys.executable, str(repo / "bin" / "eval"), str(tmp_path / "policy"),
+                           str(tmp_path / "config.yaml"), *overrides, "--json"], capture_output=True, text=True,
+                          cwd=repo, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["episodes"] == 1 and res["by_task"].keys() == {"0"}
+    assert "Applying task order" in proc.stderr       # what LIBERO said is still there, on stderr
