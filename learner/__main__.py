@@ -353,6 +353,12 @@ class RankRun:
         close_publisher(self.publisher)
         self.monitor.close()
         log.info("stopped at version %d (%d skipped steps)", self.learner.version, self.learner.skipped_steps)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Its threads joined now: a group left to the interpreter's exit aborted a rank that had stopped cleanly
+            # ("terminate called without an active exception", exit -6), once in a loaded two-rank test.
+            dist.destroy_process_group()
 
 
 def check_ranks_agree_on_checkpoint(tag: Optional[str], ckpt_dir: Path, agree: Any) -> None:
