@@ -8,7 +8,8 @@ that a drift of the machine hits both), and each run's ``summary.json`` gives:
   * the time to 0.90 confirmed on the second held-out set (``time_to_target_s``, the main job's stop rule);
   * the success of the last evaluation (the run's final policy: at the target, or at the budget).
 The ratio sync / async of each level's time is reported per seed with the median and the range over seeds; a run
-that does not reach a level within the budget counts as the budget (a lower bound, marked ">").
+that does not reach a level within the budget counts as the budget (a bound, marked ">"); a seed whose start is at a
+level already ("start") gives no ratio for it. One short untimed run goes first (cold disk caches).
 
 Starts (cached in ``checkpoints/bench_target/``; delete a directory to make it again after a recipe change):
   * ``target``: the quickstart's SFT (64 demos per task, 60 epochs, cosine, sigma 2), what ``bin/quickstart`` trains;
@@ -52,29 +53,34 @@ def sft_start(start: str, seed: int, root: Path, quick: bool) -> Path:
 
 def level_times(summary: dict, levels=LEVELS) -> dict:
     """Seconds to each level from a run's summary: the first evaluation at or above 0.80 (its wall time), and for
-    the run's stop target the confirmed crossing (``time_to_target_s``); None where the run never got there."""
+    the run's stop target the confirmed crossing (``time_to_target_s``); 0.0 where the start (the first evaluation)
+    was at the level already, None where the run never got there."""
     target = summary["budget"].get("target_success")
+    evals = [p for p in summary.get("eval", []) if p.get("split", "eval") == "eval"]
     out = {}
     for level in levels:
-        if target is not None and abs(level - target) < 1e-9:
+        if evals and evals[0]["success_rate"] >= level:
+            out[level] = 0.0
+        elif target is not None and abs(level - target) < 1e-9:
             out[level] = summary.get("time_to_target_s")
         else:
-            out[level] = next((p["wall_s"] for p in summary.get("eval", [])
-                               if p.get("split", "eval") == "eval" and p["success_rate"] >= level), None)
+            out[level] = next((p["wall_s"] for p in evals if p["success_rate"] >= level), None)
     return out
 
 
 def ratios(times: dict, budget_s: float) -> dict:
     """Per level: sync / async time of each seed (a level a run missed counts as the budget; ``bound`` says the ratio
-    is then a bound, not a measurement), the median and the range over seeds."""
+    is then a bound, not a measurement), the median and the range over seeds. Seeds whose start is at the level
+    already, or where neither mode got there, give no ratio."""
     out = {}
     for level in LEVELS:
         per_seed = []
         for seed, modes in sorted(times.items()):
             a, s = modes["async"][level], modes["sync"][level]
-            if a is None and s is None:
+            if (a is None and s is None) or a == 0.0 or s == 0.0:
                 continue
-            per_seed.append({"seed": seed, "ratio": (s if s is not None else budget_s) / max(a or budget_s, 1e-9),
+            per_seed.append({"seed": seed, "ratio": (s if s is not None else budget_s) / (a if a is not None else
+                                                                                          budget_s),
                              "bound": a is None or s is None})
         vals = [r["ratio"] for r in per_seed]
         out[level] = {"per_seed": per_seed, "median": statistics.median(vals) if vals else None,
@@ -99,18 +105,28 @@ def run_starts(start: str, quick: bool = False, out_dir: Optional[Path] = None) 
     shutil.rmtree(runs_dir, ignore_errors=True)
     extra = ["run.max_wall_s=60", "env.num_eval_init_states=8", "run.eval_every=2"] if quick else []
     seeds = SEEDS[:1] if quick else SEEDS
-    summaries, times = {}, {}
+    summaries: dict = {}
+    starts = {seed: sft_start(start, seed, root, quick) for seed in seeds}
+    # Untimed: the first process start after other work reads torch and the rest from disk again (the first timed run
+    # of the first measurement started its evaluation several times later than the others).
+    run_one("async", seeds[0], starts[seeds[0]], runs_dir / "warmup",
+            ["run.max_versions=2", "run.eval_at_start=false", "run.eval_every=0", "run.target_success=null", *extra])
     for i, seed in enumerate(seeds):
-        sft = sft_start(start, seed, root, quick)
         for mode in (("async", "sync") if i % 2 == 0 else ("sync", "async")):
-            s = run_one(mode, seed, sft, runs_dir, extra)
-            summaries.setdefault(seed, {})[mode] = s
-            times.setdefault(seed, {})[mode] = level_times(s)
-    budget = next(iter(summaries.values()))["async"]["budget"]["max_wall_s"]
+            summaries.setdefault(seed, {})[mode] = run_one(mode, seed, starts[seed], runs_dir, extra)
+    return report(start, summaries)
+
+
+def report(start: str, summaries: dict) -> dict:
+    """The section's report from the runs' summaries ({seed: {mode: summary.json}}): also
+    ``report("strong", {s: {m: json.load(open(f"runs/bench_target_strong/{m}_s{s}/summary.json")) ...}})``."""
+    seeds = sorted(summaries)
+    times = {seed: {mode: level_times(s) for mode, s in d.items()} for seed, d in summaries.items()}
+    budget = summaries[seeds[0]]["async"]["budget"]["max_wall_s"]
     r = ratios(times, budget)
 
     def t(x):
-        return f">{budget:.0f}" if x is None else f"{x:.0f}"
+        return f">{budget:.0f}" if x is None else "start" if x == 0.0 else f"{x:.0f}"
 
     rows = []
     for seed in seeds:
@@ -121,20 +137,21 @@ def run_starts(start: str, quick: bool = False, out_dir: Optional[Path] = None) 
     lines = [f"sync / async time to {lv:.2f}: median **{r[lv]['median']:.2f}x** (range {r[lv]['range'][0]:.2f}-"
              f"{r[lv]['range'][1]:.2f}, {len(r[lv]['per_seed'])} seeds"
              + (", bounds included" if any(p["bound"] for p in r[lv]["per_seed"]) else "") + ")"
-             if r[lv]["median"] is not None else f"{lv:.2f}: reached by no run" for lv in LEVELS]
+             if r[lv]["median"] is not None else f"{lv:.2f}: no seed gives a ratio (at it from the start, or "
+                                                 f"reached by no run)" for lv in LEVELS]
     md = (f"The main job (configs/quickstart.yaml, {budget:.0f} s budget, stop at 0.90 confirmed) from the "
           f"{start} SFT start, async and sync interleaved per seed; seconds of run wall time (goal: async reaches each "
           f"level >= 1.6x sooner, median over seeds; ideal 2.0x).\n\n" + "\n".join(f"- {x}" for x in lines) + "\n\n"
           + md_table(["seed", "mode", "held-out at v0", *(f"s to {lv:.2f}" for lv in LEVELS), "final", "versions",
                       "stopped on"], rows))
+    keep = ("initial_eval_success", "final_eval_success", "time_to_target_s", "final_version", "stopped_on", "wall_s",
+            "eval", "budget")
     return {"section": f"target{'' if start == 'strong' else '_' + start}",
             "results": {"start": start, "times": {str(k): {m: {str(lv): x for lv, x in v.items()}
                                                             for m, v in d.items()} for k, d in times.items()},
                         "ratios": {str(lv): x for lv, x in r.items()}, "budget_s": budget,
-                        "summaries": {str(k): {m: {f: s[f] for f in ("initial_eval_success", "final_eval_success",
-                                                                      "time_to_target_s", "final_version",
-                                                                      "stopped_on", "wall_s", "eval")}
-                                               for m, s in d.items()} for k, d in summaries.items()}},
+                        "summaries": {str(k): {m: {f: s[f] for f in keep} for m, s in d.items()}
+                                      for k, d in summaries.items()}},
             "markdown": md}
 
 

@@ -17,15 +17,18 @@ def test_level_times_take_the_first_evaluation_at_a_level_and_the_confirmed_stop
     assert level_times(never) == {0.80: None, 0.90: None}
     no_target = _summary([(5, 0.70), (40, 0.93)], target=None)
     assert level_times(no_target) == {0.80: 40, 0.90: 40}
+    strong = _summary([(5, 0.85), (30, 0.92)], time_to_target=35)
+    assert level_times(strong) == {0.80: 0.0, 0.90: 35}                # at 0.80 from the start: 0, not the v0 eval's 5
 
 
 def test_ratios_are_sync_over_async_per_seed_with_a_missed_level_as_a_bound_at_the_budget():
     times = {0: {"async": {0.80: 30, 0.90: 60}, "sync": {0.80: 60, 0.90: 150}},
              1: {"async": {0.80: 20, 0.90: 100}, "sync": {0.80: 50, 0.90: None}},
-             2: {"async": {0.80: 10, 0.90: None}, "sync": {0.80: 30, 0.90: None}}}
+             2: {"async": {0.80: 10, 0.90: None}, "sync": {0.80: 30, 0.90: None}},
+             3: {"async": {0.80: 0.0, 0.90: 40}, "sync": {0.80: 0.0, 0.90: 40}}}       # started above 0.80
     r = ratios(times, budget_s=600)
     assert [p["ratio"] for p in r[0.80]["per_seed"]] == [2.0, 2.5, 3.0] and r[0.80]["median"] == 2.5
     assert r[0.80]["range"] == [2.0, 3.0] and not any(p["bound"] for p in r[0.80]["per_seed"])
     per = {p["seed"]: p for p in r[0.90]["per_seed"]}
-    assert set(per) == {0, 1} and per[0]["ratio"] == 2.5 and not per[0]["bound"]   # seed 2: neither mode got there
+    assert set(per) == {0, 1, 3} and per[0]["ratio"] == 2.5 and not per[0]["bound"]   # seed 2: neither got there
     assert per[1]["ratio"] == 6.0 and per[1]["bound"]                              # sync missed: the budget, a bound
