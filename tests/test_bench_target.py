@@ -1,4 +1,4 @@
-"""bin/bench target: the time to each success level read from a run's summary, and the sync / async ratios."""
+"""bin/bench target and async: time to a success level, sync / async ratios, the ideal overlap from phases."""
 
 from benchmarks.target import level_times, ratios
 
@@ -32,3 +32,15 @@ def test_ratios_are_sync_over_async_per_seed_with_a_missed_level_as_a_bound_at_t
     per = {p["seed"]: p for p in r[0.90]["per_seed"]}
     assert set(per) == {0, 1, 3} and per[0]["ratio"] == 2.5 and not per[0]["bound"]   # seed 2: neither got there
     assert per[1]["ratio"] == 6.0 and per[1]["bound"]                              # sync missed: the budget, a bound
+
+
+def test_the_async_ideal_comes_from_the_sync_runs_busy_phases():
+    from benchmarks.async_sync import busy_seconds, ideal_overlap
+
+    phases = {"actor": {"seconds": {"wait_grant": 400.0, "startup": 2.0, "policy_forward": 180.0, "env_step": 20.0}},
+              "learner": {"seconds": {"wait_batch": 200.0, "startup": 4.0, "forward_backward": 390.0,
+                                      "optimizer": 10.0}}}
+    busy = {kind: busy_seconds(phases, kind) for kind in ("actor", "learner")}
+    assert busy == {"actor": 200.0, "learner": 400.0}          # waiting and start-up are not work
+    assert ideal_overlap(busy) == 1.5                           # the learner sets the pace: (200 + 400) / 400
+    assert ideal_overlap({"actor": 300.0, "learner": 300.0}) == 2.0
