@@ -81,7 +81,8 @@ class SerialActor:
         self._in_group = False
         self.weights_source = weights_source
         self.totals = RolloutStats()
-        self.task_ids = list(cfg.env.task_ids if cfg.env.task_ids is not None else self.envs[0].task_ids)
+        practised = cfg.actor.task_ids if cfg.actor.task_ids is not None else cfg.env.task_ids
+        self.task_ids = list(practised if practised is not None else self.envs[0].task_ids)
         self._train_ids: dict[int, list[int]] = {}
         device = next(policy.parameters()).device if hasattr(policy, "parameters") else torch.device("cpu")
         self.generator = torch.Generator(device=device)
@@ -135,7 +136,7 @@ class SerialActor:
                     log.warning("env crashed answering init-state queries: %s", exc)
             if not ids:
                 raise ValueError(f"task {task_id} has no train init states")
-            self._train_ids[task_id] = ids
+            self._train_ids[task_id] = ids[:self.cfg.actor.num_init_states]
         return self._train_ids[task_id]
 
     def spec_for(self, group_id: str) -> GroupSpec:

@@ -266,6 +266,23 @@ def test_real_env_and_policy_group_roundtrip(cfg, policy):
         assert (t.behav_logprobs <= 0).all() and np.isfinite(t.behav_logprobs).all()
 
 
+def test_actors_practise_only_their_tasks_and_first_init_states(cfg, policy):
+    """actor.task_ids and actor.num_init_states narrow the groups' scenes to a subset of the env's train split;
+    tasks still take turns by the group counter."""
+    from actors.actor import SerialActor
+
+    envs = builtin_envs(cfg, 1)
+    tasks = list(envs[0].task_ids)
+    narrow = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"task_ids": tasks[1:3],
+                                                                           "num_init_states": 2})})
+    actor = SerialActor(narrow, 0, policy, envs)
+    specs = [actor.spec_for(f"rt-g{n}") for n in range(40)]
+    assert [s.task_id for s in specs] == [tasks[1 + n % 2] for n in range(40)]
+    for task in tasks[1:3]:
+        first_two = envs[0].init_state_ids(task, "train")[:2]
+        assert {s.init_state_id for s in specs if s.task_id == task} == set(first_two)
+
+
 def test_sampled_dims_take_the_others_greedily_and_mask_them_out_of_the_loss(cfg, policy):
     """actor.sampled_dims=[0, 6]: dimensions 1-5 are the argmax (identical for every member on its first call,
     where all see one observation) and their tokens never enter the loss; dims 0 and 6 are sampled and trained."""

@@ -70,6 +70,15 @@ def test_cross_field_checks():
         with pytest.raises(ConfigError, match=r"actor.sampled_dims .* \(policy.action_dim=7\)"):
             load_config(None, [f"actor.sampled_dims={bad}"])
     assert load_config(None, ["actor.sampled_dims=[0,1,2,6]"]).actor.sampled_dims == [0, 1, 2, 6]
+    with pytest.raises(ConfigError, match=r"actor.task_ids \[8\] must be a subset of env.task_ids \[0, 1\].*add \[8\]"):
+        load_config(None, ["env.task_ids=[0,1]", "actor.task_ids=[8]"])
+    for bad in ("[]", "[1,1]"):
+        with pytest.raises(ConfigError, match="actor.task_ids .* distinct"):
+            load_config(None, [f"actor.task_ids={bad}"])
+    with pytest.raises(ConfigError, match=r"actor.num_init_states \(5\) > env.num_train_init_states \(4\)"):
+        load_config(None, ["env.num_train_init_states=4", "actor.num_init_states=5"])
+    ok = load_config(None, ["env.task_ids=[0,8]", "actor.task_ids=[8]", "actor.num_init_states=4"]).actor
+    assert (ok.task_ids, ok.num_init_states) == ([8], 4)
 
 
 def test_vllm_backend_without_vllm_fails_at_config_time():

@@ -53,7 +53,7 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
 
     proc = _bin_eval(str(run), "--versions", "1,2", "--record", "--json")
     assert proc.returncode == 0, proc.stderr
-    printed = json.loads("[" + proc.stdout.replace("}\n{", "},\n{") + "]")
+    printed = json.loads(proc.stdout)    # one document: a list, one result per version
     assert [r["version"] for r in printed] == [1, 2] and all(r["episodes"] == 4 for r in printed)
 
     # per-episode outcomes, and the paired comparison of each later version against the first on the same episodes
@@ -61,6 +61,10 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
     from async_vla.evalstats import mcnemar_one_sided_p, paired_changes
 
     gained, lost, shared = paired_changes(*({(t, i): s for t, i, s in r["outcomes"]} for r in printed))
+    assert "vs_version" not in printed[0]
+    assert {k: printed[1][k] for k in ("vs_version", "test", "gained", "lost", "shared")} == {
+        "vs_version": 1, "test": "mcnemar", "gained": gained, "lost": lost, "shared": shared}
+    assert printed[1]["p_one_sided"] == mcnemar_one_sided_p(gained, lost)
     text = _bin_eval(str(run), "--versions", "1,2")
     assert text.returncode == 0, text.stderr
     assert (f"version 2 vs version 1 on the same {shared} episodes: {gained} gained, {lost} lost (one-sided exact "
@@ -90,6 +94,30 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
     assert f"config: {run / 'config.yaml'}" in again.stdout
     again = json.loads((run / "summary.json").read_text())
     assert [p["version"] for p in again["eval"]] == [0, 1, 2, 3]
+
+
+def test_practised_split_reads_out_the_scenes_the_actors_practise(tmp_path):
+    """--split practised: actor.task_ids x the first actor.num_init_states train init states, every one `--repeats`
+    times when sampled; two versions in one --json document, the later one compared by Fisher's test."""
+    from async_vla.envs import make_env
+    from async_vla.evalstats import fisher_one_sided_p
+
+    run = tmp_path / "run"
+    _fake_run(run)
+    proc = _bin_eval(str(run), "actor.task_ids=[1]", "actor.num_init_states=1", "--versions", "1,2", "--split",
+                     "practised", "--temperature", "1.6", "--repeats", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    first, second = json.loads(proc.stdout)
+    env = make_env(load_config(None, SMALL), 0)
+    scene = [1, env.init_state_ids(1, "train")[0]]
+    for res in (first, second):
+        assert res["split"] == "practised" and res["episodes"] == 3 and res["temperature"] == 1.6
+        assert [o[:2] for o in res["outcomes"]] == [scene] * 3
+    assert second["test"] == "fisher" and second["p_one_sided"] == fisher_one_sided_p(
+        second["successes"], 3, first["successes"], 3)
+
+    outside = _bin_eval(str(run), "actor.task_ids=[5]", "--split", "practised", "--json")
+    assert outside.returncode == 2 and "actor.task_ids" in outside.stderr and "env.task_ids" in outside.stderr
 
 
 def test_bad_requests_are_refused_before_any_evaluation(tmp_path):

@@ -85,14 +85,15 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    overrides = ["env.task_ids=[0]", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
+    overrides = ["env.task_ids=[0]", "actor.task_ids=[0]", "actor.num_init_states=2", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
                  "env.envs_per_actor=2", "actor.num_actors=1", "actor.group_size=2", "buffer.groups_per_batch=1",
                  "buffer.dynamic_sampling=false", "run.max_versions=2", "run.eval_every=0", "run.eval_envs=1",
                  "learner.micro_batch_trajectories=2", "transport.trajectory_port=0", "transport.control_port=0",
                  "transport.batch_port=0",
                  "transport.weights_port=0"]
     argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
-            "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2", "--curve-every", "1"]
+            "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2", "--curve-every", "1",
+            "--readout-episodes", "3"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=repo,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -116,6 +117,16 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     assert [(p["version"], bool(p.get("after_run"))) for p in summary["eval"]] == [(0, True), (1, True), (2, False)]
     assert summary["initial_eval_success"] == summary["eval"][0]["success_rate"]
     assert "--versions 0,1 --record" in proc.stdout   # the after-run bin/eval's command was printed
+    # the practised scenes (task 0, init states 0-1), v0 against the final version: sampled, 2 repeats (>= 3
+    # episodes), then greedy once per scene, each compared with v0
+    for name, temperature, repeats in (("readout_practised", 1.6, 2), ("greedy_practised", 0.0, 1)):
+        first, last = json.loads((tmp_path / f"{name}.json").read_text())
+        assert (first["version"], last["version"]) == (0, 2) and last["vs_version"] == 0
+        for res in (first, last):
+            assert res["split"] == "practised" and res["temperature"] == temperature
+            assert sorted(o[:2] for o in res["outcomes"]) == sorted([[0, 0], [0, 1]] * repeats)
+        assert last["test"] == ("fisher" if temperature else "mcnemar") and 0 <= last["p_one_sided"] <= 1
+        assert f"[libero-cpu] {name}: v0 {first['successes']}/{first['episodes']} -> v2" in proc.stdout
     # the same command again finds every step done: no demos, SFT, training or evaluation is run twice
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=repo,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))

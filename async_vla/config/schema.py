@@ -133,6 +133,19 @@ class Config(Section):
         if dims is not None and self.actor.backend != "torch":
             raise ValueError("actor.sampled_dims needs actor.backend=torch (vLLM samples every position alike): "
                              "set actor.sampled_dims=null")
+        practised = self.actor.task_ids
+        if practised is not None and (not practised or len(set(practised)) != len(practised)):
+            raise ValueError(f"actor.task_ids {practised} must be distinct task ids, at least one; or null to "
+                             "practise every task of env.task_ids")
+        if practised is not None and self.env.task_ids is not None and not set(practised) <= set(self.env.task_ids):
+            raise ValueError(f"actor.task_ids {practised} must be a subset of env.task_ids {self.env.task_ids} (the "
+                             f"tasks the env serves): add {sorted(set(practised) - set(self.env.task_ids))} to "
+                             "env.task_ids or drop them from actor.task_ids")
+        if (self.actor.num_init_states is not None
+                and self.actor.num_init_states > self.env.num_train_init_states):
+            raise ValueError(f"actor.num_init_states ({self.actor.num_init_states}) > env.num_train_init_states "
+                             f"({self.env.num_train_init_states}): the actors practise train init states only; lower "
+                             "actor.num_init_states or raise env.num_train_init_states")
         if self.actor.temperature == 0 and self.buffer.dynamic_sampling:
             # Greedy rollouts of one init state are identical (the simulators are deterministic): every group has
             # one outcome, dynamic sampling drops it, and the learner waits forever.

@@ -66,7 +66,8 @@ class EnvConfig(Section):
     task_ids: Optional[list[int]] = None
     """Task ids to train on (None = every task of the suite / built-in family)."""
     num_train_init_states: int = Field(40, ge=1)
-    """Init states per task used for RL rollouts (the train split; LIBERO: the first n of its 50 fixed states)."""
+    """Init states per task of the train split (demos, SFT, RL rollouts; LIBERO: the first n of its 50 fixed
+    states). actor.num_init_states narrows what RL practises to the first few of them."""
     num_eval_init_states: int = Field(10, ge=1)
     """Held-out init states per task used only for greedy evaluation (never trained on; LIBERO: the last n).
     Built-in: layouts whose blocks lie in held-out cells of the layout space (async_vla/envs/builtin.py)."""
@@ -184,6 +185,12 @@ class ActorConfig(Section):
     """Action dimensions sampled at `temperature` (e.g. [0, 1, 2, 6]: translation and gripper); the others are
     taken greedily (argmax) and left out of the loss (their tokens' `token_mask` is False), so the policy gradient
     covers only the explored dimensions. None = every dimension sampled (SimpleVLA-RL). docs/LIBERO.md."""
+    task_ids: Optional[list[int]] = None
+    """The tasks the actors practise (a subset of env.task_ids); None = every task of env.task_ids. Demos, SFT and
+    the held-out evaluations keep env.task_ids: an RL run can practise one task of a start trained on several."""
+    num_init_states: Optional[int] = Field(None, ge=1)
+    """Practise the first N train init states of each task (at most env.num_train_init_states); None = all of
+    them. `bin/eval --split practised` reads out exactly these scenes."""
     swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
     """When an actor swaps in new weights: between policy calls, or only between episodes."""
     backend: Literal["torch", "vllm"] = "torch"
