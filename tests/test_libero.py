@@ -158,6 +158,22 @@ def test_pinned_fixtures_make_an_init_states_scene_independent_of_the_workers_hi
         np.testing.assert_array_equal(poses_a[name], poses_b[name])
     np.testing.assert_array_equal(a.image, b.image)
     np.testing.assert_array_equal(a.proprio, b.proprio)
+    # env.scene_variant: another pinned scene of the same init state (the fixtures elsewhere, the same robot and
+    # objects), the same in every env
+    variants = []
+    for seed in (1, 2):
+        e = LiberoEnv(_cfg("env.pin_fixtures=true", "env.scene_variant=1").env, seed=seed)
+        try:
+            variants.append((e.reset(0, 5), _fixture_poses(e)))
+        finally:
+            e.close()
+    (c, poses_c), (d, poses_d) = variants
+    for name in poses_c:
+        np.testing.assert_array_equal(poses_c[name], poses_d[name])
+    assert any(np.abs(poses_c[n] - poses_a[n]).max() > 1e-3 for n in poses_a)
+    np.testing.assert_array_equal(c.image, d.image)
+    assert not np.array_equal(c.image, a.image)
+    np.testing.assert_array_equal(c.proprio, a.proprio)
 
 
 @pytest.mark.slow

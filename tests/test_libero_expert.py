@@ -93,7 +93,7 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
                  "transport.weights_port=0"]
     argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
             "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2", "--curve-every", "1",
-            "--readout-episodes", "3"]
+            "--readout-episodes", "3", "--heldout-variants", "2"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=repo,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -127,6 +127,13 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
             assert sorted(o[:2] for o in res["outcomes"]) == sorted([[0, 0], [0, 1]] * repeats)
         assert last["test"] == ("fisher" if temperature else "mcnemar") and 0 <= last["p_one_sided"] <= 1
         assert f"[libero-cpu] {name}: v0 {first['successes']}/{first['episodes']} -> v2" in proc.stdout
+    # held-out: init state 49 of task 0 in two pinned scene variants, v0 and v2 paired on each
+    parts = [json.loads((tmp_path / "heldout_scenes" / f"variant{k}.json").read_text()) for k in (0, 1)]
+    assert [[o[:2] for r in part for o in r["outcomes"]] for part in parts] == [[[0, 49], [0, 49]]] * 2
+    assert "env.scene_variant=1" in proc.stdout
+    pooled = json.loads((tmp_path / "heldout_scenes.json").read_text())
+    assert pooled["scenes"] == 2 and pooled["versions"] == [0, 2] and pooled["variants"] == 2
+    assert pooled["successes"] == [sum(part[i]["successes"] for part in parts) for i in (0, 1)]
     # the same command again finds every step done: no demos, SFT, training or evaluation is run twice
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=repo,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -103,6 +103,10 @@ class EnvConfig(Section):
     pin_fixtures: bool = False
     """LIBERO: draw the static fixtures' placement (a cabinet, a stove) from a seed of (suite, task, init state), so an
     init state always shows the same scene. False = LIBERO's own behaviour: a fresh placement at every reset."""
+    scene_variant: int = Field(0, ge=0)
+    """LIBERO with pin_fixtures: which pinned placement of the fixtures each init state shows (0: the scenes RL
+    practises). Another variant is another scene of the same init state: held-out readouts over variants 0..k-1
+    give k distinct scenes per init state (bin/libero-cpu --heldout-variants)."""
     single_forward: bool = True
     """LIBERO: skip robosuite's second mj_forward per physics substep at the same state (the controller's pass
     recomputes only the acceleration stage); bit-identical (tests/test_libero.py). Needs robosuite 1.4.0; false =

@@ -248,7 +248,7 @@ class LiberoEnv(Env):
             # LIBERO's placement samplers draw from numpy's global stream (robosuite/LIBERO samplers), which
             # building an env re-seeds and every earlier reset advances: seeding it here, after any build, makes
             # the fixtures' placement a function of the init state alone.
-            np.random.seed(fixture_seed(self.cfg.suite, task_id, init_state_id))
+            np.random.seed(fixture_seed(self.cfg.suite, task_id, init_state_id, self.cfg.scene_variant))
         env.reset()
         if self.cfg.single_forward:
             share_forward(env.env)   # after the reset: a hard one builds new controllers
@@ -468,10 +468,10 @@ def share_forward(env) -> None:
         robot.controller.sim = handle
 
 
-def fixture_seed(suite: str, task_id: int, init_state_id: int) -> int:
-    """The seed of the fixtures' placement for one init state under env.pin_fixtures (stable across processes
-    and Python versions, unlike hash())."""
-    return zlib.crc32(f"{suite}/{task_id}/{init_state_id}".encode())
+def fixture_seed(suite: str, task_id: int, init_state_id: int, variant: int = 0) -> int:
+    """The seed of the fixtures' placement for one init state under env.pin_fixtures, variant ``variant``
+    (env.scene_variant; stable across processes and Python versions, unlike hash())."""
+    return zlib.crc32(f"{suite}/{task_id}/{init_state_id}".encode() + (f"/{variant}".encode() if variant else b""))
 
 
 def make_libero_env(cfg: "Config", seed: int) -> LiberoEnv:
