@@ -374,7 +374,8 @@ def bind(sock: zmq.Socket, endpoint: str) -> str:
         port = sock.bind_to_random_port(f"tcp://{host}")
         return f"tcp://{host}:{port}"
     if endpoint.startswith("ipc://"):
-        Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+        # created owner-only (<run>/sockets): on a shared host only the run's user can reach the socket files
+        Path(endpoint[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock.bind(endpoint)
     return endpoint
 

@@ -79,6 +79,22 @@ def test_use_ipc_puts_every_endpoint_in_the_run_directory(tmp_path):
     # (the loopback tcp defaults: tests/faults/test_security.py::test_every_default_bind_is_loopback)
     ipc = endpoints(load_config(None, ["transport.use_ipc=true"]).transport, tmp_path)
     assert ipc and all(e.startswith(f"ipc://{tmp_path}") for e in ipc.values()), ipc
+    import stat
+
+    import zmq
+
+    from async_vla.transport import bind
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    try:
+        assert bind(sock, ipc["trajectory"]) == ipc["trajectory"]
+        sockets_dir = (tmp_path / "sockets").resolve()
+        assert ipc["trajectory"] == f"ipc://{sockets_dir}/trajectory"
+        assert stat.S_IMODE(sockets_dir.stat().st_mode) == 0o700    # other users cannot reach the socket files
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_a_connection_storm_does_not_stall_intake_when_nobody_asks_for_metrics():
