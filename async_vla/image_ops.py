@@ -1,7 +1,8 @@
 """The image steps OpenVLA-OFT / SimpleVLA-RL apply to a LIBERO frame before the checkpoint's processor, in numpy /
 PIL where upstream uses TensorFlow: JPEG round-trip (quality 95, 4:2:0), Lanczos-3 antialiased resize, and
 ``center_crop_resize`` following ``tf.image.crop_and_resize``'s sampling and uint8 conversion exactly. Upstream
-order and how close each step agrees: docs/FIDELITY.md."""
+order and how close each step agrees: docs/FIDELITY.md. Also ``random_shift``, the DrQ / RAD training-time
+augmentation (``actor.image_shift``, ``bin/sft --image-shift``)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,23 @@ def center_crop_resize(img: np.ndarray, area: float = CROP_AREA, size: int | Non
     bottom = x[y1][:, x0] + (x[y1][:, x1] - x[y1][:, x0]) * wx[None, :, None]
     out = np.clip(top + (bottom - top) * wy[:, None, None], 0.0, 1.0)
     return (out * np.float32(255.5)).astype(np.uint8)                # convert_image_dtype float -> uint8, saturate=True
+
+
+def random_shift(images: np.ndarray, pad: int, generator: np.random.Generator) -> np.ndarray:
+    """DrQ's random shift of a batch ``[N, H, W, C]``: each image is edge-padded by ``pad`` pixels on every side and
+    cropped back to ``H x W`` at its own offset (rows, columns), uniform in ``[0, 2 * pad]``: the draw is
+    ``generator.integers(0, 2 * pad + 1, size=(2, N))`` (row offsets, then column offsets). The pixel-to-pixel
+    geometry within an image is kept. ``pad = 0`` returns ``images`` itself and draws nothing."""
+    images = np.asarray(images)
+    if images.ndim != 4:
+        raise ValueError(f"random_shift takes a batch [N, H, W, C], got shape {images.shape}")
+    n, h, w = images.shape[:3]
+    if not 0 <= pad < min(h, w):
+        raise ValueError(f"pad must be in [0, {min(h, w)}) for {h}x{w} images, got {pad}")
+    if pad == 0:
+        return images
+    dy, dx = generator.integers(0, 2 * pad + 1, size=(2, n))
+    # Row i of the crop at offset dy is row dy + i of the padded image = row clip(dy + i - pad) of the original.
+    rows = np.clip(dy[:, None] + np.arange(h) - pad, 0, h - 1)
+    cols = np.clip(dx[:, None] + np.arange(w) - pad, 0, w - 1)
+    return images[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
