@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from actors.rollout import GroupRollout, GroupSpec, RolloutStats
@@ -91,7 +92,8 @@ class SerialActor:
             policy, self.envs, run_id=cfg.run.name, actor_id=self.actor_id, temperature=cfg.actor.temperature,
             policy_tag=lambda: self.tag, swap=cfg.actor.swap, maybe_swap=self.maybe_swap, tick=tick,
             should_stop=should_stop, generator=self.generator, stats=self.totals, max_steps=cfg.env.max_steps,
-            sampled_dims=cfg.actor.sampled_dims, phases=self.phases)
+            sampled_dims=cfg.actor.sampled_dims, phases=self.phases, image_shift=cfg.actor.image_shift,
+            shift_rng=np.random.default_rng(stable_hash("image_shift", cfg.run.seed, actor_id)))
 
     # ---- weights ------------------------------------------------------------------------------------
     @property

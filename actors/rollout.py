@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from actors.env_worker import EnvCrashed, SubprocessEnv
+from async_vla.image_ops import random_shift
 from async_vla.messages import PolicyTag, Trajectory
 from async_vla.phases import PhaseClock
 
@@ -100,7 +101,9 @@ class GroupRollout:
     only between forward passes (``swap``: between_chunks or between_episodes); ``tick`` and ``should_stop`` run
     before every policy call (True abandons the group); ``crash_types``: exceptions meaning a simulator crash;
     ``parallel``: step envs from threads (None: when every env is an isolated worker); ``phases``: the owner's
-    PhaseClock (resets and steps -> ``env_step``, policy calls -> ``policy_forward``, packing -> ``trajectory``)."""
+    PhaseClock (resets and steps -> ``env_step``, policy calls -> ``policy_forward``, packing -> ``trajectory``);
+    ``image_shift`` > 0: each call's images (and wrist images) are randomly shifted by up to that many pixels
+    (``image_ops.random_shift``, drawing from ``shift_rng``) before the policy sees them, and stored shifted."""
 
     def __init__(self, policy: Any, envs: Sequence[Any], *, run_id: str, actor_id: int, temperature: float,
                  policy_tag: Callable[[], PolicyTag], swap: str = "between_chunks",
@@ -109,11 +112,14 @@ class GroupRollout:
                  stats: Optional[RolloutStats] = None,
                  crash_types: Optional[tuple[type[BaseException], ...]] = None,
                  max_steps: Optional[int] = None, parallel: Optional[bool] = None,
-                 sampled_dims: Optional[Sequence[int]] = None, phases: Optional[PhaseClock] = None):
+                 sampled_dims: Optional[Sequence[int]] = None, phases: Optional[PhaseClock] = None,
+                 image_shift: int = 0, shift_rng: Optional[np.random.Generator] = None):
         if swap not in SWAP_MODES:
             raise ValueError(f"actor.swap must be one of {SWAP_MODES}, got {swap!r}")
         if not envs:
             raise ValueError("GroupRollout needs at least one env")
+        if image_shift > 0 and shift_rng is None:
+            raise ValueError("actor.image_shift > 0 needs shift_rng (a numpy Generator for the offsets)")
         self.policy, self.envs = policy, list(envs)
         self.run_id, self.actor_id, self.temperature = run_id, int(actor_id), float(temperature)
         self.policy_tag, self.swap = policy_tag, swap
@@ -125,6 +131,7 @@ class GroupRollout:
         self.phases = phases if phases is not None else PhaseClock()
         self.crash_types = env_crash_types() if crash_types is None else crash_types
         self.max_steps_override = max_steps
+        self.image_shift, self.shift_rng = int(image_shift), shift_rng
         self._greedy = policy.tokenizer.greedy_positions(sampled_dims)  # bool [tokens per call] or None
         if parallel is None:
             parallel = len(self.envs) > 1 and all(_is_isolated(e) for e in self.envs)
@@ -239,6 +246,10 @@ class GroupRollout:
         """One batched forward pass for every live env; records inputs, outputs and the version used."""
         tag = self.policy_tag()  # read right before the forward: the weights this call really uses
         images = np.stack([ep.obs.image for ep in live])
+        wrist = [ep.obs.wrist_image for ep in live]
+        if self.image_shift:   # augmentation: the policy acts on, and the trajectory keeps, the shifted images
+            images = random_shift(images, self.image_shift, self.shift_rng)
+            wrist = [None if w is None else random_shift(w[None], self.image_shift, self.shift_rng)[0] for w in wrist]
         proprio = np.stack([np.asarray(ep.obs.proprio, dtype=np.float32) for ep in live])
         tokens, logprobs = self.policy.act(images, proprio, [instruction] * len(live), self.temperature,
                                            generator=self.generator, greedy=self._greedy)
@@ -251,7 +262,7 @@ class GroupRollout:
             raise ValueError(f"policy returned tokens {tokens.shape} / actions {actions.shape} for {len(live)} envs")
         for b, ep in enumerate(live):
             ep.images.append(images[b])
-            ep.wrist.append(ep.obs.wrist_image)
+            ep.wrist.append(wrist[b])
             ep.proprio.append(proprio[b])
             ep.tokens.append(tokens[b])
             ep.logprobs.append(logprobs[b])

@@ -379,3 +379,45 @@ def test_config_trajectory_bytes_is_what_a_full_length_episode_sends():
     assert small.policy_calls_per_episode == 3 and max(sizes) == 3, sizes   # 20 steps of 8-step chunks
     assert sizes[3] == small.trajectory_bytes
     assert all(n < small.trajectory_bytes for calls, n in sizes.items() if calls < 3)
+
+
+def test_image_shift_stores_the_shifted_image_the_policy_acted_on(cfg, policy):
+    """actor.image_shift=2: each stored image is a random shift (image_ops.random_shift's edge pad and crop) of the
+    env's frame at that call, replayed from the stored actions on a fresh env; the policy's log-probs of the stored
+    tokens on the stored images are the behaviour log-probs (ratio 1 at lag 0). actor.image_shift=0 stores the
+    frames themselves."""
+    from actors.actor import SerialActor
+
+    import torch
+
+    def raw_frames(t):
+        env = builtin_envs(cfg, 1)[0]
+        frames = [env.reset(t.task_id, t.init_state_id).image]
+        for k in range(t.num_calls - 1):   # every call but the last ran its whole chunk
+            frames.append(env.step_chunk(policy.decode_actions(t.action_tokens[k:k + 1])[0])[0].image)
+        return frames
+
+    def shifts(image, pad=2):
+        h, w = image.shape[:2]
+        padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)), mode="edge")
+        return {(dy, dx): padded[dy:dy + h, dx:dx + w] for dy in range(2 * pad + 1) for dx in range(2 * pad + 1)}
+
+    shifted_cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"image_shift": 2})})
+    trajs = list(map(roundtrip, SerialActor(shifted_cfg, 0, policy, builtin_envs(cfg, 4)).run_one_group("rt-g3")))
+    offsets = []
+    for t in trajs:
+        for stored, frame in zip(t.images, raw_frames(t), strict=True):
+            offsets += [o for o, crop in shifts(frame).items() if np.array_equal(crop, stored)][:1]
+        with torch.no_grad():
+            logp = policy.token_logprobs(t.images, t.proprio, [t.instruction] * t.num_calls,
+                                         torch.tensor(t.action_tokens), cfg.actor.temperature)
+        torch.testing.assert_close(logp, torch.from_numpy(t.behav_logprobs), rtol=1e-4, atol=1e-4)
+    assert len(offsets) == sum(t.num_calls for t in trajs)           # every stored image is a shift of its frame
+    assert len(set(offsets)) > 1 and set(offsets) != {(2, 2)}         # ... at drawn offsets, not the identity
+
+    plain = list(map(roundtrip, SerialActor(cfg, 0, policy, builtin_envs(cfg, 4)).run_one_group("rt-g3")))
+    for t in plain:
+        for stored, frame in zip(t.images, raw_frames(t), strict=True):
+            np.testing.assert_array_equal(stored, frame)
+    with pytest.raises(ValueError, match="actor.image_shift"):
+        load_config(None, ["actor.image_shift=32", "env.image_size=32"])

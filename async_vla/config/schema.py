@@ -124,6 +124,9 @@ class Config(Section):
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "
                 f"({self.policy.patch_size})"
             )
+        if self.actor.image_shift >= self.env.image_size:
+            raise ValueError(f"actor.image_shift ({self.actor.image_shift}) must be smaller than env.image_size "
+                             f"({self.env.image_size}): a shift of a few pixels (DrQ: 4 of 84)")
         dims = self.actor.sampled_dims
         if dims is not None and (not dims or len(set(dims)) != len(dims)
                                  or not all(0 <= d < self.policy.action_dim for d in dims)):

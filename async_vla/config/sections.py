@@ -195,6 +195,12 @@ class ActorConfig(Section):
     num_init_states: Optional[int] = Field(None, ge=1)
     """Practise the first N train init states of each task (at most env.num_train_init_states); None = all of
     them. `bin/eval --split practised` reads out exactly these scenes."""
+    image_shift: int = Field(0, ge=0)
+    """Random-shift augmentation (DrQ / RAD) of training rollouts, in pixels: before each policy call the observation
+    image (and the wrist image, if any) is edge-padded by this many pixels and cropped back at a random offset
+    (`async_vla.image_ops.random_shift`, seeded per actor from run.seed). The trajectory stores the shifted image the
+    actor acted on, so the learner scores exactly that input. Evaluations never shift. 0 = off; must be smaller than
+    env.image_size."""
     swap: Literal["between_chunks", "between_episodes"] = "between_chunks"
     """When an actor swaps in new weights: between policy calls, or only between episodes."""
     backend: Literal["torch", "vllm"] = "torch"
