@@ -421,3 +421,34 @@ def test_image_shift_stores_the_shifted_image_the_policy_acted_on(cfg, policy):
             np.testing.assert_array_equal(stored, frame)
     with pytest.raises(ValueError, match="actor.image_shift"):
         load_config(None, ["actor.image_shift=32", "env.image_size=32"])
+
+
+class CameraEnv(ScriptedEnv):
+    """ScriptedEnv with textured main and wrist images (a shift of a flat image would change nothing)."""
+
+    @staticmethod
+    def frames(steps):
+        base = np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)
+        return base + np.uint8(steps), base[::-1] * 3
+
+    def _obs(self):
+        image, wrist = self.frames(self.steps)
+        return Observation(image, np.full(3, self.steps, np.float32), wrist_image=wrist)
+
+
+def test_image_shift_moves_the_wrist_image_too_and_needs_a_generator():
+    def is_shift(stored, frame, pad=1):
+        padded = np.pad(frame, ((pad, pad), (pad, pad), (0, 0)), mode="edge")
+        return any(np.array_equal(padded[dy:dy + 8, dx:dx + 8], stored)
+                   for dy in range(2 * pad + 1) for dx in range(2 * pad + 1))
+
+    ro, _ = make_rollout([CameraEnv(length=20) for _ in range(2)], image_shift=1, shift_rng=np.random.default_rng(0))
+    trajs = [roundtrip(t) for t in ro.run(GroupSpec("r-g1", 0, 0, group_size=2))]
+    for t in trajs:
+        for k in range(t.num_calls):
+            image, wrist = CameraEnv.frames(k * CHUNK)    # the frames at call k
+            assert is_shift(t.images[k], image) and is_shift(t.wrist_images[k], wrist)
+    moved = [not np.array_equal(w, CameraEnv.frames(0)[1]) for t in trajs for w in t.wrist_images]
+    assert any(moved)
+    with pytest.raises(ValueError, match="image_shift"):
+        make_rollout([CameraEnv()], image_shift=1)
