@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from async_vla.envs.base import Env, Observation
+from async_vla.image_ops import random_shift
 from async_vla.policy.interface import VLAPolicy
 from async_vla.progress import Progress
 
@@ -83,7 +84,7 @@ def smoothed_targets(index: torch.Tensor, num_bins: int, sigma: float) -> torch.
 
 def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCHS, lr: float = DEFAULT_LR,
               batch_size: int = DEFAULT_BATCH_SIZE, weight_decay: float = 0.0, seed: int = 0,
-              bin_sigma: float = 0.0, lr_schedule: str = "constant",
+              bin_sigma: float = 0.0, lr_schedule: str = "constant", image_shift: int = 0,
               after_epoch: Optional[Callable[[int], bool]] = None, progress: Optional[str] = None) -> dict:
     """Cross-entropy on the expert's action tokens at T = 1.
 
@@ -91,9 +92,12 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
     and may end training by returning True; it must leave the parameters alone. ``lr_schedule``: ``constant`` or
     ``cosine`` (to 0 over all steps). ``bin_sigma > 0``: CE against a Gaussian over neighbouring bins (sigma in bins)
     on the dims the demos vary: one-hot CE on a few demos makes the tiny model so sharp that T = 1.6 rollouts almost
-    never leave the demo's action, every group has one outcome and GRPO has no signal."""
+    never leave the demo's action, every group has one outcome and GRPO has no signal. ``image_shift > 0``: each
+    batch's images are randomly shifted by up to that many pixels (``image_ops.random_shift``, DrQ / RAD), drawn from
+    their own generator seeded by ``seed`` (the batch order is the same as without)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
+    shift_rng = np.random.default_rng((seed, 1))
     if demos.tokens is not None:
         tokens_np = np.asarray(demos.tokens, dtype=np.int64)
     else:
@@ -123,15 +127,16 @@ def sft_train(policy: VLAPolicy, demos: DemoSamples, epochs: int = DEFAULT_EPOCH
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
             instr = [demos.instructions[i] for i in idx]
+            batch_images = torch.from_numpy(random_shift(demos.images[idx], image_shift, shift_rng))
             if bin_sigma > 0:
                 bins = policy.tokenizer.token_to_index(tokens[idx])
-                logits = policy.action_logits(images[idx], proprio[idx], instr, bins)
+                logits = policy.action_logits(batch_images, proprio[idx], instr, bins)
                 target = smoothed_targets(bins, policy.tokenizer.num_bins, bin_sigma)
                 onehot = torch.nn.functional.one_hot(bins, policy.tokenizer.num_bins).float()
                 target = torch.where(smooth_mask[None, :, None], target, onehot)
                 loss = -(target * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
             else:
-                loss = -policy.token_logprobs(images[idx], proprio[idx], instr, tokens[idx], temperature=1.0).mean()
+                loss = -policy.token_logprobs(batch_images, proprio[idx], instr, tokens[idx], temperature=1.0).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -305,3 +305,45 @@ def test_sampled_evaluation_repeats_each_init_state_and_bin_eval_checks_its_opti
         proc = subprocess.run([sys.executable, str(repo / "bin" / "eval"), str(tmp_path), *bad],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and ("--temperature" in proc.stderr or "--record" in proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("bin_sigma", [0.0, 4.0])   # the two losses feed the batch to the model on separate paths
+def test_image_shift_trains_on_shifted_demo_images_and_scores_the_plain_ones(bin_sigma):
+    """Every image a training step feeds the model is one demo image at one of the (2 * pad + 1)^2 edge-padded crops
+    (some not the plain frame); the closing token-accuracy pass sees the demo images unshifted."""
+    pad = 1
+    cfg, env, policy = setup()
+    demos, _ = collect_demos(env, env.task_ids, 1, 8, seed=0)
+    seen = []
+    model_logits = policy.action_logits
+
+    def recording(images, *args):
+        seen.append(torch.as_tensor(images).numpy().copy())
+        return model_logits(images, *args)
+
+    policy.action_logits = recording
+    sft_train(policy, demos, epochs=2, batch_size=4, seed=0, bin_sigma=bin_sigma, image_shift=pad)
+    *train, final = seen
+    np.testing.assert_array_equal(final, demos.images)
+    h, w = demos.images.shape[1:3]
+    padded = np.pad(demos.images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="edge")
+    crops = {padded[j, dy:dy + h, dx:dx + w].tobytes(): (dy, dx) for j in range(len(demos))
+             for dy in range(2 * pad + 1) for dx in range(2 * pad + 1)}
+    offsets = [crops.get(img.tobytes()) for batch in train for img in batch]
+    assert len(offsets) == 2 * len(demos) and None not in offsets
+    assert set(offsets) - {(pad, pad)}
+
+
+def test_bin_sft_image_shift_is_recorded_and_checked(tmp_path):
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, str(REPO / "bin" / "sft"), *SMALL, "env.task_ids=[4]", "--demos", "1", "--epochs", "2",
+           "--image-shift", "1", "--no-eval", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "sft_metrics.json").read_text())
+    assert report["image_shift"] == 1 and report["sft"]["epochs_run"] == 2
+    for bad in ("-1", "32"):
+        res = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "--image-shift", bad, "--out",
+                              str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert res.returncode == 2 and "--image-shift" in res.stderr, res.stderr
+        assert not (tmp_path / "bad").exists()
