@@ -13,7 +13,8 @@ level already ("start") gives no ratio for it. One short untimed run goes first 
 
 Starts (cached in ``checkpoints/bench_target/``; delete a directory to make it again after a recipe change):
   * ``target``: the quickstart's SFT (64 demos per task, 60 epochs, cosine, sigma 2), what ``bin/quickstart`` trains;
-  * ``target_weak``: 48 demos, SFT stopped at the first epoch with greedy val success >= 0.30 (a 20-50% start).
+  * ``target_weak``: 48 demos, SFT stopped at the first epoch with greedy val success >= 0.30 (a 20-50% start),
+    with a 30-minute budget (``BUDGET_S``): from such a start the main job's 10 minutes reach neither level.
 The machine must run nothing else: this section measures wall time.
 """
 
@@ -38,6 +39,8 @@ STARTS = {
     "weak": ["--demos", "48", "--epochs", "60", "--lr-schedule", "cosine", "--bin-sigma", "2",
              "--stop-at-val-success", "0.3"],
 }
+
+BUDGET_S = {"strong": 600, "weak": 1800}   # run.max_wall_s per start
 
 
 def sft_start(start: str, seed: int, root: Path, quick: bool) -> Path:
@@ -103,7 +106,8 @@ def run_starts(start: str, quick: bool = False, out_dir: Optional[Path] = None) 
     root = REPO / "checkpoints" / "bench_target"
     runs_dir = Path(out_dir or REPO / "runs" / f"bench_target_{start}")
     shutil.rmtree(runs_dir, ignore_errors=True)
-    extra = ["run.max_wall_s=60", "env.num_eval_init_states=8", "run.eval_every=2"] if quick else []
+    extra = (["run.max_wall_s=60", "env.num_eval_init_states=8", "run.eval_every=2"] if quick
+             else [f"run.max_wall_s={BUDGET_S[start]}"])
     seeds = SEEDS[:1] if quick else SEEDS
     summaries: dict = {}
     starts = {seed: sft_start(start, seed, root, quick) for seed in seeds}
