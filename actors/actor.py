@@ -82,7 +82,7 @@ class SerialActor:
         self._in_group = False
         self.weights_source = weights_source
         self.totals = RolloutStats()
-        practised = cfg.actor.task_ids if cfg.actor.task_ids is not None else cfg.env.task_ids
+        practised = cfg.practised_task_ids
         self.task_ids = list(practised if practised is not None else self.envs[0].task_ids)
         self._train_ids: dict[int, list[int]] = {}
         device = next(policy.parameters()).device if hasattr(policy, "parameters") else torch.device("cpu")

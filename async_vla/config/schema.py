@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 from pydantic import Field, model_validator
 
@@ -218,6 +219,12 @@ class Config(Section):
                 f"{self.episode_step_limit}) = {_size(batch)}, so the buffer would fill with ready groups "
                 f"and never form a batch; set buffer.max_bytes >= {batch} (2-3 batches lets "
                 f"actors run ahead), or lower buffer.groups_per_batch, env.image_size or env.max_steps")
+
+    @property
+    def practised_task_ids(self) -> Optional[list[int]]:
+        """The tasks RL practises: ``actor.task_ids``, else ``env.task_ids`` (None: every task the env has). Of each,
+        the actors use the first ``actor.num_init_states`` train init states (None: all)."""
+        return self.actor.task_ids if self.actor.task_ids is not None else self.env.task_ids
 
     @property
     def episode_step_limit(self) -> int:
