@@ -30,6 +30,7 @@ from async_vla.phases import PhaseClock, since
 from learner.checkpoint_files import (CKPT_FORMAT, capture_rng_state, optimizer_tensors, restore_rng_state,
                                       tensors_digest)
 from learner.checkpoint_names import LATEST_FILE, checkpoint_tag, latest_tag, prune_checkpoints
+from learner.lr_schedule import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Learner(abc.ABC):
             lc = cfg.learner
             batch = collate(groups, cfg, self._reward_stats(groups)).to(self.device)
             start_version = self.version
+            if lc.lr_decay is not None:
+                self._set_lr(lr_at(start_version, lc.lr, lc.lr_decay, lc.lr_final))
             self.last_lags = batch.lag(start_version).cpu().numpy()
             shards = ([batch] if lc.minibatches == 1
                       else [batch.select(rows) for rows in minibatch_rows(batch, lc.minibatches)])
@@ -313,6 +316,10 @@ class Learner(abc.ABC):
     @abc.abstractmethod
     def _lr(self) -> float: ...
 
+    @abc.abstractmethod
+    def _set_lr(self, lr: float) -> None:
+        """The lr of the optimizer steps that follow (learner.lr_decay)."""
+
     def _begin_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch's forward (DeepSpeed marks the accumulation boundary)."""
 
@@ -461,6 +468,10 @@ class TorchLearner(Learner):
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def full_state_items(self, all_ranks: bool = False, copy: bool = True) -> Iterator[tuple[str, Tensor]]:
         from learner.adapt import merge_lora_items

@@ -304,6 +304,12 @@ class DeepSpeedLearner(Learner):
     def _lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def _set_lr(self, lr: float) -> None:
+        if self.engine.lr_scheduler is not None:
+            raise ValueError("learner.lr_decay and a scheduler in learner.deepspeed_config both set the lr: keep one")
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
     def _pad_micro_batches(self, mbs: list[TrainBatch]) -> list[TrainBatch]:
         """ZeRO-3 forwards are collective: every rank runs the same number of micro-batches. Missing ones are
         the rank's first trajectory with an all-False mask (zero loss, zero gradient, zero weight)."""

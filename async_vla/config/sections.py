@@ -302,6 +302,12 @@ class LearnerConfig(Section):
     """DeepSpeed ZeRO stage."""
     lr: float = Field(5e-6, gt=0)
     """AdamW learning rate (SimpleVLA-RL: 5e-6)."""
+    lr_decay: Optional[Tuple[int, int]] = None
+    """(start, end) learner versions of a linear decay: the update that makes version v + 1 uses ``lr`` while
+    v <= start, then an lr falling linearly to ``lr_final`` at v = end, and ``lr_final`` after. Version-based, so a
+    resumed run continues the same schedule. None: constant ``lr``."""
+    lr_final: float = Field(0.0, ge=0)
+    """The learning rate at the end of ``lr_decay``."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     betas: Tuple[float, float] = (0.9, 0.999)
@@ -352,6 +358,17 @@ class LearnerConfig(Section):
     """torch.distributed timeout of the learner ranks' collectives (a rank that never arrives fails them)."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per learner rank on CPU (more threads than cores make step times swing widely)."""
+
+    @model_validator(mode="after")
+    def _check_lr_decay(self) -> "LearnerConfig":
+        if self.lr_decay is not None:
+            start, end = self.lr_decay
+            if not 0 <= start < end:
+                raise ValueError(f"lr_decay must be (start, end) versions with 0 <= start < end, got "
+                                 f"{list(self.lr_decay)}: e.g. learner.lr_decay=[24,40]")
+        if self.lr_final > self.lr:
+            raise ValueError(f"lr_final ({self.lr_final}) must not exceed lr ({self.lr}): lr_decay lowers the lr")
+        return self
 
 
 class LossConfig(Section):
