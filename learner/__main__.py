@@ -178,7 +178,7 @@ class RankRun:
                 load = policy_load_kwargs(cfg, load["device"])    # ZeRO-3: on the CPU, then partitioned onto the GPU
             policy = build_policy(cfg, **load)
             if cfg.learner.backend == "torch":
-                from learner.core import TorchLearner
+                from learner.torch_engine import TorchLearner
                 self.learner = TorchLearner(cfg, policy, phases=phases)
             else:
                 from learner.deepspeed_engine import DeepSpeedLearner

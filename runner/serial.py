@@ -73,7 +73,7 @@ class SerialRun:
         from async_vla.buffer import GroupBuffer
         from async_vla.envs import make_env
         from async_vla.policy import build_policy
-        from learner.core import TorchLearner
+        from learner.torch_engine import TorchLearner
 
         learner_phases, actor_phases = PhaseClock(), PhaseClock()
         self.buffer_phases = PhaseClock(rest="idle")

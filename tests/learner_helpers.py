@@ -217,7 +217,7 @@ def worker(phase: str, ckpt_dir: str, out_path: str, zero_stage: int) -> None:
         report["lineage"] = learner.start_lineage().encode()   # descends from the checkpoint's
         digests("after_load")
         # Reference: one process, the union of both ranks' (different-sized) third batches, same weights.
-        from learner.core import TorchLearner
+        from learner.torch_engine import TorchLearner
         ref_policy = StandInPolicy(seed=1)
         ref_policy.load_state_dict(dict(learner.full_state_items(all_ranks=True)))
         ref = TorchLearner(cfg, ref_policy).train_step(third(0) + third(1))

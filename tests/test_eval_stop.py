@@ -124,7 +124,7 @@ def test_a_stop_signal_ends_rollouts_whose_batch_never_forms(tmp_path, monkeypat
 def test_a_second_ctrl_c_ends_the_clean_stop_at_once(tmp_path, monkeypatch, capfd):
     """The first Ctrl-C asks for a clean stop (and says how to skip it); a second one during that stop's
     checkpoint raises KeyboardInterrupt there: no summary is written, and the previous handler is back."""
-    from learner.core import TorchLearner
+    from learner.torch_engine import TorchLearner
 
     calls, saves = [], []
     evaluate = scripted([0.0, 0.5, 1.0], [], calls)

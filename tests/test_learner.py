@@ -7,7 +7,7 @@ import torch
 
 from async_vla.batching import collate
 from learner.checkpoint_files import tensors_digest
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 from tests.learner_helpers import StandInPolicy, finite_params, make_groups, small_cfg
 
 

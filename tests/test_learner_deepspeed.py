@@ -95,7 +95,7 @@ def test_two_rank_zero3_minibatches_and_batch_adv_norm_equal_one_process(tmp_pat
     ranks: the ranks' reward means differ, so per-rank statistics would give other weights)."""
     import torch
 
-    from learner.core import TorchLearner
+    from learner.torch_engine import TorchLearner
     from tests.learner_helpers import StandInPolicy, minibatch_groups, small_cfg
 
     a = _run_ranks("minibatch", tmp_path, tmp_path / "mb", stage=3)

@@ -12,7 +12,7 @@ from async_vla.config import load_config
 from async_vla.messages import Trajectory
 from learner.adapt import apply_lora, enable_checkpointing, merge_lora_items
 from learner.checkpoint_files import tensors_digest
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 
 TINY = ["policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_heads=2", "policy.patch_size=8",
         "policy.keypoints=4", "policy.word_buckets=64", "env.image_size=16"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from async_vla.config import ConfigError
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 from learner.lr_schedule import lr_at
 from tests.learner_helpers import StandInPolicy, make_groups, small_cfg
 

@@ -12,7 +12,7 @@ from async_vla import grpo
 from async_vla.batching import collate, minibatch_rows
 from async_vla.config import ConfigError
 from async_vla.metrics import VERL_TAGS
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 from tests.learner_helpers import StandInPolicy, make_groups, small_cfg
 
 CALLS = (1, 3, 2, 2, 3, 1, 2, 1)          # 4 groups of 2 trajectories

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 from tests.learner_helpers import StandInPolicy, make_traj, small_cfg
 
 

@@ -10,7 +10,7 @@ import torch
 
 from async_vla import messages as M
 from learner.checkpoint_files import tensors_digest
-from learner.core import TorchLearner
+from learner.torch_engine import TorchLearner
 from learner_helpers import StandInPolicy, finite_params, make_groups, small_cfg
 
 
