@@ -41,19 +41,23 @@ def _moved(a, b) -> bool:
     return any(not torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _check_schedule(learner):
-    """lr_decay=(0, 2), lr_final=0: v0 -> v1 at lr, v1 -> v2 at lr / 2, then lr 0 (the weights stay)."""
+def _schedule_seen(learner) -> list[tuple[float, bool]]:
+    """(learner/lr, whether the weights moved) over four train steps on the same groups."""
     groups = make_groups(policy=StandInPolicy(seed=1), behav_noise=0.1)
     seen = []
     for _ in range(4):
         before = _params(learner)
         m = learner.train_step(groups)
         seen.append((m["learner/lr"], _moved(before, _params(learner))))
-    assert seen == [(0.01, True), (0.005, True), (0.0, False), (0.0, False)]
+    return seen
+
+
+# lr_decay=(0, 2), lr_final=0: v0 -> v1 at lr, v1 -> v2 at lr / 2, then lr 0 (the weights stay)
+DECAYED = [(0.01, True), (0.005, True), (0.0, False), (0.0, False)]
 
 
 def test_torch_learner_follows_lr_decay():
-    _check_schedule(TorchLearner(small_cfg("learner.lr_decay=[0,2]"), StandInPolicy(seed=1)))
+    assert _schedule_seen(TorchLearner(small_cfg("learner.lr_decay=[0,2]"), StandInPolicy(seed=1))) == DECAYED
 
 
 def test_constant_lr_without_decay_keeps_moving():
@@ -69,4 +73,4 @@ def test_deepspeed_learner_follows_lr_decay(dist_env, stage):
     from learner.deepspeed_engine import DeepSpeedLearner
 
     cfg = small_cfg(f"learner.zero_stage={stage}", "learner.lr_decay=[0,2]")
-    _check_schedule(DeepSpeedLearner(cfg, StandInPolicy(seed=1)))
+    assert _schedule_seen(DeepSpeedLearner(cfg, StandInPolicy(seed=1))) == DECAYED
