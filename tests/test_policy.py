@@ -11,7 +11,7 @@ from async_vla.config import load_config
 from async_vla.policy import VLAPolicy, build_policy, load_policy, save_policy
 from async_vla.policy.build import CONFIG_FILE
 from async_vla.policy.interface import sample_tokens
-from async_vla.policy.model import word_ids
+from async_vla.policy.model import sincos_2d, word_ids
 
 B = 3
 INSTR = ["pick up the red block", "push the yellow block to the left", "press the green button"]
@@ -294,3 +294,40 @@ def test_a_bf16_policy_takes_the_same_inputs(decoding):
     full = pol.token_logprobs(torch.from_numpy(images), torch.from_numpy(proprio), instr, torch.from_numpy(tokens), 1.6)
     gap = (re.detach().float() - full.detach()).abs()
     assert gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())
+
+
+def test_sincos_2d_matches_a_per_patch_reference():
+    height, width, patch, dim = 32, 24, 4, 16
+    code = sincos_2d(height, width, patch, dim)
+    rows, cols, q = height // patch, width // patch, dim // 4
+    assert code.shape == (rows * cols, dim)
+    for r in range(rows):
+        for c in range(cols):
+            for i in range(q):
+                w = 10000.0 ** (-i / q)
+                want = (np.sin(c * w), np.cos(c * w), np.sin(r * w), np.cos(r * w))
+                got = (code[r * cols + c, i], code[r * cols + c, q + i], code[r * cols + c, 2 * q + i],
+                       code[r * cols + c, 3 * q + i])
+                np.testing.assert_allclose([float(g) for g in got], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_a_sincos_policy_has_no_learned_patch_code_and_keeps_its_choice_through_a_checkpoint(decoding, tmp_path):
+    pol = make(decoding, **{"policy.patch_pos": "sincos", "policy.patch_size": 4})
+    assert not any("patch_pos" in name for name, _ in pol.named_parameters())
+    images, proprio, instr = batch(11)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    re = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    save_policy(pol, tmp_path / "ckpt")
+    loaded = load_policy(tmp_path / "ckpt")
+    assert loaded.policy_cfg.patch_pos == "sincos"
+    again = loaded.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(again.detach().numpy(), logp, atol=1e-5, rtol=0)
+
+
+def test_a_sincos_code_needs_a_hidden_size_it_can_split_in_four():
+    with pytest.raises(ValueError, match=r"policy.patch_pos=sincos .* policy.hidden_size \(18\): make it a multiple of 4"):
+        load_config(None, ["policy.patch_pos=sincos", "policy.hidden_size=18", "policy.num_heads=1"])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        sincos_2d(32, 32, 4, 18)

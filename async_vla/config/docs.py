@@ -48,7 +48,8 @@ def render_config_doc() -> str:
         "- `actor.backend=vllm` needs vLLM installed (the `gpu` extra), `policy.arch=openvla` and "
         "`policy.decoding=autoregressive`.",
         "- `policy.arch` other than `tiny` needs `policy.path`.",
-        "- `policy.hidden_size` divisible by `policy.num_heads`; `env.image_size` a multiple of `policy.patch_size`; "
+        "- `policy.hidden_size` divisible by `policy.num_heads` (and by 4 with `policy.patch_pos=sincos`); "
+        "`env.image_size` a multiple of `policy.patch_size`; "
         "`actor.image_shift < env.image_size`.",
         "- `loss.mis_low < loss.mis_high`; `buffer.difficulty_mask` as `0 <= lo < hi <= 1`.",
         "- `run.mode=sync` runs with eta 0 whatever `buffer.max_staleness` says (`Config.max_staleness`).",

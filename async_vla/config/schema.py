@@ -120,6 +120,9 @@ class Config(Section):
                 f"policy.hidden_size ({self.policy.hidden_size}) must be divisible by policy.num_heads "
                 f"({self.policy.num_heads})"
             )
+        if self.policy.patch_pos == "sincos" and self.policy.hidden_size % 4:
+            raise ValueError(f"policy.patch_pos=sincos codes rows and columns in quarters of policy.hidden_size "
+                             f"({self.policy.hidden_size}): make it a multiple of 4")
         if self.env.image_size % self.policy.patch_size:
             raise ValueError(
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "

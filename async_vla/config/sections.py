@@ -144,6 +144,10 @@ class PolicyConfig(Section):
     """MLP width (tiny arch)."""
     patch_size: int = Field(8, ge=1)
     """Vision encoder patch size in pixels (tiny arch)."""
+    patch_pos: Literal["learned", "sincos"] = "learned"
+    """Tiny arch: position code added to each patch token. learned = one free vector per patch (a patch where no
+    object appeared in training keeps an untrained code); sincos = fixed 2-D sine-cosine code of the patch's row
+    and column (MAE's), smooth across the grid."""
     vocab_size: int = Field(32000, ge=256)
     """Language-model vocabulary; the last `num_bins` ids are the action tokens (OpenVLA: 31744..31999)."""
     num_bins: int = Field(256, ge=2)

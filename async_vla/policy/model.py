@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
@@ -30,6 +31,24 @@ def word_ids(instruction: str, max_tokens: int, buckets: int) -> tuple[list[int]
     second = [BOS_ID] + [2 + zlib.crc32(w.encode(), 0x9E3779B9) % (buckets - 2) for w in words]
     pad = [PAD_ID] * (max_tokens - len(first))
     return first + pad, second + pad
+
+
+@lru_cache(maxsize=8)
+def sincos_2d(height: int, width: int, patch: int, dim: int) -> Tensor:
+    """``[patches, dim]`` fixed position codes of the ``height/patch x width/patch`` patch grid, row-major (MAE's
+    2-D sine-cosine code): the first half of ``dim`` codes the column, the second the row, each as sines then
+    cosines of the coordinate at ``dim / 4`` frequencies ``10000 ** (-i / (dim / 4))``."""
+    if dim % 4:
+        raise ValueError(f"a 2-D sine-cosine code needs dim a multiple of 4, got {dim}")
+    rows, cols = torch.meshgrid(torch.arange(height // patch, dtype=torch.float64),
+                                torch.arange(width // patch, dtype=torch.float64), indexing="ij")
+    omega = 10000.0 ** (-torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+
+    def code(coord: Tensor) -> Tensor:
+        angle = coord.reshape(-1, 1) * omega
+        return torch.cat([angle.sin(), angle.cos()], dim=1)
+
+    return torch.cat([code(cols), code(rows)], dim=1).float()
 
 
 class TinyVLA(VLAPolicy):
@@ -58,7 +77,8 @@ class TinyVLA(VLAPolicy):
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU())
         self.patch = nn.Conv2d(32, h, p, stride=p)
         self.max_patches = 256
-        self.patch_pos = nn.Parameter(torch.randn(self.max_patches, h) * 0.02)
+        if policy_cfg.patch_pos == "learned":
+            self.patch_pos = nn.Parameter(torch.randn(self.max_patches, h) * 0.02)
         if k:
             self.kp_maps = nn.Conv2d(32, k, 3, padding=1)
             # A sharp initial softmax makes each keypoint track the most salient blob of its map from the start.
@@ -119,7 +139,10 @@ class TinyVLA(VLAPolicy):
         x = self.patch(feats).flatten(2).transpose(1, 2)  # [B, patches, h]
         if x.shape[1] > self.max_patches:
             raise ValueError(f"too many image patches ({x.shape[1]} > {self.max_patches}); raise patch_size")
-        x = x + self.patch_pos[: x.shape[1]]
+        if self.policy_cfg.patch_pos == "learned":
+            x = x + self.patch_pos[: x.shape[1]]
+        else:
+            x = x + sincos_2d(*feats.shape[-2:], self.policy_cfg.patch_size, x.shape[-1]).to(x)
         prop = torch.as_tensor(proprio, device=self.device, dtype=self.proprio_proj.weight.dtype)
         if prop.shape[-1] != self.policy_cfg.proprio_dim:
             raise ValueError(f"proprio has {prop.shape[-1]} dims, the policy expects {self.policy_cfg.proprio_dim}")
