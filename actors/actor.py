@@ -138,7 +138,7 @@ class SerialActor:
                     log.warning("env crashed answering init-state queries: %s", exc)
             if not ids:
                 raise ValueError(f"task {task_id} has no train init states")
-            self._train_ids[task_id] = ids[:self.cfg.actor.num_init_states]
+            self._train_ids[task_id] = self.cfg.practised_init_states(ids)
         return self._train_ids[task_id]
 
     def spec_for(self, group_id: str) -> GroupSpec:

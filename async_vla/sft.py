@@ -242,11 +242,12 @@ def video_episodes(episodes: Sequence[tuple[int, int]], n: int) -> set[tuple[int
 
 
 def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids: Optional[Sequence[int]] = None,
-                    split: str = "eval", batch_size: int = 8, max_per_task: Optional[int] = None,
+                    split: str = "eval", batch_size: int = 8,
+                    pick: Optional[Callable[[list[int]], list[int]]] = None,
                     videos: int = 0, temperature: float = 0.0, repeats: int = 1,
                     generator: Optional[torch.Generator] = None, progress: Optional[str] = None,
                     sampled_dims: Optional[Sequence[int]] = None) -> dict:
-    """Greedy (T = 0) success over every init state of ``split`` for each task (the first ``max_per_task``);
+    """Greedy (T = 0) success over every init state of ``split`` for each task (those ``pick`` keeps of them);
     ``temperature`` > 0 samples instead (only ``sampled_dims`` if given, the others greedily, as the actors do),
     ``repeats`` episodes per init state. ``env``: one env or a list of one
     family (episodes run batched). Returns success_rate, successes, by_task, episodes, split, env_steps, wall_s,
@@ -256,7 +257,8 @@ def evaluate_greedy(policy: VLAPolicy, env: Union[Env, Sequence[Env]], task_ids:
     task_ids = list(envs[0].task_ids if task_ids is None else task_ids)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    episodes = [(t, i) for t in task_ids for i in envs[0].init_state_ids(t, split)[:max_per_task]] * repeats
+    pick = pick or list
+    episodes = [(t, i) for t in task_ids for i in pick(envs[0].init_state_ids(t, split))] * repeats
     film = video_episodes(episodes, videos) if videos > 0 else set()
     t0 = time.perf_counter()
     was_training = policy.training

@@ -283,6 +283,19 @@ def test_actors_practise_only_their_tasks_and_first_init_states(cfg, policy):
         assert {s.init_state_id for s in specs if s.task_id == task} == set(first_two)
 
 
+def test_actors_practise_the_chosen_init_states(cfg, policy):
+    """actor.init_state_ids: every group's scene is one of the chosen train init states, and each is visited."""
+    from actors.actor import SerialActor
+
+    envs = builtin_envs(cfg, 1)
+    task = list(envs[0].task_ids)[0]
+    train = envs[0].init_state_ids(task, "train")
+    chosen = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"task_ids": [task],
+                                                                           "init_state_ids": [3, 0, 5]})})
+    actor = SerialActor(chosen, 0, policy, envs)
+    assert {actor.spec_for(f"rt-g{n}").init_state_id for n in range(60)} == {train[3], train[0], train[5]}
+
+
 def test_sampled_dims_take_the_others_greedily_and_mask_them_out_of_the_loss(cfg, policy):
     """actor.sampled_dims=[0, 6]: dimensions 1-5 are the argmax (identical for every member on its first call,
     where all see one observation) and their tokens never enter the loss; dims 0 and 6 are sampled and trained."""

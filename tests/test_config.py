@@ -79,6 +79,15 @@ def test_cross_field_checks():
         load_config(None, ["env.num_train_init_states=4", "actor.num_init_states=5"])
     ok = load_config(None, ["env.task_ids=[0,8]", "actor.task_ids=[8]", "actor.num_init_states=4"]).actor
     assert (ok.task_ids, ok.num_init_states) == ([8], 4)
+    with pytest.raises(ConfigError, match=r"actor.init_state_ids \[1\] and actor.num_init_states \(4\)"):
+        load_config(None, ["actor.init_state_ids=[1]", "actor.num_init_states=4"])
+    for bad in ("[]", "[3,3]", "[-1]", "[4]"):
+        with pytest.raises(ConfigError, match=r"actor.init_state_ids .* distinct train init states in 0..3"):
+            load_config(None, ["env.num_train_init_states=4", f"actor.init_state_ids={bad}"])
+    chosen = load_config(None, ["env.num_train_init_states=40", "actor.init_state_ids=[5,2,31]"])
+    assert chosen.practised_init_states(range(40)) == [5, 2, 31]
+    assert load_config(None, ["actor.num_init_states=3"]).practised_init_states([7, 8, 9, 10]) == [7, 8, 9]
+    assert load_config(None, []).practised_init_states([7, 8, 9, 10]) == [7, 8, 9, 10]
 
 
 def test_vllm_backend_without_vllm_fails_at_config_time():

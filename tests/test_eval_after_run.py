@@ -116,6 +116,12 @@ def test_practised_split_reads_out_the_scenes_the_actors_practise(tmp_path):
     assert second["test"] == "fisher" and second["p_one_sided"] == fisher_one_sided_p(
         second["successes"], 3, first["successes"], 3)
 
+    chosen = _bin_eval(str(run), "actor.task_ids=[1]", "actor.init_state_ids=[1,0]", "--split", "practised",
+                       "--json")
+    assert chosen.returncode == 0, chosen.stderr
+    train = env.init_state_ids(1, "train")
+    assert [o[:2] for o in json.loads(chosen.stdout)["outcomes"]] == [[1, train[1]], [1, train[0]]]
+
     outside = _bin_eval(str(run), "actor.task_ids=[5]", "--split", "practised", "--json")
     assert outside.returncode == 2 and "actor.task_ids" in outside.stderr and "env.task_ids" in outside.stderr
 

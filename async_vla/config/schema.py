@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Optional, Sequence
 
 from pydantic import Field, model_validator
 
@@ -153,6 +153,15 @@ class Config(Section):
             raise ValueError(f"actor.num_init_states ({self.actor.num_init_states}) > env.num_train_init_states "
                              f"({self.env.num_train_init_states}): the actors practise train init states only; lower "
                              "actor.num_init_states or raise env.num_train_init_states")
+        ids = self.actor.init_state_ids
+        if ids is not None and self.actor.num_init_states is not None:
+            raise ValueError(f"actor.init_state_ids {ids} and actor.num_init_states ({self.actor.num_init_states}) "
+                             "both choose the practised init states: set one of them, the other null")
+        if ids is not None and (not ids or len(set(ids)) != len(ids)
+                                or not all(0 <= i < self.env.num_train_init_states for i in ids)):
+            raise ValueError(f"actor.init_state_ids {ids} must be distinct train init states in 0.."
+                             f"{self.env.num_train_init_states - 1} (env.num_train_init_states="
+                             f"{self.env.num_train_init_states}), at least one; or null")
         if self.actor.temperature == 0 and self.buffer.dynamic_sampling:
             # Greedy rollouts of one init state are identical (the simulators are deterministic): every group has
             # one outcome, dynamic sampling drops it, and the learner waits forever.
@@ -226,8 +235,17 @@ class Config(Section):
     @property
     def practised_task_ids(self) -> Optional[list[int]]:
         """The tasks RL practises: ``actor.task_ids``, else ``env.task_ids`` (None: every task the env has). Of each,
-        the actors use the first ``actor.num_init_states`` train init states (None: all)."""
+        the actors use the init states ``practised_init_states`` picks."""
         return self.actor.task_ids if self.actor.task_ids is not None else self.env.task_ids
+
+    def practised_init_states(self, train_ids: Sequence[int]) -> list[int]:
+        """Of a task's train init states (in order), those RL practises: the ones at ``actor.init_state_ids``,
+        else the first ``actor.num_init_states``, else all. The actors and `bin/eval --split practised` both ask
+        here."""
+        train_ids = list(train_ids)
+        if self.actor.init_state_ids is not None:
+            return [train_ids[i] for i in self.actor.init_state_ids]
+        return train_ids[:self.actor.num_init_states]
 
     @property
     def episode_step_limit(self) -> int:

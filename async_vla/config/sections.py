@@ -199,6 +199,10 @@ class ActorConfig(Section):
     num_init_states: Optional[int] = Field(None, ge=1)
     """Practise the first N train init states of each task (at most env.num_train_init_states); None = all of
     them. `bin/eval --split practised` reads out exactly these scenes."""
+    init_state_ids: Optional[list[int]] = None
+    """Practise exactly these train init states of each task (distinct, in 0..env.num_train_init_states-1), e.g.
+    the ones where the start's sampled success is inside the band where groups are mixed; instead of
+    actor.num_init_states. `bin/eval --split practised` reads out exactly these scenes."""
     image_shift: int = Field(0, ge=0)
     """Random-shift augmentation (DrQ / RAD) of training rollouts, in pixels: before each policy call the observation
     image (and the wrist image, if any) is edge-padded by this many pixels and cropped back at a random offset
