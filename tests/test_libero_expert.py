@@ -85,7 +85,7 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    overrides = ["env.task_ids=[0]", "actor.task_ids=[0]", "actor.num_init_states=2", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
+    overrides = ["env.task_ids=[0]", "actor.task_ids=[0]", "actor.init_state_ids=[0,1]", "env.image_size=32", "env.max_steps=16", "env.num_eval_init_states=1",
                  "env.envs_per_actor=2", "actor.num_actors=1", "actor.group_size=2", "buffer.groups_per_batch=1",
                  "buffer.dynamic_sampling=false", "run.max_versions=2", "run.eval_every=0", "run.eval_envs=1",
                  "learner.micro_batch_trajectories=2", "transport.trajectory_port=0", "transport.control_port=0",
