@@ -156,7 +156,7 @@ class RunRecorder:
         summary = {
             "run": self.cfg.run.name, "mode": self.cfg.run.mode, "final_version": version,
             "final_eval_success": evals[-1] if evals else None, "best_eval_success": max(evals) if evals else None,
-            "initial_eval_success": evals[0] if evals else None,
+            "initial_eval_success": start_success(self.eval_points, self.cfg.run.eval_split),
             "wall_s": wall,
             "time_to_target_s": reached["wall_s"] if reached else None,
             "version_at_target": reached["version"] if reached else None,
@@ -218,7 +218,7 @@ def record_eval_after_run(cfg: Any, run_dir: Path, version: int, res: dict) -> d
         summary = json.loads(summary_file.read_text())
         summary["eval"] = evals
         summary["best_eval_success"] = max(p["success_rate"] for p in evals)
-        summary["initial_eval_success"] = evals[0]["success_rate"]   # run.eval_at_start=false: v0 comes later
+        summary["initial_eval_success"] = start_success(evals, summary.get("eval_split", "eval"))
         write_atomic(summary_file, json.dumps(summary, indent=2, default=float))
     monitor = Monitor(run_dir, enabled=cfg.logging.tensorboard)
     monitor.scalar("eval/success_rate", res["success_rate"], version)
@@ -256,6 +256,12 @@ def _run_progress(run_dir: Path) -> dict:
 def eval_videos(cfg: Any) -> int:
     """Episodes to film per evaluation: ``logging.eval_videos``, 0 when TensorBoard is off (nowhere to put them)."""
     return cfg.logging.eval_videos if cfg.logging.tensorboard else 0
+
+
+def start_success(points: list[dict], split: str) -> Optional[float]:
+    """The start's figure: the success of version 0's evaluation on ``split``; None while v0 has none on it
+    (``run.eval_at_start=false``, until ``bin/eval RUN --versions 0 --record`` adds it)."""
+    return next((p["success_rate"] for p in points if p["version"] == 0 and p.get("split", "eval") == split), None)
 
 
 def eval_point(version: int, wall: float, res: dict) -> dict:

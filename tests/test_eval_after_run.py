@@ -81,6 +81,7 @@ def test_versions_evaluated_after_the_run_join_its_record(tmp_path):
     assert [p["wall_s"] for p in summary["eval"][1:3]] == [11.0, 21.0]   # when the learner made v1 and v2
     assert summary["final_eval"] == before["final_eval"] and summary["final_version"] == 3
     assert summary["best_eval_success"] == max(p["success_rate"] for p in summary["eval"])
+    assert summary["initial_eval_success"] == 0.25          # still the run's own v0 evaluation
     progress = json.loads((run / "progress.json").read_text())
     assert progress["eval"] == summary["eval"]
     steps = [s for s, _ in read_scalars(run / "tb", "eval/success_rate")]
@@ -167,6 +168,6 @@ def test_without_a_start_evaluation_training_starts_at_once_and_the_final_policy
                          "learner.micro_batch_trajectories=2", "logging.tensorboard=false"]
     without = run_serial(load_config(None, overrides + ["run.eval_at_start=false"]), tmp_path / "without")
     assert [p["version"] for p in without["eval"]] == [2]
-    assert without["initial_eval_success"] == without["final_eval_success"]   # the only figure there is
+    assert without["initial_eval_success"] is None and without["final_eval_success"] is not None   # no start figure
     with_start = run_serial(load_config(None, overrides), tmp_path / "with")
     assert [p["version"] for p in with_start["eval"]] == [0, 2]
