@@ -182,6 +182,54 @@ def trajectory_scores(policy, trajectories: Sequence, temperature: float, dims: 
     return scores, counts
 
 
+def sharpness(logp: np.ndarray, reference_logp: np.ndarray, window: int = 2) -> dict:
+    """How concentrated a policy's action distributions are, and around what, against a reference policy's (the
+    start's) at the same N token positions: ``logp`` and ``reference_logp`` float [N, bins], the log-probs at the
+    rollout temperature. Means over the positions of: the entropy (nats); the mass on the reference's greedy bin and
+    within ``window`` bins of it (action bins are ordinal); the share of positions whose greedy bin is the
+    reference's; and the shift of the expected bin from the reference's (signed, and its size). A policy that only
+    sharpens the reference keeps its greedy bins and gains mass around them; one that moves its actions shifts."""
+    logp = np.asarray(logp, dtype=np.float64)
+    ref = np.asarray(reference_logp, dtype=np.float64)
+    if logp.ndim != 2 or ref.shape != logp.shape:
+        raise ValueError(f"sharpness: logp and reference_logp must both be [N, bins], got {logp.shape} and "
+                         f"{ref.shape}")
+    p, bins = np.exp(logp), np.arange(logp.shape[1])
+    mode = ref.argmax(-1)
+    near = np.abs(bins[None, :] - mode[:, None]) <= window
+    shift = p @ bins - np.exp(ref) @ bins
+    return {"positions": int(logp.shape[0]), "entropy": float(-(p * logp).sum(-1).mean()),
+            "mode_mass": float(p[np.arange(len(mode)), mode].mean()),
+            "near_mode_mass": float((p * near).sum(-1).mean()), "window": int(window),
+            "mode_agreement": float((logp.argmax(-1) == mode).mean()),
+            "mean_shift": float(shift.mean()), "abs_mean_shift": float(np.abs(shift).mean())}
+
+
+def trajectory_action_logprobs(policy, traj, temperature: float, dims: Optional[Sequence[int]] = None,
+                               action_dim: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The policy's action distributions at one recorded trajectory's observations: float32 [positions, bins]
+    log-probs at ``temperature`` of its masked token positions (``dims``: those action dimensions only), and each
+    position's action dimension [positions]. Teacher-forced on the recorded tokens; no grad."""
+    import torch
+
+    from async_vla.policy.interface import effective_temperature
+
+    if dims is not None and not action_dim:
+        raise ValueError("trajectory_action_logprobs: dims needs action_dim")
+    mask = np.asarray(traj.token_mask, dtype=bool)
+    dim_of = np.broadcast_to(np.arange(mask.shape[-1]) % action_dim if action_dim else np.zeros(mask.shape[-1], int),
+                             mask.shape)
+    if dims is not None:
+        mask = mask & np.isin(dim_of, list(dims))
+    with torch.no_grad():
+        idx = policy.tokenizer.token_to_index(torch.tensor(np.asarray(traj.action_tokens, dtype=np.int64)))
+        logits = policy.action_logits(torch.tensor(np.asarray(traj.images)),
+                                      torch.tensor(np.asarray(traj.proprio, dtype=np.float32)),
+                                      [traj.instruction] * traj.num_calls, idx)
+        logp = torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1).numpy()
+    return logp[mask], dim_of[mask]
+
+
 def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
     """``K[t, u] = s_t . s_u`` (float64) for the per-trajectory directions of ``aggregation`` (``token_mean``: summed
     scores; ``seq_mean_token_mean``: token means); constant factors leave rho and the cosines unchanged."""
@@ -196,4 +244,5 @@ def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
 
 
 __all__ = ["batch_cosines", "expected_cosine", "pair_means", "projected_rho", "group_gram", "groups_for_share", "measure",
-           "permute_within_groups", "score_gram", "shuffle_outcomes", "signal_share", "trajectory_scores"]
+           "permute_within_groups", "score_gram", "sharpness", "shuffle_outcomes", "signal_share",
+           "trajectory_action_logprobs", "trajectory_scores"]

@@ -120,3 +120,25 @@ def test_control_trains_both_arms_the_same_steps_and_saves_their_policies(mixed,
     assert too_many.returncode == 2 and "need 14 mixed groups" in too_many.stderr
     no_summary = _bin("control", mixed, "--out", tmp_path / "y", check=False)
     assert no_summary.returncode == 2 and "--steps" in no_summary.stderr
+
+
+def test_sharpness_compares_policies_with_the_start_on_the_recorded_observations(mixed, tmp_path):
+    from async_vla.buffer.recording import iter_recording
+    from async_vla.config import load_config
+    from async_vla.messages import decode
+
+    start = load_config(mixed / "config.yaml").policy.path
+    _bin("control", mixed, "--steps", 2, "--groups-per-step", 2, "--out", tmp_path / "ctl", "--threads", 1)
+    _bin("sharpness", mixed, "--policy", f"again={start}", "--policy", f"real={tmp_path / 'ctl' / 'real' / 'policy'}",
+         "--threads", 1)
+    report = json.loads((mixed / "sharpness.json").read_text())
+    positions = sum(int(np.asarray(decode(f).token_mask).sum()) for f in iter_recording(mixed / "recording"))
+    by = report["policies"]
+    assert list(by) == ["start", "again", "real"] and report["trajectories"] == 48
+    assert by["start"]["all"]["positions"] == positions and by["start"]["all"]["mode_agreement"] == 1.0
+    assert by["again"]["all"] == by["start"]["all"]              # the start saved under another name
+    assert by["real"]["all"]["abs_mean_shift"] > 0 == by["again"]["all"]["abs_mean_shift"]   # two updates moved it
+    assert sorted(map(int, by["real"]["by_dim"])) == list(range(7))        # no actor.sampled_dims: every dimension
+    assert sum(d["positions"] for d in by["real"]["by_dim"].values()) == positions
+    bad = _bin("sharpness", mixed, "--policy", f"x={tmp_path / 'nowhere'}", check=False)
+    assert bad.returncode == 2 and "saved policy directories" in bad.stderr

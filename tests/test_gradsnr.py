@@ -184,3 +184,51 @@ def test_scores_of_some_action_dimensions_are_the_gradient_of_those_tokens_only(
         assert counts[row] == float(keep.sum())
     with pytest.raises(ValueError, match="action_dim"):
         gradsnr.trajectory_scores(policy, trajs, 1.0, dims=[1])
+
+
+def test_sharpness_matches_a_position_by_position_reference():
+    rng = np.random.default_rng(3)
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    ref = log_softmax(rng.normal(size=(40, 17)) * rng.uniform(0.2, 3.0, size=(40, 1)))
+    logp = log_softmax(rng.normal(size=(40, 17)) * rng.uniform(0.2, 3.0, size=(40, 1)))
+    logp[:10] = ref[:10] * 1.5                    # some positions share the reference's mode
+    logp[:10] -= np.log(np.exp(logp[:10]).sum(-1, keepdims=True))
+    got = gradsnr.sharpness(logp, ref, window=2)
+    ent, on, near, agree, shift = [], [], [], [], []
+    for row, ref_row in zip(logp, ref):
+        probs, ref_probs = [float(np.exp(v)) for v in row], [float(np.exp(v)) for v in ref_row]
+        m = max(range(17), key=lambda b: ref_probs[b])
+        ent.append(-sum(q * np.log(q) for q in probs))
+        on.append(probs[m])
+        near.append(sum(q for b, q in enumerate(probs) if abs(b - m) <= 2))
+        agree.append(max(range(17), key=lambda b: probs[b]) == m)
+        shift.append(sum(b * q for b, q in enumerate(probs)) - sum(b * q for b, q in enumerate(ref_probs)))
+    assert got["positions"] == 40 and got["window"] == 2
+    assert got["entropy"] == pytest.approx(np.mean(ent))
+    assert got["mode_mass"] == pytest.approx(np.mean(on))
+    assert got["near_mode_mass"] == pytest.approx(np.mean(near))
+    assert got["mode_agreement"] == pytest.approx(np.mean(agree)) and 0.25 <= got["mode_agreement"] < 1
+    assert got["mean_shift"] == pytest.approx(np.mean(shift))
+    assert got["abs_mean_shift"] == pytest.approx(np.mean(np.abs(shift))) and got["abs_mean_shift"] > 0
+
+
+def test_sharpness_tells_a_sharpened_reference_from_a_shifted_one():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(30, 32))
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    ref = log_softmax(logits)
+    same = gradsnr.sharpness(ref, ref)
+    sharp = gradsnr.sharpness(log_softmax(3.0 * logits), ref)            # the same modes, a lower temperature
+    moved = gradsnr.sharpness(log_softmax(np.roll(logits, 3, axis=1)), ref)   # every bin 3 to the right
+    assert same["mode_agreement"] == sharp["mode_agreement"] == 1.0 and same["mean_shift"] == pytest.approx(0)
+    assert sharp["entropy"] < same["entropy"] and sharp["mode_mass"] > same["mode_mass"]
+    assert moved["entropy"] == pytest.approx(same["entropy"]) and moved["mode_agreement"] < 0.2
+    assert moved["mode_mass"] < same["mode_mass"]
+    with pytest.raises(ValueError, match="reference_logp"):
+        gradsnr.sharpness(np.zeros((3, 4)), np.zeros((2, 4)))

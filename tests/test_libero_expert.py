@@ -134,7 +134,30 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     pooled = json.loads((tmp_path / "heldout_scenes.json").read_text())
     assert pooled["scenes"] == 2 and pooled["versions"] == [0, 2] and pooled["variants"] == 2
     assert pooled["successes"] == [sum(part[i]["successes"] for part in parts) for i in (0, 1)]
-    # the same command again finds every step done: no demos, SFT, training or evaluation is run twice
+    # the noise-only control replays the run's recorded mixed groups: 16-step episodes never succeed, so there are
+    # none, and the pipeline says so and keeps its readouts
+    assert "grad-snr control" in proc.stdout and "no noise-only control: bin/grad-snr control exited" in proc.stdout
+    assert not (tmp_path / "control_vs_run.json").exists()
+    # with a control's permuted arm in place (here the SFT start itself), it goes through the same readouts and is
+    # compared with the final version scene by scene
+    import shutil
+
+    shutil.copytree(tmp_path / "sft", tmp_path / "control" / "permuted" / "policy")
+    (tmp_path / "control" / "control.json").write_text("{}")
+    ctl = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=repo,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ctl.returncode == 0, ctl.stdout[-3000:] + ctl.stderr[-3000:]
+    ran = [line for line in ctl.stdout.splitlines() if line.startswith("$ ")]
+    assert len(ran) == 4 and all("bin/eval" in c and str(tmp_path / "control" / "permuted" / "policy") in c
+                                 for c in ran)                     # sampled, greedy, two held-out variants
+    versus = json.loads((tmp_path / "control_vs_run.json").read_text())
+    final_sampled = json.loads((tmp_path / "readout_practised.json").read_text())[-1]
+    assert versus["readout_practised"]["run"] == [final_sampled["successes"], final_sampled["episodes"]]
+    assert versus["readout_practised"]["control"][1] == 4 and 0 <= versus["readout_practised"]["p_one_sided"] <= 1
+    assert versus["greedy_practised"]["scenes"] == 2 and versus["heldout_scenes"]["scenes"] == 2
+    assert versus["heldout_scenes"]["run"] == pooled["successes"][1]
+    assert "the run's final version against its noise-only control" in ctl.stdout
+    # the same command again finds every step done: no demos, SFT, training, control or evaluation is run twice
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=repo,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
