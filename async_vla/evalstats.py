@@ -1,10 +1,12 @@
 """Statistics of success counts: the 95% interval every reported success rate carries, and the one-sided test
-that says whether one success count is really above another (pure functions; tests/test_evalstats.py).
+that says whether one success count is really above another, unpaired or paired by episode or scene (pure
+functions; tests/test_evalstats.py).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -58,3 +60,30 @@ def mcnemar_one_sided_p(gained: int, lost: int) -> float:
         raise ValueError(f"counts must be >= 0, got gained={gained}, lost={lost}")
     n = gained + lost
     return sum(math.comb(n, x) for x in range(gained, n + 1)) / 2 ** n
+
+
+def scene_outcomes(results: Sequence[dict]) -> dict:
+    """``{(part, task, init state): success}`` of evaluations on pinned scenes, one ``bin/eval --json`` result (its
+    ``outcomes``: ``[task, init state, success]``) per part, e.g. per scene variant: every key one scene."""
+    out = {}
+    for part, res in enumerate(results):
+        for task, state, success in res["outcomes"]:
+            key = (part, int(task), int(state))
+            if key in out:
+                raise ValueError(f"scene {key} evaluated twice: give one episode per scene (greedy, no --repeats)")
+            out[key] = bool(success)
+    return out
+
+
+def paired_scenes(before: Sequence[dict], after: Sequence[dict]) -> dict:
+    """Two policies' greedy results on the same pinned scenes (one evaluation per part each, parts in the same
+    order), paired by scene: the scenes both saw, each one's successes on them with 95% intervals, the scenes only
+    ``after`` solved (gained) and only ``before`` solved (lost), and the one-sided exact McNemar p of "after is
+    above before"."""
+    b, a = scene_outcomes(before), scene_outcomes(after)
+    gained, lost, scenes = paired_changes(b, a)
+    shared = b.keys() & a.keys()
+    kb, ka = sum(b[k] for k in shared), sum(a[k] for k in shared)
+    return {"scenes": scenes, "successes": [kb, ka], "interval_before": list(wilson_interval(kb, scenes)),
+            "interval_after": list(wilson_interval(ka, scenes)), "gained": gained, "lost": lost,
+            "p_one_sided": mcnemar_one_sided_p(gained, lost)}

@@ -205,29 +205,37 @@ def sharpness(logp: np.ndarray, reference_logp: np.ndarray, window: int = 2) -> 
             "mean_shift": float(shift.mean()), "abs_mean_shift": float(np.abs(shift).mean())}
 
 
-def trajectory_action_logprobs(policy, traj, temperature: float, dims: Optional[Sequence[int]] = None,
-                               action_dim: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+def trajectory_action_logprobs(policy, traj, temperature: float,
+                               dims: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
     """The policy's action distributions at one recorded trajectory's observations: float32 [positions, bins]
-    log-probs at ``temperature`` of its masked token positions (``dims``: those action dimensions only), and each
-    position's action dimension [positions]. Teacher-forced on the recorded tokens; no grad."""
+    log-probs at ``temperature`` (the learner's ``action_log_softmax``, teacher-forced on the recorded tokens) of
+    its masked token positions, only those of action dimensions ``dims`` if given (e.g. ``actor.sampled_dims``),
+    and each position's action dimension [positions]. No grad."""
     import torch
 
-    from async_vla.policy.interface import effective_temperature
-
-    if dims is not None and not action_dim:
-        raise ValueError("trajectory_action_logprobs: dims needs action_dim")
     mask = np.asarray(traj.token_mask, dtype=bool)
-    dim_of = np.broadcast_to(np.arange(mask.shape[-1]) % action_dim if action_dim else np.zeros(mask.shape[-1], int),
-                             mask.shape)
+    dim_of = np.broadcast_to(np.arange(mask.shape[-1]) % policy.tokenizer.action_dim, mask.shape)
     if dims is not None:
-        mask = mask & np.isin(dim_of, list(dims))
+        mask = mask & ~policy.tokenizer.greedy_positions(dims)
     with torch.no_grad():
-        idx = policy.tokenizer.token_to_index(torch.tensor(np.asarray(traj.action_tokens, dtype=np.int64)))
-        logits = policy.action_logits(torch.tensor(np.asarray(traj.images)),
-                                      torch.tensor(np.asarray(traj.proprio, dtype=np.float32)),
-                                      [traj.instruction] * traj.num_calls, idx)
-        logp = torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1).numpy()
-    return logp[mask], dim_of[mask]
+        logp, _ = policy.action_log_softmax(torch.tensor(np.asarray(traj.images)),
+                                            torch.tensor(np.asarray(traj.proprio, dtype=np.float32)),
+                                            [traj.instruction] * traj.num_calls,
+                                            torch.tensor(np.asarray(traj.action_tokens, dtype=np.int64)), temperature)
+    return logp.float().cpu().numpy()[mask], dim_of[mask]
+
+
+def pool_sharpness(parts: Sequence[dict]) -> dict:
+    """``sharpness`` over the union of disjoint sets of positions from its results on each (every figure is a mean
+    over positions, so the pooled one is their position-weighted mean); lets a long recording be read one
+    trajectory at a time."""
+    parts = [p for p in parts if p["positions"] > 0]
+    if not parts or len({p["window"] for p in parts}) != 1:
+        raise ValueError("pool_sharpness: give results with positions, all of one window")
+    n = sum(p["positions"] for p in parts)
+    means = ("entropy", "mode_mass", "near_mode_mass", "mode_agreement", "mean_shift", "abs_mean_shift")
+    return {"positions": n, "window": parts[0]["window"],
+            **{k: float(sum(p[k] * p["positions"] for p in parts) / n) for k in means}}
 
 
 def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
@@ -245,4 +253,4 @@ def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
 
 __all__ = ["batch_cosines", "expected_cosine", "pair_means", "projected_rho", "group_gram", "groups_for_share", "measure",
            "permute_within_groups", "score_gram", "sharpness", "shuffle_outcomes", "signal_share",
-           "trajectory_action_logprobs", "trajectory_scores"]
+           "trajectory_action_logprobs", "trajectory_scores", "pool_sharpness"]

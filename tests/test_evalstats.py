@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from async_vla.evalstats import (fisher_one_sided_p, mcnemar_one_sided_p, paired_changes, rate_summary,
-                                 wilson_interval)
+from async_vla.evalstats import (fisher_one_sided_p, mcnemar_one_sided_p, paired_changes, paired_scenes,
+                                 rate_summary, wilson_interval)
 
 
 def test_wilson_known_values():
@@ -68,3 +68,22 @@ def test_paired_changes_count_only_the_shared_episodes():
     before = {(0, 40): True, (0, 41): False, (1, 40): False, (1, 41): True, (2, 40): True}
     after = {(0, 40): True, (0, 41): True, (1, 40): False, (1, 41): False, (3, 40): True}
     assert paired_changes(before, after) == (1, 1, 4)
+
+
+def test_paired_scenes_pair_by_variant_task_and_init_state_in_the_after_direction():
+    # variant 0: after solves (8, 40) that before fails; variant 1: before solves (8, 41) that after fails, and
+    # (8, 40) of variant 1 is a different scene from (8, 40) of variant 0
+    before = [{"outcomes": [[8, 40, False], [8, 41, True]]}, {"outcomes": [[8, 40, True], [8, 41, True]]}]
+    after = [{"outcomes": [[8, 41, True], [8, 40, True]]}, {"outcomes": [[8, 40, True], [8, 41, False]]},
+             {"outcomes": [[8, 40, True]]}]                    # a third variant only after saw: not paired
+    r = paired_scenes(before, after)
+    assert (r["scenes"], r["successes"], r["gained"], r["lost"]) == (4, [3, 3], 1, 1)
+    assert r["p_one_sided"] == pytest.approx(mcnemar_one_sided_p(1, 1))
+    wins = [{"outcomes": [[0, i, True] for i in range(6)]}]
+    fails = [{"outcomes": [[0, i, False] for i in range(6)]}]
+    up, down = paired_scenes(fails, wins), paired_scenes(wins, fails)
+    assert (up["gained"], up["lost"], down["gained"], down["lost"]) == (6, 0, 0, 6)
+    assert up["p_one_sided"] == pytest.approx(1 / 64) and down["p_one_sided"] == 1.0
+    assert up["interval_after"][0] > 0.5 > up["interval_before"][1]
+    with pytest.raises(ValueError, match="evaluated twice"):
+        paired_scenes([{"outcomes": [[0, 1, True], [0, 1, False]]}], wins)

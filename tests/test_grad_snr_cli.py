@@ -122,6 +122,30 @@ def test_control_trains_both_arms_the_same_steps_and_saves_their_policies(mixed,
     assert no_summary.returncode == 2 and "--steps" in no_summary.stderr
 
 
+def test_action_logprobs_are_the_learners_at_the_recorded_tokens_and_keep_only_the_asked_dimensions(recording):
+    from async_vla.buffer.recording import iter_recording
+    from async_vla.config import load_config
+    from async_vla.gradsnr import trajectory_action_logprobs
+    from async_vla.messages import decode
+    from async_vla.policy import load_policy
+
+    out, _ = recording
+    policy = load_policy(load_config(out / "config.yaml").policy.path)
+    policy.eval()
+    traj = decode(next(iter(iter_recording(out / "recording"))))
+    logp, dim_of = trajectory_action_logprobs(policy, traj, 1.6)
+    mask = np.asarray(traj.token_mask, dtype=bool)
+    assert logp.shape[0] == dim_of.shape[0] == mask.sum() and set(dim_of.tolist()) == set(range(7))
+    with torch.no_grad():   # at the recorded tokens: the learner's token log-probs
+        learner = policy.token_logprobs(torch.tensor(traj.images), torch.tensor(traj.proprio, dtype=torch.float32),
+                                        [traj.instruction] * traj.num_calls, torch.tensor(traj.action_tokens), 1.6)
+    taken = policy.tokenizer.token_to_index(np.asarray(traj.action_tokens))[mask]
+    np.testing.assert_allclose(logp[np.arange(len(taken)), taken], learner.numpy()[mask], rtol=1e-5, atol=1e-6)
+    some, some_dims = trajectory_action_logprobs(policy, traj, 1.6, dims=[1, 6])
+    np.testing.assert_array_equal(some, logp[np.isin(dim_of, [1, 6])])
+    assert set(some_dims.tolist()) == {1, 6}
+
+
 def test_sharpness_compares_policies_with_the_start_on_the_recorded_observations(mixed, tmp_path):
     from async_vla.buffer.recording import iter_recording
     from async_vla.config import load_config
@@ -141,4 +165,8 @@ def test_sharpness_compares_policies_with_the_start_on_the_recorded_observations
     assert sorted(map(int, by["real"]["by_dim"])) == list(range(7))        # no actor.sampled_dims: every dimension
     assert sum(d["positions"] for d in by["real"]["by_dim"].values()) == positions
     bad = _bin("sharpness", mixed, "--policy", f"x={tmp_path / 'nowhere'}", check=False)
-    assert bad.returncode == 2 and "saved policy directories" in bad.stderr
+    assert bad.returncode == 2 and "not a saved policy directory" in bad.stderr
+    for args, why in ((["--policy", f"start={start}"], "not 'start'"), ([], "--policy NAME=POLICY_DIR"),
+                      (["--policy", f"a={start}", "--policy", f"a={start}"], "distinct")):
+        proc = _bin("sharpness", mixed, *args, check=False)
+        assert proc.returncode == 2 and why in proc.stderr

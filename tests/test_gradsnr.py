@@ -232,3 +232,20 @@ def test_sharpness_tells_a_sharpened_reference_from_a_shifted_one():
     assert moved["mode_mass"] < same["mode_mass"]
     with pytest.raises(ValueError, match="reference_logp"):
         gradsnr.sharpness(np.zeros((3, 4)), np.zeros((2, 4)))
+
+
+def test_pooled_sharpness_of_parts_is_the_sharpness_of_their_union():
+    rng = np.random.default_rng(5)
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    logp, ref = log_softmax(rng.normal(size=(50, 9))), log_softmax(rng.normal(size=(50, 9)))
+    cuts = [0, 7, 8, 30, 50]
+    parts = [gradsnr.sharpness(logp[a:b], ref[a:b], window=1) for a, b in zip(cuts, cuts[1:])]
+    whole, pooled = gradsnr.sharpness(logp, ref, window=1), gradsnr.pool_sharpness(parts)
+    assert pooled.keys() == whole.keys()
+    for key, value in whole.items():
+        assert pooled[key] == pytest.approx(value)
+    with pytest.raises(ValueError, match="one window"):
+        gradsnr.pool_sharpness([parts[0], gradsnr.sharpness(logp, ref, window=2)])

@@ -94,6 +94,9 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     argv = [sys.executable, str(repo / "bin" / "libero-cpu"), str(repo / "configs" / "libero_cpu.yaml"), *overrides,
             "--out", str(tmp_path), "--per-task", "1", "--demo-workers", "1", "--epochs", "2", "--curve-every", "1",
             "--readout-episodes", "3", "--heldout-variants", "2"]
+    # the control at the end replays the run's recording: without one the command stops before any work
+    norecord = subprocess.run([*argv, "buffer.record=false"], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert norecord.returncode == 2 and "buffer.record=true" in norecord.stderr and not any(tmp_path.iterdir())
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=repo,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

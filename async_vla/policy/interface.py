@@ -85,11 +85,11 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
     def token_logprobs(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                        action_tokens: Tensor, temperature: float) -> Tensor:
         """Differentiable log-probs ``[B, T]`` of given action token ids under ``log_softmax(logits / T)``."""
-        logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
+        logp_all, idx = self.action_log_softmax(images, proprio, instructions, action_tokens, temperature)
         return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
-    def _action_log_softmax(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
-                            action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    def action_log_softmax(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
+                           action_tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
         """``log_softmax(logits / T)`` over the action bins ``[B, T, bins]`` and the tokens' bin indices."""
         tokens = torch.as_tensor(action_tokens, device=self.device).long()
         idx = self.tokenizer.token_to_index(tokens)
@@ -103,7 +103,7 @@ class VLAPolicy(torch.nn.Module, abc.ABC):
         """``token_logprobs`` and, from the same forward, the detached entropy ``[B, T]`` of each position's action
         distribution (logged, never a loss term: a graph for it would hold a ``[B, T, bins]`` tensor until the
         backward)."""
-        logp_all, idx = self._action_log_softmax(images, proprio, instructions, action_tokens, temperature)
+        logp_all, idx = self.action_log_softmax(images, proprio, instructions, action_tokens, temperature)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, idx.unsqueeze(-1)).squeeze(-1), entropy
