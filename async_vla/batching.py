@@ -135,6 +135,13 @@ class TrainBatch:
 
 
 # ------------------------------------------------------------------------------------------- collate
+def shuffle_outcomes(group: Sequence[Trajectory], rng: np.random.Generator) -> list[Trajectory]:
+    """A group's trajectories with their (success, reward) pairs shuffled among the members: the same reward set,
+    no link between a member's actions and its outcome (``loss.outcomes=shuffled``, the noise-only control)."""
+    order = rng.permutation(len(group))
+    return [replace(t, success=group[j].success, reward=group[j].reward) for t, j in zip(group, order)]
+
+
 def compute_advantages(groups: Sequence[Sequence[Trajectory]], loss_cfg: LossConfig,
                        stats: Optional[grpo.RewardStats] = None) -> Tensor:
     """Per-trajectory advantages [B] (groups concatenated in order) from ``grpo.group_advantages``: one

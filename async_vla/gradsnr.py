@@ -26,15 +26,6 @@ def permute_within_groups(adv: np.ndarray, groups: Sequence[np.ndarray], rng: np
     return out
 
 
-def shuffle_outcomes(group: Sequence, rng: np.random.Generator) -> list:
-    """A group's trajectories with their (success, reward) pairs shuffled among the members: the same reward set,
-    no link between a member's actions and its outcome (the noise-only control's data)."""
-    import dataclasses
-
-    order = rng.permutation(len(group))
-    return [dataclasses.replace(t, success=group[j].success, reward=group[j].reward) for t, j in zip(group, order)]
-
-
 def signal_share(G: np.ndarray, cells: Sequence, weights: Optional[dict] = None) -> dict:
     """One group's signal share ``rho`` for groups drawn from ``cells`` (e.g. (task, init state)) with probabilities
     ``weights`` (default: the recorded mix); ``G`` is the groups' Gram matrix. A cell with one group has no same-cell
@@ -252,5 +243,5 @@ def score_gram(scores, counts: np.ndarray, aggregation: str) -> np.ndarray:
 
 
 __all__ = ["batch_cosines", "expected_cosine", "pair_means", "projected_rho", "group_gram", "groups_for_share", "measure",
-           "permute_within_groups", "score_gram", "sharpness", "shuffle_outcomes", "signal_share",
+           "permute_within_groups", "score_gram", "sharpness", "signal_share",
            "trajectory_action_logprobs", "trajectory_scores", "pool_sharpness"]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from async_vla import grpo
-from async_vla.batching import TrainBatch, collate, micro_batches, minibatch_rows
+from async_vla.batching import TrainBatch, collate, micro_batches, minibatch_rows, shuffle_outcomes
 from async_vla.grpo import aggregation_units, loss_token_mask, micro_batch_weight
 from async_vla.config import Config
 from async_vla.messages import ROOT, Lineage, Trajectory
@@ -106,6 +106,8 @@ class Learner(abc.ABC):
         # NSR draws come from this generator (per rank) so a resumed run repeats them exactly.
         self.loss_generator = torch.Generator(device="cpu")
         self.loss_generator.manual_seed(cfg.run.seed * 7919 + 1_000_003 * (rank + 1))
+        self.outcome_rng = np.random.default_rng([cfg.run.seed, rank, 0x0C7])
+        """``loss.outcomes=shuffled`` (the noise-only control) draws each group's shuffle from it."""
         self.last_lags = np.zeros(0, dtype=np.int64)
         """Per-trajectory lag (version at batch start - behaviour version) of this rank's last batch."""
         self.phases = phases if phases is not None else PhaseClock()
@@ -121,6 +123,8 @@ class Learner(abc.ABC):
         with self.phases.phase("collate"):
             cfg = self.cfg
             lc = cfg.learner
+            if cfg.loss.outcomes == "shuffled":
+                groups = [shuffle_outcomes(g, self.outcome_rng) for g in groups]
             batch = collate(groups, cfg, self._reward_stats(groups)).to(self.device)
             start_version = self.version
             if lc.lr_decay is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from async_vla import gradsnr
+from async_vla.batching import shuffle_outcomes
 from tests.learner_helpers import StandInPolicy, make_traj, small_cfg
 
 
@@ -43,7 +44,7 @@ def test_permutation_keeps_each_groups_advantages_and_moves_some():
 
 def test_shuffled_outcomes_keep_each_groups_rewards_and_the_trajectories():
     group = [make_traj("g", j, 2, float(j < 2), seed=j) for j in range(6)]
-    got = gradsnr.shuffle_outcomes(group, np.random.default_rng(0))
+    got = shuffle_outcomes(group, np.random.default_rng(0))
     assert sorted(t.reward for t in got) == sorted(t.reward for t in group)
     assert [t.traj_id for t in got] == [t.traj_id for t in group]
     assert all(t.success == (t.reward > 0.5) for t in got)

@@ -47,6 +47,29 @@ def test_steps_per_batch_takes_several_steps_in_one_version():
     assert learner.optimizer_steps == 3 and m["learner/lag_mean"] == 0
 
 
+def _one_step_weights(cfg, rewards):
+    policy = StandInPolicy(seed=1)
+    groups = make_groups(policy=StandInPolicy(seed=1), rewards=rewards)
+    TorchLearner(cfg, policy).train_step(groups)
+    return torch.cat([p.detach().reshape(-1) for p in policy.parameters()])
+
+
+def test_shuffled_outcomes_train_on_a_within_group_reshuffle_of_the_rewards():
+    # loss.outcomes=shuffled (the noise-only control) takes the step a real-outcome learner takes on the same
+    # trajectories with each group's rewards reassigned among its members; which reassignment depends on run.seed
+    real = (1.0, 0.0, 0.0, 1.0)
+    reassigned = {r: _one_step_weights(small_cfg(), r)
+                  for r in [(a, 1 - a, b, 1 - b) for a in (0.0, 1.0) for b in (0.0, 1.0)]}
+    assert not torch.equal(reassigned[real], reassigned[(0.0, 1.0, 0.0, 1.0)])
+    seen = set()
+    for seed in range(8):
+        w = _one_step_weights(small_cfg(f"run.seed={seed}", "loss.outcomes=shuffled"), real)
+        match = [r for r, ref in reassigned.items() if torch.equal(w, ref)]
+        assert len(match) == 1, f"seed {seed}: the step matches no within-group reassignment of the rewards"
+        seen.add(match[0])
+    assert len(seen) > 1, "every seed drew the same reassignment: the outcomes are not being shuffled"
+
+
 def test_checkpoint_round_trip_is_bit_equal(tmp_path):
     cfg = small_cfg("loss.nsr=band", "loss.nsr_prob=0.5", "learner.keep_checkpoints=2")
     batches = [make_groups(seed=s, behav_noise=0.3) for s in range(4)]

@@ -422,6 +422,12 @@ class LossConfig(Section):
     """Clip rewards to +-reward_clip before normalisation. None = off."""
     advantage_clip: Optional[float] = Field(None, gt=0)
     """Clip advantages to +-advantage_clip. None = off."""
+    outcomes: Literal["real", "shuffled"] = "real"
+    """shuffled: the noise-only control. Each group's (success, reward) pairs are shuffled among its members before
+    the advantages (seeded by run.seed), so the run keeps its own rollouts, schedule and batch sizes but loses the
+    link between a trajectory's actions and its outcome: what a real run gains over it is what the rewards taught.
+    Only the loss sees the shuffle; the success curves (buffer, actors, evals) are the real ones (docs/LIBERO.md
+    "The noise-only control")."""
 
     @model_validator(mode="after")
     def _check_mis(self) -> "LossConfig":
