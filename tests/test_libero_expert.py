@@ -167,3 +167,21 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     assert "holds a finished run: not training again" in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("$ ")] == []   # no command ran
     assert json.loads((rl / "summary.json").read_text())["eval"] == summary["eval"]
+    # the live control: the run again from its own config with the outcomes shuffled in the loss and the run's
+    # number of versions, then through the same readouts against the run's final version
+    live = subprocess.run([*argv, "--control", "live"], capture_output=True, text=True, timeout=900, cwd=repo,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert live.returncode == 0, live.stdout[-3000:] + live.stderr[-3000:]
+    from async_vla.config import load_config
+
+    control_run = tmp_path / "control_live" / "rl"
+    control_cfg = load_config(control_run / "config.yaml")
+    assert control_cfg.loss.outcomes == "shuffled" and control_cfg.run.max_versions == 2
+    assert control_cfg.policy.path == load_config(rl / "config.yaml").policy.path       # the run's own start
+    assert json.loads((control_run / "summary.json").read_text())["final_version"] == 2
+    assert json.loads((control_run / "ledger.json").read_text())["ledger"]["trained"] >= 2 * 2
+    live_vs = json.loads((tmp_path / "control_live_vs_run.json").read_text())
+    assert live_vs["control"] == str(control_run / "policy")
+    assert live_vs["readout_practised"]["run"] == versus["readout_practised"]["run"]
+    assert live_vs["greedy_practised"]["scenes"] == 2 and live_vs["heldout_scenes"]["scenes"] == 2
+    assert (tmp_path / "control_live" / "heldout_scenes" / "variant1.json").is_file()
