@@ -116,6 +116,15 @@ def test_control_trains_both_arms_the_same_steps_and_saves_their_policies(mixed,
     # the arms start from one policy and see the same groups: only the outcomes' order differs, so they end apart
     a, b = (load_policy(out / arm / "policy").state_dict() for arm in ("real", "permuted"))
     assert any(not torch.equal(a[k], b[k]) for k in a)
+    # one arm alone is that arm as trained beside the other (bin/libero-cpu trains only the permuted one)
+    _bin("control", mixed, "--steps", 3, "--groups-per-step", 2, "--out", tmp_path / "alone", "--threads", 1,
+         "--arms", "permuted")
+    assert not (tmp_path / "alone" / "real").exists()
+    assert list(json.loads((tmp_path / "alone" / "control.json").read_text())["arms"]) == ["permuted"]
+    c = load_policy(tmp_path / "alone" / "permuted" / "policy").state_dict()
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    bad = _bin("control", mixed, "--arms", "fake", "--out", tmp_path / "z", check=False)
+    assert bad.returncode == 2 and "--arms" in bad.stderr
     too_many = _bin("control", mixed, "--steps", 7, "--groups-per-step", 2, "--out", tmp_path / "x", check=False)
     assert too_many.returncode == 2 and "need 14 mixed groups" in too_many.stderr
     no_summary = _bin("control", mixed, "--out", tmp_path / "y", check=False)
