@@ -361,6 +361,18 @@ class Learner(abc.ABC):
     def export_policy(self, directory: str | Path) -> Optional[Path]:
         """Write the policy in its HF/safetensors format for evaluation (rank 0 writes; all ranks call)."""
 
+    def _rank_streams(self) -> dict:
+        """This rank's random streams for a checkpoint: NSR's draws and ``loss.outcomes=shuffled``'s shuffles."""
+        return {"loss_generator": self.loss_generator.get_state(),
+                "outcome_rng": self.outcome_rng.bit_generator.state}
+
+    def _restore_rank_streams(self, state: dict) -> None:
+        self.loss_generator.set_state(state["loss_generator"])
+        if "outcome_rng" in state:
+            self.outcome_rng.bit_generator.state = state["outcome_rng"]
+        else:
+            log.warning("the checkpoint predates loss.outcomes: its shuffles restart from run.seed")
+
     def _learner_state(self, extra: Optional[dict]) -> dict:
         return {"format": CKPT_FORMAT, "version": self.version, "lineage": self.lineage.encode(),
                 "skipped_steps": self.skipped_steps, "optimizer_steps": self.optimizer_steps, "world": self.world,

@@ -395,7 +395,7 @@ class DeepSpeedLearner(Learner):
         tag = checkpoint_tag(self.version)
         (directory / tag).mkdir(parents=True, exist_ok=True)
         # RNG files before DeepSpeed writes `latest`, so a half-written checkpoint is never the latest.
-        torch.save({"rng": capture_rng_state(), "loss_generator": self.loss_generator.get_state()},
+        torch.save({"rng": capture_rng_state(), "streams": self._rank_streams()},
                    directory / tag / f"rng_rank{self.rank:05d}.pt")
         self._dist.barrier()
         self.engine.save_checkpoint(str(directory), tag=tag, client_state={"async_vla": self._learner_state(extra)},
@@ -423,7 +423,7 @@ class DeepSpeedLearner(Learner):
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
             restore_rng_state(rng["rng"])
-            self.loss_generator.set_state(rng["loss_generator"])
+            self._restore_rank_streams(rng.get("streams", rng))   # (before "streams": the generator at top level)
         else:
             log.warning("%s missing: RNG streams restart from their seeds", rng_file)
         self._dist.barrier()

@@ -98,7 +98,7 @@ class TorchLearner(Learner):
         tmp.mkdir(parents=True)
         torch.save({"learner": self._learner_state(extra), "policy": self.policy.state_dict(),
                     "optimizer": self.optimizer.state_dict(), "rng": capture_rng_state(),
-                    "loss_generator": self.loss_generator.get_state()}, tmp / "learner.pt")
+                    "streams": self._rank_streams()}, tmp / "learner.pt")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         (directory / (LATEST_FILE + ".tmp")).write_text(tag)
@@ -115,7 +115,7 @@ class TorchLearner(Learner):
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
-        self.loss_generator.set_state(state["loss_generator"])
+        self._restore_rank_streams(state.get("streams", state))   # (before "streams": the generator at top level)
         return self._restore_learner_state(state["learner"])
 
     def export_policy(self, directory: str | Path) -> Optional[Path]:

@@ -175,9 +175,13 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     from async_vla.config import load_config
 
     control_run = tmp_path / "control_live" / "rl"
+    trained = [line for line in live.stdout.splitlines() if line.startswith("$ ") and "bin/train" in line]
+    assert len(trained) == 1 and str(rl / "config.yaml") in trained[0]                 # the run's resolved config
+    assert trained[0].endswith(f"loss.outcomes=shuffled run.max_versions=2 run.out_dir={control_run.parent} "
+                               "run.name=rl")
+    assert "grad-snr" not in live.stdout
     control_cfg = load_config(control_run / "config.yaml")
     assert control_cfg.loss.outcomes == "shuffled" and control_cfg.run.max_versions == 2
-    assert control_cfg.policy.path == load_config(rl / "config.yaml").policy.path       # the run's own start
     assert json.loads((control_run / "summary.json").read_text())["final_version"] == 2
     assert json.loads((control_run / "ledger.json").read_text())["ledger"]["trained"] >= 2 * 2
     live_vs = json.loads((tmp_path / "control_live_vs_run.json").read_text())
@@ -185,3 +189,6 @@ def test_pipeline_demos_sft_rl_eval(tmp_path):
     assert live_vs["readout_practised"]["run"] == versus["readout_practised"]["run"]
     assert live_vs["greedy_practised"]["scenes"] == 2 and live_vs["heldout_scenes"]["scenes"] == 2
     assert (tmp_path / "control_live" / "heldout_scenes" / "variant1.json").is_file()
+    live_again = subprocess.run([*argv, "--control", "live"], capture_output=True, text=True, timeout=600, cwd=repo,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert live_again.returncode == 0 and [ln for ln in live_again.stdout.splitlines() if ln.startswith("$ ")] == []
