@@ -331,3 +331,32 @@ def test_a_sincos_code_needs_a_hidden_size_it_can_split_in_four():
         load_config(None, ["policy.patch_pos=sincos", "policy.hidden_size=18", "policy.num_heads=1"])
     with pytest.raises(ValueError, match="multiple of 4"):
         sincos_2d(32, 32, 4, 18)
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_a_keypoint_only_policy_sees_the_image_through_its_keypoints_alone(decoding, tmp_path):
+    pol = make(decoding, **{"policy.patch_tokens": "false", "policy.patch_size": 4})
+    names = [name for name, _ in pol.named_parameters()]
+    assert not any(n.startswith(("patch.", "patch_pos")) for n in names)
+    images, proprio, instr = batch(12)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    moved = images.copy()
+    moved[:, 8:16, 8:16] = 255  # a white square: the keypoint maps, and so the action distribution, must see it
+    lp = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(lp.detach().numpy(), logp, atol=1e-5, rtol=0)
+    assert not torch.allclose(pol.token_logprobs(moved, proprio, instr, torch.from_numpy(tokens), 1.6), lp)
+    pol.zero_grad(set_to_none=True)
+    lp.sum().backward()
+    assert pol.stem[0].weight.grad.abs().sum() > 0 and pol.kp_maps.weight.grad.abs().sum() > 0
+    save_policy(pol, tmp_path / "ckpt")
+    cfg = load_config(None, [f"policy.path={tmp_path / 'ckpt'}", "policy.patch_size=4", f"policy.decoding={decoding}"])
+    with pytest.warns(UserWarning, match=r"\['patch_tokens'\] differ from the config"):
+        loaded = build_policy(cfg)
+    assert loaded.policy_cfg.patch_tokens is False
+    again = loaded.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(again.detach().numpy(), logp, atol=1e-5, rtol=0)
+
+
+def test_a_keypoint_only_policy_needs_keypoints():
+    with pytest.raises(ValueError, match=r"policy.patch_tokens=false .* policy.keypoints is 0: set policy.keypoints"):
+        load_config(None, ["policy.patch_tokens=false", "policy.keypoints=0", "policy.lang_keypoints=0"])

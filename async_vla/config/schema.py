@@ -123,6 +123,10 @@ class Config(Section):
         if self.policy.patch_pos == "sincos" and self.policy.hidden_size % 4:
             raise ValueError(f"policy.patch_pos=sincos codes rows and columns in quarters of policy.hidden_size "
                              f"({self.policy.hidden_size}): make it a multiple of 4")
+        if not self.policy.patch_tokens and not self.policy.keypoints:
+            raise ValueError("policy.patch_tokens=false leaves the keypoint tokens as the policy's only view of "
+                             "the image, and policy.keypoints is 0: set policy.keypoints > 0 (e.g. 16) or "
+                             "policy.patch_tokens=true")
         if self.env.image_size % self.policy.patch_size:
             raise ValueError(
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "

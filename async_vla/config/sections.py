@@ -144,6 +144,10 @@ class PolicyConfig(Section):
     """MLP width (tiny arch)."""
     patch_size: int = Field(8, ge=1)
     """Vision encoder patch size in pixels (tiny arch)."""
+    patch_tokens: bool = True
+    """Tiny arch: feed the image's patch tokens to the decoder. false = the image enters through the keypoint tokens
+    alone (needs keypoints > 0): object positions as numbers only, no per-patch features to memorise layouts with,
+    and a much shorter prefix (a cheaper step)."""
     patch_pos: Literal["learned", "sincos"] = "learned"
     """Tiny arch: position code added to each patch token. learned = one free vector per patch (a patch where no
     object appeared in training keeps an untrained code); sincos = fixed 2-D sine-cosine code of the patch's row

@@ -46,6 +46,7 @@ def default_tokenizer(policy_cfg: "PolicyConfig", env_kind: str = "builtin") -> 
 # The policy fields a saved tiny checkpoint fixes: when the config names other values, the checkpoint's are used
 # (with a warning), since its weights only fit its own shapes.
 ARCHITECTURE_FIELDS = ("decoding", "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
+                       "patch_tokens", "patch_pos",
                        "num_bins", "chunk_size", "action_dim", "proprio_dim", "max_instruction_tokens", "keypoints",
                        "lang_keypoints", "action_head", "action_head_freqs")
 

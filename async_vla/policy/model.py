@@ -75,9 +75,10 @@ class TinyVLA(VLAPolicy):
         p, k = policy_cfg.patch_size, policy_cfg.keypoints
         # Vision (docs/ARCHITECTURE.md "The tiny policy"): stem, patch tokens, keypoints, language keypoints.
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU())
-        self.patch = nn.Conv2d(32, h, p, stride=p)
         self.max_patches = 256
-        if policy_cfg.patch_pos == "learned":
+        if policy_cfg.patch_tokens:
+            self.patch = nn.Conv2d(32, h, p, stride=p)
+        if policy_cfg.patch_tokens and policy_cfg.patch_pos == "learned":
             self.patch_pos = nn.Parameter(torch.randn(self.max_patches, h) * 0.02)
         if k:
             self.kp_maps = nn.Conv2d(32, k, 3, padding=1)
@@ -133,16 +134,13 @@ class TinyVLA(VLAPolicy):
 
     def prefix_embeds(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str]
                       ) -> tuple[Tensor, Tensor]:
-        """Prefix ``[B, patches (+ keypoints) + 1 + max_instruction_tokens, hidden]`` and a context ``[B, hidden]``
-        (proprio + mean instruction embedding + all keypoints) that is also added to every action position."""
+        """Prefix ``[B, patches (if patch_tokens) + keypoints + 1 + max_instruction_tokens, hidden]`` and a context
+        ``[B, hidden]`` (proprio + mean instruction embedding + all keypoints), also added to every action position."""
         feats = self.stem(self._images(images))  # [B, 32, H, W]
-        x = self.patch(feats).flatten(2).transpose(1, 2)  # [B, patches, h]
-        if x.shape[1] > self.max_patches:
-            raise ValueError(f"too many image patches ({x.shape[1]} > {self.max_patches}); raise patch_size")
-        if self.policy_cfg.patch_pos == "learned":
-            x = x + self.patch_pos[: x.shape[1]]
+        if self.policy_cfg.patch_tokens:
+            x = self._patch_tokens(feats)
         else:
-            x = x + sincos_2d(*feats.shape[-2:], self.policy_cfg.patch_size, x.shape[-1]).to(x)
+            x = feats.new_zeros(len(feats), 0, self.policy_cfg.hidden_size)
         prop = torch.as_tensor(proprio, device=self.device, dtype=self.proprio_proj.weight.dtype)
         if prop.shape[-1] != self.policy_cfg.proprio_dim:
             raise ValueError(f"proprio has {prop.shape[-1]} dims, the policy expects {self.policy_cfg.proprio_dim}")
@@ -165,6 +163,15 @@ class TinyVLA(VLAPolicy):
                 context = context + self.lang_context(lang.flatten(1))
         x = self.projector(x)
         return torch.cat([x, prop.unsqueeze(1), words], dim=1), context
+
+    def _patch_tokens(self, feats: Tensor) -> Tensor:
+        """``feats [B, 32, H, W]`` -> ``[B, patches, hidden]`` with their position code."""
+        x = self.patch(feats).flatten(2).transpose(1, 2)
+        if x.shape[1] > self.max_patches:
+            raise ValueError(f"too many image patches ({x.shape[1]} > {self.max_patches}); raise patch_size")
+        if self.policy_cfg.patch_pos == "learned":
+            return x + self.patch_pos[: x.shape[1]]
+        return x + sincos_2d(*feats.shape[-2:], self.policy_cfg.patch_size, x.shape[-1]).to(x)
 
     @staticmethod
     def _spatial_softmax(maps: Tensor, log_temp: Tensor, hw) -> Tensor:
