@@ -360,3 +360,47 @@ def test_a_keypoint_only_policy_sees_the_image_through_its_keypoints_alone(decod
 def test_a_keypoint_only_policy_needs_keypoints():
     with pytest.raises(ValueError, match=r"policy.patch_tokens=false .* policy.keypoints is 0: set policy.keypoints"):
         load_config(None, ["policy.patch_tokens=false", "policy.keypoints=0", "policy.lang_keypoints=0"])
+
+
+def test_shifted_fourier_logits_equal_the_series_evaluated_at_the_shifted_bin_coordinate():
+    from async_vla.policy.model import shifted_fourier_logits
+    rng = np.random.default_rng(3)
+    bins, n = 64, 5
+    u = np.arange(bins) / (bins - 1)
+    f = np.arange(1, n + 1)
+    coef = rng.normal(size=(4, 3, 1 + 2 * n))
+    shift = rng.normal(size=(4, 3, 1))
+    want = np.empty((4, 3, bins))
+    for i in range(4):
+        for j in range(3):
+            for b in range(bins):
+                x = u[b] - shift[i, j, 0]
+                want[i, j, b] = coef[i, j, 0] + sum(coef[i, j, 1 + k] * np.cos(np.pi * f[k] * x)
+                                                    + coef[i, j, 1 + n + k] * np.sin(np.pi * f[k] * x)
+                                                    for k in range(n))
+    basis = np.concatenate([np.ones((bins, 1)), np.cos(np.pi * u[:, None] * f), np.sin(np.pi * u[:, None] * f)], 1)
+    got = shifted_fourier_logits(torch.tensor(coef), torch.tensor(shift), torch.tensor(basis),
+                                 torch.tensor(f, dtype=torch.float64))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-9)
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_a_fourier_shift_head_starts_as_the_fourier_head_and_its_shift_moves_the_peak(decoding, tmp_path):
+    plain = make(decoding)
+    shifted = make(decoding, **{"policy.action_head": "fourier_shift"})
+    missing, unexpected = shifted.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == ["action_shift.bias", "action_shift.weight"] and not unexpected
+    images, proprio, instr = batch(13)
+    tokens, logp = plain.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    for pol in (plain, shifted):
+        re = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+        np.testing.assert_allclose(re.detach().numpy(), logp, atol=1e-5, rtol=0)
+    greedy = shifted.act(images, proprio, instr, 0.0, None)[0]
+    with torch.no_grad():
+        shifted.action_shift.bias.fill_(0.25)  # a quarter of the bin range: the argmax moves up by ~64 of 256 bins
+    moved = shifted.act(images, proprio, instr, 0.0, None)[0]
+    assert np.median(moved - greedy) == pytest.approx(0.25 * 255, abs=4)
+    save_policy(shifted, tmp_path / "ckpt")
+    loaded = load_policy(tmp_path / "ckpt")
+    assert loaded.policy_cfg.action_head == "fourier_shift"
+    np.testing.assert_array_equal(loaded.act(images, proprio, instr, 0.0, None)[0], moved)

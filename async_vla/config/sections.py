@@ -179,9 +179,12 @@ class PolicyConfig(Section):
     lang_keypoints: int = Field(2, ge=0)
     """Tiny arch: instruction-conditioned keypoints: the instruction picks a mix of the K keypoint feature maps whose
     spatial softmax gives "where the thing the instruction names is" (needs keypoints > 0); 0 = off."""
-    action_head: Literal["fourier", "free"] = "fourier"
+    action_head: Literal["fourier", "fourier_shift", "free"] = "fourier"
     """Tiny arch: fourier = action-token embeddings as a learned map of a Fourier basis of the bin index (logits smooth
-    across neighbouring bins); free = one independent embedding row per bin."""
+    across neighbouring bins); fourier_shift = the same, with the basis shifted along the bins by a learned linear
+    readout of each action position's hidden state, so where the distribution peaks can follow an object's position
+    linearly, also outside the positions seen in training (starts equal to fourier); free = one independent
+    embedding row per bin."""
     action_head_freqs: int = Field(24, ge=1)
     """Tiny arch, fourier head: frequencies of the basis (higher = sharper possible peaks over the 256 bins)."""
 

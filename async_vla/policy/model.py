@@ -51,6 +51,17 @@ def sincos_2d(height: int, width: int, patch: int, dim: int) -> Tensor:
     return torch.cat([code(cols), code(rows)], dim=1).float()
 
 
+def shifted_fourier_logits(coef: Tensor, shift: Tensor, basis: Tensor, freqs: Tensor) -> Tensor:
+    """Logits ``[..., bins]`` of the Fourier series with coefficients ``coef [..., 1 + 2F]`` (constant, cosines,
+    sines at ``freqs [F]``, as the columns of ``basis [bins, 1 + 2F]`` over the bin coordinate u in [0, 1]) evaluated
+    at ``u - shift`` (``shift [..., 1]``): each frequency's (cos, sin) pair rotated by ``pi * f * shift``."""
+    n = freqs.shape[0]
+    phi = torch.pi * shift * freqs
+    c, s = coef[..., 1:n + 1], coef[..., n + 1:]
+    cos, sin = phi.cos(), phi.sin()
+    return torch.cat([coef[..., :1], c * cos - s * sin, c * sin + s * cos], dim=-1) @ basis.T
+
+
 class TinyVLA(VLAPolicy):
     """Design: docs/ARCHITECTURE.md "The tiny policy". ``policy_cfg`` is kept for saving; ``tokenizer`` for ids and
     un-normalising."""
@@ -95,14 +106,20 @@ class TinyVLA(VLAPolicy):
                 self.lang_id = nn.Parameter(torch.randn(m, h) * 0.02)
                 self.lang_context = nn.Linear(3 * m, h)
         self.projector = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, h))
-        if policy_cfg.action_head == "fourier":
+        if policy_cfg.action_head in ("fourier", "fourier_shift"):
             # Action-token embeddings = basis(bin) @ action_proj: smooth in the bin index by construction.
             u = torch.arange(policy_cfg.num_bins, dtype=torch.float32) / (policy_cfg.num_bins - 1)
             f = torch.arange(1, policy_cfg.action_head_freqs + 1, dtype=torch.float32)
             basis = torch.cat([torch.ones(len(u), 1), torch.cos(torch.pi * u[:, None] * f),
                                torch.sin(torch.pi * u[:, None] * f)], dim=1)
             self.register_buffer("action_basis", basis, persistent=False)
+            self.register_buffer("action_freqs", f, persistent=False)
             self.action_proj = nn.Parameter(torch.randn(basis.shape[1], h) * 0.02)
+        if policy_cfg.action_head == "fourier_shift":
+            # Zero at initialisation: the head starts as the plain fourier head.
+            self.action_shift = nn.Linear(h, 1)
+            nn.init.zeros_(self.action_shift.weight)
+            nn.init.zeros_(self.action_shift.bias)
         self.proprio_proj = nn.Linear(policy_cfg.proprio_dim, h)
         self.action_queries = nn.Parameter(torch.randn(self.tokens_per_call, h) * 0.02)
         self.action_start = nn.Parameter(torch.randn(h) * 0.02)
@@ -186,14 +203,18 @@ class TinyVLA(VLAPolicy):
                            dim=-1)
 
     def _action_table(self) -> Tensor:
-        """``[num_bins, hidden]`` embeddings of the action tokens (also the output rows of the action head)."""
-        if self.policy_cfg.action_head == "fourier":
+        """``[num_bins, hidden]`` embeddings of the action tokens (also the output rows of the action head, which
+        fourier_shift shifts per position)."""
+        if self.policy_cfg.action_head != "free":
             # The basis is a buffer: DeepSpeed's bf16 engine casts parameters, not buffers.
             return self.action_basis.to(self.action_proj.dtype) @ self.action_proj
         return self.llm.lm_head.weight[FIRST_ACTION_ROW:]
 
     def _action_head(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self._action_table())
+        if self.policy_cfg.action_head != "fourier_shift":
+            return F.linear(hidden, self._action_table())
+        return shifted_fourier_logits(F.linear(hidden, self.action_proj), self.action_shift(hidden),
+                                      self.action_basis.to(hidden.dtype), self.action_freqs.to(hidden.dtype))
 
     def _action_embeds(self, idx: Tensor) -> Tensor:
         """Bin indices (0..num_bins-1, not token ids) -> input embeddings."""
