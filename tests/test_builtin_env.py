@@ -230,3 +230,30 @@ def test_make_env_dispatch():
     env2 = copy.deepcopy(env)  # batched evaluation copies envs
     assert np.array_equal(env2.reset(0, 1).image, env.reset(0, 1).image)
 
+
+
+def test_the_named_blocks_cell_lies_in_its_splits_cells_and_success_is_counted_by_it():
+    env = TabletopEnv(task_ids=list(range(len(TASKS))), num_train_init_states=30, num_eval_init_states=30,
+                      num_val_init_states=30)
+    want = {"train": {2, 3, 4}, "val": {builtin.VAL_CLASS}, "eval": {builtin.HELD_OUT_CLASS}}
+    for split, classes in want.items():
+        for task_id, spec in enumerate(TASKS):
+            for sid in env.init_state_ids(task_id, split):
+                cell = builtin.named_block_cell(task_id, sid)
+                if spec.kind == "touch":
+                    assert cell is None
+                    continue
+                col, row = cell
+                assert 0 <= col < 6 and 0 <= row < 4 and (col + 2 * row) % 5 in classes, (split, task_id, sid)
+                env.reset(task_id, sid)
+                block = env.things[builtin.BLOCKS.index(spec.block)].pos
+                assert (np.floor((block - (-0.75, -0.25)) / builtin.CELL) == (col, row)).all()
+    outcomes = [(0, 200_000, True), (0, 200_001, False), (6, 200_000, True)]
+    cells = [builtin.named_block_cell(0, 200_000), builtin.named_block_cell(0, 200_001)]
+    got = builtin.success_by_cell(outcomes)
+    assert sum(c["episodes"] for c in got.values()) == 2   # the touch task's episode has no named block
+    if cells[0] != cells[1]:
+        assert got[f"{cells[0][0]},{cells[0][1]}"] == {"successes": 1, "episodes": 1}
+        assert got[f"{cells[1][0]},{cells[1][1]}"] == {"successes": 0, "episodes": 1}
+    else:
+        assert got[f"{cells[0][0]},{cells[0][1]}"] == {"successes": 1, "episodes": 2}

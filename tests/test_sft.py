@@ -113,7 +113,13 @@ def test_bin_sft_writes_checkpoint(tmp_path):
     ev = subprocess.run([sys.executable, str(REPO / "bin" / "eval"), str(run), "--json"], capture_output=True,
                         text=True, timeout=300, cwd=REPO)
     assert ev.returncode == 0, ev.stderr
-    assert json.loads(ev.stdout)["by_task"].keys() == {"4"}, ev.stdout
+    doc = json.loads(ev.stdout)
+    assert doc["by_task"].keys() == {"4"}, ev.stdout
+    # the built-in env's episodes also by the cell of the block the task names: held-out cells only, all counted
+    cells = doc["by_cell"]
+    assert sum(c["episodes"] for c in cells.values()) == doc["episodes"] > 0
+    assert sum(c["successes"] for c in cells.values()) == doc["successes"]
+    assert set(cells) <= {f"{i},{j}" for i in range(6) for j in range(4) if (i + 2 * j) % 5 == 0}, cells
     bad = subprocess.run([sys.executable, str(REPO / "bin" / "sft"), "policy.nope=1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "policy.nope" in bad.stderr

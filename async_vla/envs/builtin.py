@@ -124,6 +124,30 @@ def layout_positions(task_id: int, init_state_id: int) -> tuple[tuple[float, flo
     raise RuntimeError(f"no layout found for task {task_id} init state {init_state_id}")  # pragma: no cover
 
 
+def named_block_cell(task_id: int, init_state_id: int) -> Optional[tuple[int, int]]:
+    """(column, row) of the block-region cell holding the block a task names (place and pick tasks; None for touch):
+    columns 0-5 left to right, rows 0-3 from the pads' side. Where held-out failures lie: ``success_by_cell``."""
+    spec = TASKS[task_id]
+    if not spec.block:
+        return None
+    pos = np.asarray(layout_positions(task_id, init_state_id)[BLOCKS.index(spec.block)])
+    col, row = np.floor((pos - np.array([BLOCK_REGION[0][0], BLOCK_REGION[1][0]])) / CELL).astype(int)
+    return int(col), int(row)
+
+
+def success_by_cell(outcomes: list) -> dict[str, dict[str, int]]:
+    """``(task, init state, success)`` outcomes -> ``{"col,row": {"successes", "episodes"}}`` by the cell of the block
+    each task names (touch tasks left out), in cell order."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for task_id, init_state_id, success in outcomes:
+        cell = named_block_cell(int(task_id), int(init_state_id))
+        if cell is not None:
+            n = out.setdefault(cell, [0, 0])
+            n[0] += bool(success)
+            n[1] += 1
+    return {f"{c},{r}": {"successes": k, "episodes": n} for (c, r), (k, n) in sorted(out.items())}
+
+
 def layout(task_id: int, init_state_id: int) -> tuple[list[Thing], np.ndarray]:
     """Objects (red block, blue block, green pad, yellow pad) and the gripper start of one init state."""
     pos = layout_positions(task_id, init_state_id)
