@@ -231,7 +231,6 @@ def test_make_env_dispatch():
     assert np.array_equal(env2.reset(0, 1).image, env.reset(0, 1).image)
 
 
-
 def test_the_named_blocks_cell_lies_in_its_splits_cells_and_success_is_counted_by_it():
     env = TabletopEnv(task_ids=list(range(len(TASKS))), num_train_init_states=30, num_eval_init_states=30,
                       num_val_init_states=30)

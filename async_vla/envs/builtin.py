@@ -85,10 +85,14 @@ def split_of(init_state_id: int) -> str:
     return "train"
 
 
+def _cell_coords(pos) -> np.ndarray:
+    """Positions ``[..., 2]`` in units of CELL from the block region's near-left corner (floor = column, row)."""
+    return (np.asarray(pos, dtype=np.float64) - np.array([BLOCK_REGION[0][0], BLOCK_REGION[1][0]])) / CELL
+
+
 def cell_class(pos: np.ndarray) -> np.ndarray:
     """Class of the block-region cell each position ``[..., 2]`` lies in; -1 within MARGIN of a cell edge."""
-    pos = np.asarray(pos, dtype=np.float64)
-    f = (pos - np.array([BLOCK_REGION[0][0], BLOCK_REGION[1][0]])) / CELL
+    f = _cell_coords(pos)
     ij = np.floor(f)
     frac = f - ij
     inside = (np.minimum(frac, 1.0 - frac) >= MARGIN / CELL).all(-1)
@@ -130,8 +134,7 @@ def named_block_cell(task_id: int, init_state_id: int) -> Optional[tuple[int, in
     spec = TASKS[task_id]
     if not spec.block:
         return None
-    pos = np.asarray(layout_positions(task_id, init_state_id)[BLOCKS.index(spec.block)])
-    col, row = np.floor((pos - np.array([BLOCK_REGION[0][0], BLOCK_REGION[1][0]])) / CELL).astype(int)
+    col, row = np.floor(_cell_coords(layout_positions(task_id, init_state_id)[BLOCKS.index(spec.block)]))
     return int(col), int(row)
 
 
