@@ -404,3 +404,46 @@ def test_a_fourier_shift_head_starts_as_the_fourier_head_and_its_shift_moves_the
     loaded = load_policy(tmp_path / "ckpt")
     assert loaded.policy_cfg.action_head == "fourier_shift"
     np.testing.assert_array_equal(loaded.act(images, proprio, instr, 0.0, None)[0], moved)
+
+
+def test_a_keypoint_shift_needs_the_fourier_shift_head_and_keypoints():
+    with pytest.raises(ValueError, match=r"policy.keypoint_shift=true .* set policy.action_head=fourier_shift"):
+        load_config(None, ["policy.keypoint_shift=true"])
+    with pytest.raises(ValueError, match=r"policy.keypoint_shift=true .* policy.keypoints > 0"):
+        load_config(None, ["policy.keypoint_shift=true", "policy.action_head=fourier_shift", "policy.keypoints=0",
+                           "policy.lang_keypoints=0"])
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_a_keypoint_shift_starts_at_zero_and_moves_each_position_peak_with_the_keypoints(decoding, tmp_path):
+    over = {"policy.action_head": "fourier_shift"}
+    plain = make(decoding, **over)
+    pol = make(decoding, **over, **{"policy.keypoint_shift": "true"})
+    missing, unexpected = pol.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == ["point_shift.bias", "point_shift.weight"] and not unexpected
+    images, proprio, instr = batch(14)
+    tokens, logp = plain.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(0))
+    again = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(again.detach().numpy(), logp, atol=1e-5, rtol=0)
+    greedy = pol.act(images, proprio, instr, 0.0, None)[0]
+    with torch.no_grad():
+        pol.point_shift.bias.copy_(torch.linspace(0.0, 0.25, pol.tokens_per_call))  # its own shift per position
+    moved = pol.act(images, proprio, instr, 0.0, None)[0]
+    want = np.linspace(0.0, 0.25, pol.tokens_per_call) * 255
+    assert np.median(np.abs(moved - greedy - want)) <= 4
+    with torch.no_grad():
+        pol.point_shift.weight.normal_(0.0, 0.05)
+    tokens, logp = pol.act(images, proprio, instr, 1.6, torch.Generator().manual_seed(1))
+    lp = pol.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+    np.testing.assert_allclose(lp.detach().numpy(), logp, atol=1e-5, rtol=0)  # sampling and scoring agree per position
+    square = images.copy()
+    square[:, 8:16, 8:16] = 255  # the keypoints move to it, and with them the shift
+    assert not torch.allclose(pol.token_logprobs(square, proprio, instr, torch.from_numpy(tokens), 1.6), lp)
+    pol.zero_grad(set_to_none=True)
+    lp.sum().backward()
+    assert pol.point_shift.weight.grad.abs().sum() > 0
+    save_policy(pol, tmp_path / "ckpt")
+    loaded = load_policy(tmp_path / "ckpt")
+    assert loaded.policy_cfg.keypoint_shift is True
+    np.testing.assert_allclose(loaded.token_logprobs(images, proprio, instr, torch.from_numpy(tokens), 1.6)
+                               .detach().numpy(), logp, atol=1e-5, rtol=0)

@@ -127,6 +127,9 @@ class Config(Section):
             raise ValueError("policy.patch_tokens=false leaves the keypoint tokens as the policy's only view of "
                              "the image, and policy.keypoints is 0: set policy.keypoints > 0 (e.g. 16) or "
                              "policy.patch_tokens=true")
+        if self.policy.keypoint_shift and (self.policy.action_head != "fourier_shift" or not self.policy.keypoints):
+            raise ValueError("policy.keypoint_shift=true reads the keypoints into the fourier_shift head's shift: set "
+                             "policy.action_head=fourier_shift and policy.keypoints > 0, or policy.keypoint_shift=false")
         if self.env.image_size % self.policy.patch_size:
             raise ValueError(
                 f"env.image_size ({self.env.image_size}) must be a multiple of policy.patch_size "

@@ -187,6 +187,11 @@ class PolicyConfig(Section):
     embedding row per bin."""
     action_head_freqs: int = Field(24, ge=1)
     """Tiny arch, fourier head: frequencies of the basis (higher = sharper possible peaks over the 256 bins)."""
+    keypoint_shift: bool = False
+    """Tiny arch, fourier_shift head: add to each action position's shift a linear readout of the keypoint
+    coordinates themselves (needs keypoints > 0), beside the hidden state's: a direct linear path from where an
+    object is to where the action peaks, as in spatial-softmax visuomotor policies, which extrapolates to object
+    positions outside the training ones (starts at zero)."""
 
 
 class ActorConfig(Section):

@@ -48,7 +48,7 @@ def default_tokenizer(policy_cfg: "PolicyConfig", env_kind: str = "builtin") -> 
 ARCHITECTURE_FIELDS = ("decoding", "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
                        "patch_tokens", "patch_pos",
                        "num_bins", "chunk_size", "action_dim", "proprio_dim", "max_instruction_tokens", "keypoints",
-                       "lang_keypoints", "action_head", "action_head_freqs")
+                       "lang_keypoints", "action_head", "action_head_freqs", "keypoint_shift")
 
 
 def build_policy(cfg: "Config", device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> VLAPolicy:

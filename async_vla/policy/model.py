@@ -120,6 +120,11 @@ class TinyVLA(VLAPolicy):
             self.action_shift = nn.Linear(h, 1)
             nn.init.zeros_(self.action_shift.weight)
             nn.init.zeros_(self.action_shift.bias)
+        if policy_cfg.keypoint_shift:
+            # Zero at initialisation too: a linear readout of every keypoint coordinate, one shift per action position.
+            self.point_shift = nn.Linear(3 * (k + policy_cfg.lang_keypoints), self.tokens_per_call)
+            nn.init.zeros_(self.point_shift.weight)
+            nn.init.zeros_(self.point_shift.bias)
         self.proprio_proj = nn.Linear(policy_cfg.proprio_dim, h)
         self.action_queries = nn.Parameter(torch.randn(self.tokens_per_call, h) * 0.02)
         self.action_start = nn.Parameter(torch.randn(h) * 0.02)
@@ -150,9 +155,10 @@ class TinyVLA(VLAPolicy):
         return self.word_embed(ids[0]) + self.word_embed(ids[1])
 
     def prefix_embeds(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str]
-                      ) -> tuple[Tensor, Tensor]:
-        """Prefix ``[B, patches (if patch_tokens) + keypoints + 1 + max_instruction_tokens, hidden]`` and a context
-        ``[B, hidden]`` (proprio + mean instruction embedding + all keypoints), also added to every action position."""
+                      ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Prefix ``[B, patches (if patch_tokens) + keypoints + 1 + max_instruction_tokens, hidden]``, a context
+        ``[B, hidden]`` (proprio + mean instruction embedding + all keypoints), also added to every action position,
+        and the keypoint-shift head's extra shift per action position ``[B, tokens_per_call]`` (None without it)."""
         feats = self.stem(self._images(images))  # [B, 32, H, W]
         if self.policy_cfg.patch_tokens:
             x = self._patch_tokens(feats)
@@ -164,6 +170,7 @@ class TinyVLA(VLAPolicy):
         prop = self.proprio_proj(prop)
         words = self._instruction_embeds(instructions)
         context = prop + words.mean(1)
+        points = []
         if self.policy_cfg.keypoints:
             maps = self.kp_maps(feats).flatten(2)  # [B, K, H*W]
             # Standardise each map over space: a small blob then stands out by several sigma whatever the scale
@@ -172,14 +179,19 @@ class TinyVLA(VLAPolicy):
             kp = self._spatial_softmax(maps, self.kp_log_temp, feats.shape[-2:])  # [B, K, 3]
             x = torch.cat([x, self.kp_proj(kp) + self.kp_id], dim=1)
             context = context + self.kp_context(kp.flatten(1))
+            points.append(kp.flatten(1))
             if self.policy_cfg.lang_keypoints:
                 mix = self.lang_query(words.mean(1)).view(len(maps), self.policy_cfg.lang_keypoints, -1)
                 lang = self._spatial_softmax(torch.einsum("bmk,bkp->bmp", mix, maps), self.lang_log_temp,
                                              feats.shape[-2:])
                 x = torch.cat([x, self.lang_proj(lang) + self.lang_id], dim=1)
                 context = context + self.lang_context(lang.flatten(1))
+                points.append(lang.flatten(1))
         x = self.projector(x)
-        return torch.cat([x, prop.unsqueeze(1), words], dim=1), context
+        # /16: on the built-in table a keypoint unit (one block cell) is a sixteenth of the bin coordinate of a reach,
+        # so weights of order one express it and Adam's steps stay small against them.
+        shift = self.point_shift(torch.cat(points, dim=1) / 16.0) if self.policy_cfg.keypoint_shift else None
+        return torch.cat([x, prop.unsqueeze(1), words], dim=1), context, shift
 
     def _patch_tokens(self, feats: Tensor) -> Tensor:
         """``feats [B, 32, H, W]`` -> ``[B, patches, hidden]`` with their position code."""
@@ -210,10 +222,15 @@ class TinyVLA(VLAPolicy):
             return self.action_basis.to(self.action_proj.dtype) @ self.action_proj
         return self.llm.lm_head.weight[FIRST_ACTION_ROW:]
 
-    def _action_head(self, hidden: Tensor) -> Tensor:
+    def _action_head(self, hidden: Tensor, point_shift: Optional[Tensor]) -> Tensor:
+        """Logits ``[..., num_bins]`` of action positions ``hidden [..., hidden_size]``; ``point_shift [...]``: the
+        keypoint-shift head's extra shift of each (None without it)."""
         if self.policy_cfg.action_head != "fourier_shift":
             return F.linear(hidden, self._action_table())
-        return shifted_fourier_logits(F.linear(hidden, self.action_proj), self.action_shift(hidden),
+        shift = self.action_shift(hidden)
+        if point_shift is not None:
+            shift = shift + point_shift.unsqueeze(-1)
+        return shifted_fourier_logits(F.linear(hidden, self.action_proj), shift,
                                       self.action_basis.to(hidden.dtype), self.action_freqs.to(hidden.dtype))
 
     def _action_embeds(self, idx: Tensor) -> Tensor:
@@ -223,7 +240,7 @@ class TinyVLA(VLAPolicy):
     # ---- interface --------------------------------------------------------------------------------
     def action_logits(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str],
                       action_tokens: Optional[Tensor]) -> Tensor:
-        prefix, context = self.prefix_embeds(images, proprio, instructions)
+        prefix, context, point_shift = self.prefix_embeds(images, proprio, instructions)
         b, t = prefix.shape[0], self.tokens_per_call
         queries = self.action_queries.unsqueeze(0) + context.unsqueeze(1)
         if self.decoding == "autoregressive":
@@ -233,19 +250,20 @@ class TinyVLA(VLAPolicy):
             start = self.action_start.expand(b, 1, -1)
             queries = queries + torch.cat([start, prev], dim=1)
         out = self.llm.model(inputs_embeds=torch.cat([prefix, queries], dim=1), use_cache=False)
-        return self._action_head(out.last_hidden_state[:, -t:])
+        return self._action_head(out.last_hidden_state[:, -t:], point_shift)
 
     def _sample(self, images: ArrayLike, proprio: ArrayLike, instructions: Sequence[str], temperature: float,
                 generator: Optional[torch.Generator], greedy: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         if self.decoding == "parallel":
             return sample_tokens(self.action_logits(images, proprio, instructions, None), temperature, generator,
                                  greedy)
-        prefix, context = self.prefix_embeds(images, proprio, instructions)
+        prefix, context, point_shift = self.prefix_embeds(images, proprio, instructions)
         x = torch.cat([prefix, (self.action_queries[0] + self.action_start + context).unsqueeze(1)], dim=1)
         out = self.llm.model(inputs_embeds=x, use_cache=True)
         idxs, logps = [], []
         for i in range(self.tokens_per_call):
-            idx, logp = sample_tokens(self._action_head(out.last_hidden_state[:, -1]), temperature, generator,
+            head = self._action_head(out.last_hidden_state[:, -1], None if point_shift is None else point_shift[:, i])
+            idx, logp = sample_tokens(head, temperature, generator,
                                       None if greedy is None else greedy[i])
             idxs.append(idx)
             logps.append(logp)
