@@ -282,6 +282,36 @@ def final_eval(point: dict) -> dict:
     return out
 
 
+def gain_lines(summary: dict) -> list[str]:
+    """What a run did to held-out greedy success, from its ``summary.json``: the start (version 0's evaluation), the
+    final policy, each with its 95% interval, and RL's gain with the one-sided Fisher exact p-value of "final above
+    start" (the two evaluations' success counts, the same layouts). Without a version-0 evaluation on the run's split
+    (``run.eval_at_start=false``) the lines say so and give no gain."""
+    from async_vla.evalstats import fisher_one_sided_p, wilson_interval
+
+    split = summary.get("eval_split", "eval")
+    f = summary["final_eval"]
+    start = next((p for p in summary.get("eval", []) if p["version"] == 0 and p.get("split", "eval") == split
+                  and p.get("episodes")), None)
+    stopped = f"stopped on {summary['stopped_on']}"
+    confirm = summary.get("confirm_evals") or []
+    if summary.get("stopped_on") == "target" and confirm:
+        stopped += f", confirmed on {confirm[-1]['episodes']} other held-out episodes: {confirm[-1]['success_rate']:.3f}"
+    final = (f"  final  {f['success']:.3f} ({f['successes']}/{f['episodes']}, {f['interval95'][0]:.3f}-"
+             f"{f['interval95'][1]:.3f})  version {f['version']}, {summary['wall_s']:.0f} s of RL (budget "
+             f"{summary['budget']['max_wall_s']:.0f} s), {stopped}")
+    head = f"held-out ({split}) greedy success, 95% intervals, seed {summary['seed']}:"
+    if start is None:
+        return [head, "  start  not evaluated (run.eval_at_start=false): no gain to report", final]
+    lo, hi = wilson_interval(start["successes"], start["episodes"])
+    p = fisher_one_sided_p(f["successes"], f["episodes"], start["successes"], start["episodes"])
+    return [head,
+            f"  start  {start['success_rate']:.3f} ({start['successes']}/{start['episodes']}, {lo:.3f}-{hi:.3f})  "
+            f"the policy RL started from",
+            final,
+            f"  RL's gain {f['success'] - start['success_rate']:+.3f} (one-sided Fisher exact p = {p:.1e})"]
+
+
 def fmt_rate(x: Optional[float]) -> str:
     """A success rate for a status line; "--" until there is one (not "nan")."""
     return "--" if x is None or x != x else f"{x:.2f}"

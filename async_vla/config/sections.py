@@ -333,7 +333,9 @@ class LearnerConfig(Section):
     betas: Tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
-    """Global gradient-norm clip."""
+    """Global gradient-norm clip. Size it to the policy's gradient norm (``learner/grad_norm`` in TensorBoard): far
+    below it, the clip binds on every step and scales every parameter's update by the largest gradient's norm (the
+    built-in main job's fourier_shift head runs at norms in the hundreds: configs/quickstart.yaml)."""
     minibatches: int = Field(1, ge=1)
     """PPO mini-batches per batch (verl's ppo_mini_batch_size = batch / minibatches): one optimizer step per shard of
     whole groups, all against the batch-start proximal log-probs; one version per batch. Multiple of num_ranks
