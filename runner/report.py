@@ -296,17 +296,19 @@ def gain_lines(summary: dict) -> list[str]:
     stopped = f"stopped on {summary['stopped_on']}"
     confirm = summary.get("confirm_evals") or []
     if summary.get("stopped_on") == "target" and confirm:
-        stopped += f", confirmed on {confirm[-1]['episodes']} other held-out episodes: {confirm[-1]['success_rate']:.3f}"
-    final = (f"  final  {f['success']:.3f} ({f['successes']}/{f['episodes']}, {f['interval95'][0]:.3f}-"
-             f"{f['interval95'][1]:.3f})  version {f['version']}, {summary['wall_s']:.0f} s of RL (budget "
+        last = confirm[-1]
+        stopped += f", confirmed on {last['episodes']} other held-out episodes: {last['success_rate']:.3f}"
+    lo, hi = f["interval95"]
+    final = (f"  final  {f['success']:.3f} ({f['successes']}/{f['episodes']}, {lo:.3f}-{hi:.3f})  version "
+             f"{f['version']}, {summary['wall_s']:.0f} s of run wall time (RL budget "
              f"{summary['budget']['max_wall_s']:.0f} s), {stopped}")
     head = f"held-out ({split}) greedy success, 95% intervals, seed {summary['seed']}:"
     if start is None:
         return [head, "  start  not evaluated (run.eval_at_start=false): no gain to report", final]
-    lo, hi = wilson_interval(start["successes"], start["episodes"])
+    slo, shi = wilson_interval(start["successes"], start["episodes"])
     p = fisher_one_sided_p(f["successes"], f["episodes"], start["successes"], start["episodes"])
     return [head,
-            f"  start  {start['success_rate']:.3f} ({start['successes']}/{start['episodes']}, {lo:.3f}-{hi:.3f})  "
+            f"  start  {start['success_rate']:.3f} ({start['successes']}/{start['episodes']}, {slo:.3f}-{shi:.3f})  "
             f"the policy RL started from",
             final,
             f"  RL's gain {f['success'] - start['success_rate']:+.3f} (one-sided Fisher exact p = {p:.1e})"]
