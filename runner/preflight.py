@@ -44,7 +44,7 @@ def preflight(cfg: Any, run_dir: Path, resume: bool) -> tuple[list[str], list[st
         warnings.append(
             "policy.path is not set: the tiny policy starts from random weights, from which binary-reward RL "
             "rarely finds its first success. Bootstrap it with bin/sft, as bin/quickstart does (it then trains "
-            "with policy.path=checkpoints/quickstart_sft).")
+            "with policy.path=checkpoints/quickstart_weak_sft).")
     if cfg.run.mode == "serial":   # one process, one learner, one actor: say what the config asks for in vain
         ignored = [f"{k}={v}" for k, v in (("learner.num_ranks", cfg.learner.num_ranks),
                                              ("actor.num_actors", cfg.actor.num_actors)) if v > 1]

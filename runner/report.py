@@ -298,13 +298,15 @@ def gain_lines(summary: dict) -> list[str]:
     if summary.get("stopped_on") == "target" and confirm:
         last = confirm[-1]
         stopped += f", confirmed on {last['episodes']} other held-out episodes: {last['success_rate']:.3f}"
-    lo, hi = f["interval95"]
-    final = (f"  final  {f['success']:.3f} ({f['successes']}/{f['episodes']}, {lo:.3f}-{hi:.3f})  version "
-             f"{f['version']}, {summary['wall_s']:.0f} s of run wall time (RL budget "
-             f"{summary['budget']['max_wall_s']:.0f} s), {stopped}")
+    counts = (f" ({f['successes']}/{f['episodes']}, {f['interval95'][0]:.3f}-{f['interval95'][1]:.3f})"
+              if f.get("episodes") else "")
+    final = (f"  final  {f['success']:.3f}{counts}  version {f['version']}, {summary['wall_s']:.0f} s of run wall "
+             f"time (RL budget {summary['budget']['max_wall_s']:.0f} s), {stopped}")
     head = f"held-out ({split}) greedy success, 95% intervals, seed {summary['seed']}:"
     if start is None:
         return [head, "  start  not evaluated (run.eval_at_start=false): no gain to report", final]
+    if not counts:  # a run recorded before evaluations kept their episode counts
+        return [head, f"  start  {start['success_rate']:.3f}", final, "  no episode counts: no p-value"]
     slo, shi = wilson_interval(start["successes"], start["episodes"])
     p = fisher_one_sided_p(f["successes"], f["episodes"], start["successes"], start["episodes"])
     return [head,

@@ -37,3 +37,11 @@ def test_without_a_start_evaluation_the_lines_say_so_and_give_no_gain():
     lines = gain_lines(summary(66, 170, eval_at_start=False))
     assert lines[1] == "  start  not evaluated (run.eval_at_start=false): no gain to report"
     assert len(lines) == 3 and not any("gain +" in s for s in lines)
+
+
+def test_a_summary_without_episode_counts_gives_the_rates_and_no_p_value():
+    old = summary(66, 170)
+    old["final_eval"] = {"version": 850, "split": "eval", "wall_s": 600.0, "success": 0.85}
+    lines = gain_lines(old)
+    assert lines[1] == "  start  0.330" and lines[2].startswith("  final  0.850  version 850")
+    assert lines[3] == "  no episode counts: no p-value"

@@ -191,7 +191,8 @@ class PolicyConfig(Section):
     """Tiny arch, fourier_shift head: add to each action position's shift a linear readout of the keypoint
     coordinates themselves (needs keypoints > 0), beside the hidden state's: a direct linear path from where an
     object is to where the action peaks, as in spatial-softmax visuomotor policies, which extrapolates to object
-    positions outside the training ones (starts at zero)."""
+    positions outside the training ones (starts at zero; the coordinates enter divided by 16, the scale of a reach
+    on the built-in table)."""
 
 
 class ActorConfig(Section):
@@ -334,8 +335,8 @@ class LearnerConfig(Section):
     """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip. Size it to the policy's gradient norm (``learner/grad_norm`` in TensorBoard): far
-    below it, the clip binds on every step and scales every parameter's update by the largest gradient's norm (the
-    built-in main job's fourier_shift head runs at norms in the hundreds: configs/quickstart.yaml)."""
+    below it, the clip binds on every step and every parameter's update is divided by the global norm, which then
+    follows whichever parameters' gradients are largest (a fourier_shift head's: configs/quickstart.yaml)."""
     minibatches: int = Field(1, ge=1)
     """PPO mini-batches per batch (verl's ppo_mini_batch_size = batch / minibatches): one optimizer step per shard of
     whole groups, all against the batch-start proximal log-probs; one version per batch. Multiple of num_ranks
