@@ -12,9 +12,10 @@ that does not reach a level within the budget counts as the budget (a bound, mar
 level already ("start") gives no ratio for it. One short untimed run goes first (cold disk caches).
 
 Starts (cached in ``checkpoints/bench_target/``; delete a directory to make it again after a recipe change):
-  * ``target``: the quickstart's SFT (64 demos per task, 60 epochs, cosine, sigma 2), what ``bin/quickstart`` trains;
-  * ``target_weak``: 48 demos, SFT stopped at the first epoch with greedy val success >= 0.30 (a 20-50% start),
-    with a 30-minute budget (``BUDGET_S``): from such a start the main job's 10 minutes reach neither level.
+  * ``target``: a strong start (64 demos per task, 60 epochs, cosine, sigma 2), ``bin/quickstart``'s until 2026-11-28;
+  * ``target_weak``: 48 demos, SFT stopped at the first epoch with greedy val success >= 0.30 (a 20-50% start, what
+    ``bin/quickstart`` makes since 2026-11-29), with a 30-minute budget (``BUDGET_S``).
+Both train the current ``configs/quickstart.yaml`` (its policy, learner and loss), with the 0.90 stop target set here.
 The machine must run nothing else: this section measures wall time.
 """
 
