@@ -5,7 +5,9 @@ one-sided Fisher exact test on the two success counts at p < 0.01), not merely b
 It uses the touch tasks (6, 7: one policy call, big pads), the cheapest ones on which RL's gain is clear within a
 short CI budget; the quickstart's place tasks are what bin/quickstart measures (docs/BENCHMARKS.md). A serial run
 repeats exactly on one machine but not across CPUs, so the budget leaves a wide margin on the machine it was
-calibrated on (p = 3e-10 with the quickstart's keypoint recipe; docs/BENCHMARKS.md)."""
+calibrated on (p = 7e-5; docs/BENCHMARKS.md). It pins the patch-8 policy it was calibrated with: the quickstart's
+keypoint recipe of 2026-11-29 gave 121, 81 and 87 of 200 from 59 in three runs of this test (p = 3e-10 / 0.014 /
+0.002), not a margin a CI check can stand on yet."""
 
 import json
 from pathlib import Path
@@ -32,9 +34,9 @@ def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
     from async_vla.policy import build_policy, save_policy
     from async_vla.sft import DEFAULT_BIN_SIGMA, collect_demos, sft_train
 
-    # The quickstart's policy and batch (8 groups of 8, per-trajectory token means) (calibration: docs/BENCHMARKS.md,
-    # "RL raises held-out success").
-    base = ["run.mode=serial", "run.seed=0", f"env.task_ids={TASKS}",
+    # The quickstart's batch (8 groups of 8, per-trajectory token means) with the patch-8 policy and clip it was
+    # calibrated with (docs/BENCHMARKS.md, "RL raises held-out success").
+    base = ["run.mode=serial", "run.seed=0", f"env.task_ids={TASKS}", *CALIBRATED_POLICY,
             f"env.num_eval_init_states={EPISODES_PER_TASK}", "logging.tensorboard=false"]
     cfg = load_config(CONFIG, base)
     torch.manual_seed(0)
@@ -58,3 +60,5 @@ def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
 
 SFT_DEMOS = 4
 SFT_EPOCHS = 200
+CALIBRATED_POLICY = ["policy.patch_tokens=true", "policy.patch_size=8", "policy.action_head=fourier",
+                     "policy.keypoint_shift=false", "learner.grad_clip=1"]
