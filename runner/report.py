@@ -258,10 +258,16 @@ def eval_videos(cfg: Any) -> int:
     return cfg.logging.eval_videos if cfg.logging.tensorboard else 0
 
 
+def start_point(points: list[dict], split: str) -> Optional[dict]:
+    """Version 0's evaluation on ``split``; None while v0 has none on it (``run.eval_at_start=false``, until
+    ``bin/eval RUN --versions 0 --record`` adds it)."""
+    return next((p for p in points if p["version"] == 0 and p.get("split", "eval") == split), None)
+
+
 def start_success(points: list[dict], split: str) -> Optional[float]:
-    """The start's figure: the success of version 0's evaluation on ``split``; None while v0 has none on it
-    (``run.eval_at_start=false``, until ``bin/eval RUN --versions 0 --record`` adds it)."""
-    return next((p["success_rate"] for p in points if p["version"] == 0 and p.get("split", "eval") == split), None)
+    """The start's figure: the success of version 0's evaluation on ``split`` (None: ``start_point``)."""
+    point = start_point(points, split)
+    return None if point is None else point["success_rate"]
 
 
 def eval_point(version: int, wall: float, res: dict) -> dict:
@@ -287,33 +293,33 @@ def gain_lines(summary: dict) -> list[str]:
     final policy, each with its 95% interval, and RL's gain with the one-sided Fisher exact p-value of "final above
     start" (the two evaluations' success counts, the same layouts). Without a version-0 evaluation on the run's split
     (``run.eval_at_start=false``) the lines say so and give no gain."""
-    from async_vla.evalstats import fisher_one_sided_p, wilson_interval
+    from async_vla.evalstats import fisher_one_sided_p
+
+    def rate(r: dict) -> str:
+        if not r.get("episodes"):  # a run recorded before evaluations kept their episode counts
+            return f"{r['success']:.3f}"
+        lo, hi = r["interval95"]
+        return f"{r['success']:.3f} ({r['successes']}/{r['episodes']}, {lo:.3f}-{hi:.3f})"
 
     split = summary.get("eval_split", "eval")
     f = summary["final_eval"]
-    start = next((p for p in summary.get("eval", []) if p["version"] == 0 and p.get("split", "eval") == split
-                  and p.get("episodes")), None)
     stopped = f"stopped on {summary['stopped_on']}"
     confirm = summary.get("confirm_evals") or []
     if summary.get("stopped_on") == "target" and confirm:
         last = confirm[-1]
         stopped += f", confirmed on {last['episodes']} other held-out episodes: {last['success_rate']:.3f}"
-    counts = (f" ({f['successes']}/{f['episodes']}, {f['interval95'][0]:.3f}-{f['interval95'][1]:.3f})"
-              if f.get("episodes") else "")
-    final = (f"  final  {f['success']:.3f}{counts}  version {f['version']}, {summary['wall_s']:.0f} s of run wall "
-             f"time (RL budget {summary['budget']['max_wall_s']:.0f} s), {stopped}")
+    final = (f"  final  {rate(f)}  version {f['version']}, {summary['wall_s']:.0f} s of run wall time (RL budget "
+             f"{summary['budget']['max_wall_s']:.0f} s), {stopped}")
     head = f"held-out ({split}) greedy success, 95% intervals, seed {summary['seed']}:"
-    if start is None:
+    point = start_point(summary.get("eval", []), split)
+    if point is None:
         return [head, "  start  not evaluated (run.eval_at_start=false): no gain to report", final]
-    if not counts:  # a run recorded before evaluations kept their episode counts
-        return [head, f"  start  {start['success_rate']:.3f}", final, "  no episode counts: no p-value"]
-    slo, shi = wilson_interval(start["successes"], start["episodes"])
+    start = final_eval(point)
+    if not (start.get("episodes") and f.get("episodes")):
+        return [head, f"  start  {start['success']:.3f}", final, "  no episode counts: no p-value"]
     p = fisher_one_sided_p(f["successes"], f["episodes"], start["successes"], start["episodes"])
-    return [head,
-            f"  start  {start['success_rate']:.3f} ({start['successes']}/{start['episodes']}, {slo:.3f}-{shi:.3f})  "
-            f"the policy RL started from",
-            final,
-            f"  RL's gain {f['success'] - start['success_rate']:+.3f} (one-sided Fisher exact p = {p:.1e})"]
+    return [head, f"  start  {rate(start)}  the policy RL started from", final,
+            f"  RL's gain {f['success'] - start['success']:+.3f} (one-sided Fisher exact p = {p:.1e})"]
 
 
 def fmt_rate(x: Optional[float]) -> str:
