@@ -142,14 +142,15 @@ class SerialActor:
         return self._train_ids[task_id]
 
     def spec_for(self, group_id: str) -> GroupSpec:
-        """Task and init state of a group: a pure function of (group id, run seed), whichever actor runs it. Tasks
-        cycle with the counter that ends buffer ids (``<run>-<token>-g<n>``), so each gets an equal share; other
-        ids fall back to a hash."""
+        """Task and init state of a group: a pure function of (run seed, the counter that ends buffer ids
+        ``<run>-<token>-g<n>``), whichever actor runs it; the random token plays no part, so a serial run of a
+        seed draws the same scenes every time. Tasks cycle with the counter, so each gets an equal share; ids
+        without a counter fall back to a hash of the whole id."""
         m = COUNTER_RE.search(group_id)
         counter = int(m.group(1)) if m else stable_hash("task", group_id)
         task_id = self.task_ids[counter % len(self.task_ids)]
         ids = self.train_init_states(task_id)
-        init_state_id = ids[stable_hash("init", self.cfg.run.seed, group_id) % len(ids)]
+        init_state_id = ids[stable_hash("init", self.cfg.run.seed, counter) % len(ids)]
         return GroupSpec(group_id, task_id, init_state_id, self.cfg.actor.group_size)
 
     # ---- rollouts -----------------------------------------------------------------------------------

@@ -357,6 +357,26 @@ def test_real_swap_between_chunks_with_weights(cfg, policy):
         policy.load_state_dict(original)  # the policy fixture is shared with the module's other tests
 
 
+def test_a_groups_scene_follows_the_run_seed_and_counter_not_the_random_token(cfg, policy):
+    """Two buffers of one seed (a run and its repeat) issue different random ids; the n-th group of each gets the
+    same task and init state, so a serial run draws the same scenes every time. Another seed draws others."""
+    from actors.actor import SerialActor
+
+    from async_vla.buffer import GroupBuffer
+
+    def first_ids(buf):
+        return [gid for actor_id in range(8) for gid in buf.grant(actor_id, 4)]
+
+    ids_a, ids_b = first_ids(GroupBuffer.from_config(cfg, "rt")), first_ids(GroupBuffer.from_config(cfg, "rt"))
+    assert len(ids_a) == len(ids_b) > 8 and set(ids_a).isdisjoint(ids_b)
+    actor = SerialActor(cfg, 0, policy, builtin_envs(cfg, 1))
+    scenes_a = [(s.task_id, s.init_state_id) for s in map(actor.spec_for, ids_a)]
+    assert scenes_a == [(s.task_id, s.init_state_id) for s in map(actor.spec_for, ids_b)]
+    other_seed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1})})
+    other = SerialActor(other_seed, 0, policy, builtin_envs(cfg, 1))
+    assert [(s.task_id, s.init_state_id) for s in map(other.spec_for, ids_a)] != scenes_a
+
+
 def test_a_granted_group_assembles_in_group_buffer(cfg, policy):
     """Any actor picks the same task and init state for a group id; one actor's group completes in the buffer."""
     from actors.actor import SerialActor
