@@ -5,8 +5,9 @@ one-sided Fisher exact test on the two success counts at p < 0.01), not merely b
 It uses the touch tasks (6, 7: one policy call, big pads), the cheapest ones on which RL's gain is clear within a
 short CI budget; the quickstart's place tasks are what bin/quickstart measures (docs/BENCHMARKS.md). A serial run of
 a seed repeats exactly on one machine (its scenes follow the run seed and the group counter), not across CPUs. It
-pins the patch-8 policy it was calibrated with, which lifts seed 0 with a wider margin than the quickstart's
-keypoint recipe does on this budget (docs/BENCHMARKS.md, "RL raises held-out success": both recipes, seeds 0-3)."""
+pins the patch-8 policy, learning rate and sampled dimensions it was calibrated with, which lift seed 0 with a wider
+margin than the quickstart's keypoint recipe does on this budget (docs/BENCHMARKS.md, "RL raises held-out
+success": both recipes, seeds 0-3)."""
 
 import json
 from pathlib import Path
@@ -33,8 +34,8 @@ def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
     from async_vla.policy import build_policy, save_policy
     from async_vla.sft import DEFAULT_BIN_SIGMA, collect_demos, sft_train
 
-    # The quickstart's batch (8 groups of 8, per-trajectory token means) with the patch-8 policy and clip it was
-    # calibrated with (docs/BENCHMARKS.md, "RL raises held-out success").
+    # The quickstart's batch (8 groups of 8, per-trajectory token means) with the patch-8 policy, clip, lr and
+    # sampling (all 7 dimensions) it was calibrated with (docs/BENCHMARKS.md, "RL raises held-out success").
     base = ["run.mode=serial", "run.seed=0", f"env.task_ids={TASKS}", *CALIBRATED_POLICY,
             f"env.num_eval_init_states={EPISODES_PER_TASK}", "logging.tensorboard=false"]
     cfg = load_config(CONFIG, base)
@@ -60,4 +61,5 @@ def test_rl_raises_held_out_success_beyond_eval_noise(tmp_path):
 SFT_DEMOS = 4
 SFT_EPOCHS = 200
 CALIBRATED_POLICY = ["policy.patch_tokens=true", "policy.patch_size=8", "policy.action_head=fourier",
-                     "policy.keypoint_shift=false", "learner.grad_clip=1"]
+                     "policy.keypoint_shift=false", "learner.grad_clip=1", "learner.lr=1.5e-4",
+                     "actor.sampled_dims=null"]
